@@ -1,0 +1,193 @@
+"""Low-bit GEMV/GEMM on this CPU, side by side with torch's kernels, in one run.
+
+    python bench/gemv_cpu.py [--quick] [--out bench/results/gemv_cpu]
+
+Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
+(``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
+group 64) and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in.
+Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
+call streams them from DRAM. The read bandwidth is measured with all threads next to each shape
+(the machine is shared: it moves), and each kernel's GB/s (weight bytes incl. scales / time) is given
+as a share of it. Writes a markdown table and a roofline plot (M=1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from aipc_kernels import native
+from aipc_kernels.ops import lowbit_linear
+from aipc_kernels.packing import pack_for_cpu
+from aipc_kernels.quantizers import quantize_rtn
+
+SHAPES = {  # (N = out_features, K = in_features)
+    "1B qkv/o 2048x2048": (2048, 2048),
+    "1B gate/up 8192x2048": (8192, 2048),
+    "1B down 2048x8192": (2048, 8192),
+    "1B kv 512x2048": (512, 2048),
+    "8B q/o 4096x4096": (4096, 4096),
+    "8B kv 1024x4096": (1024, 4096),
+    "8B gate/up 14336x4096": (14336, 4096),
+    "8B down 4096x14336": (4096, 14336),
+}
+PEERS = ("fp32", "bf16", "int8", "int4")
+OURS = ("int2", "int1")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def read_bandwidth(gb: float = 1.0, reps: int = 3) -> float:
+    """Best-of read bandwidth (GB/s) of a ``gb`` buffer with all threads."""
+    buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        native.stream_read(buf)
+        best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def make_weights(kind: str, w: torch.Tensor):
+    """(callable(x, weights) -> y, one weight set as a tuple of tensors, its bytes)."""
+    N, K = w.shape
+    if kind in ("fp32", "bf16"):
+        t = w.to(torch.float32 if kind == "fp32" else torch.bfloat16)
+        return (lambda x, ws: F.linear(x, ws[0])), (t,), t.numel() * t.element_size()
+    if kind == "int8":
+        s = w.abs().amax(1) / 127
+        q = torch.round(w / s[:, None]).to(torch.int8)
+        sb = s.to(torch.bfloat16)
+        return (lambda x, ws: torch._weight_int8pack_mm(x, ws[0], ws[1])), (q, sb), q.numel() + sb.numel() * 2
+    if kind == "int4":
+        G = 64
+        wg = w.reshape(N, K // G, G)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        sc = (hi - lo) / 15
+        q = torch.clamp(torch.round((wg - lo[..., None]) / sc[..., None]), 0, 15).to(torch.int32).reshape(N, K)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        fn = lambda x, ws: torch._weight_int4pack_mm_for_cpu(x, ws[0], G, ws[1])  # noqa: E731
+        return fn, (packed, sz), packed.numel() + sz.numel() * 2
+    codebook = {"int2": "affine", "int1": "binary"}[kind]
+    p = pack_for_cpu(quantize_rtn(w, codebook, 64))
+    meta = (p.layout, p.codebook, p.group_size, p.out_features)
+    fn = lambda x, ws: torch.ops.aipc.lowbit_linear(x, ws[0], ws[1], ws[2], None, *meta, 0)  # noqa: E731
+    return fn, (p.qweight, p.scales, p.zeros), p.nbytes()
+
+
+def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:
+    """Mean seconds per call over passes through the rotating weight sets (best pass)."""
+    for ws in sets[:2]:
+        fn(x, ws)
+    passes, best = 0, float("inf")
+    t_end = time.perf_counter() + min_s
+    while passes < 2 or time.perf_counter() < t_end:
+        n = max(min_calls, len(sets))
+        t = time.perf_counter()
+        for i in range(n):
+            fn(x, sets[i % len(sets)])
+        best = min(best, (time.perf_counter() - t) / n)
+        passes += 1
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="1,4,16,128")
+    ap.add_argument("--rotate-gb", type=float, default=2.0)
+    ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only, small rotation")
+    ap.add_argument("--out", default="bench/results/gemv_cpu")
+    args = ap.parse_args()
+    shapes = dict(list(SHAPES.items())[4:6]) if args.quick else SHAPES
+    ms = [1] if args.quick else [int(m) for m in args.ms.split(",")]
+    rotate = 0.5 if args.quick else args.rotate_gb
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+
+    rows, roof = [], {}
+    for label, (N, K) in shapes.items():
+        bw = read_bandwidth()
+        w = torch.randn(N, K) * 0.02
+        results = {}
+        for kind in PEERS + OURS:
+            fn, one, nbytes = make_weights(kind, w)
+            copies = max(2, int(rotate * 1e9 // nbytes))
+            sets = [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)]
+            for M in ms:
+                x = torch.randn(M, K, dtype=torch.float32 if kind == "fp32" else torch.bfloat16)
+                s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
+                results[(kind, M)] = (s, nbytes)
+            del sets
+        for M in ms:
+            base = {k: results[(k, M)][0] for k in PEERS}
+            for kind in PEERS + OURS:
+                s, nbytes = results[(kind, M)]
+                gbs = nbytes / s / 1e9
+                rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
+                                 **{f"x_{k}": base[k] / s for k in PEERS}))
+                if M == 1:
+                    roof.setdefault(kind, []).append((label, gbs))
+            roof.setdefault("_bw", []).append((label, bw))
+        print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = (f"# Low-bit GEMV/GEMM on CPU\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, {threads} threads, "
+            f"ISA {native.get_isa()}, torch {torch.__version__}. Weights rotated over {rotate:.1f} GB of copies "
+            f"(DRAM-resident). GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
+            f"measured next to each shape. x_<peer> = peer time / this row's time (>1: this row is faster).\n"
+            f"Command: `python bench/gemv_cpu.py{' --quick' if args.quick else ''}`\n\n")
+    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "x_bf16", "x_fp32", "x_int8", "x_int4"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    summary = []
+    for kind in OURS:
+        for M in ms:
+            sel = [r for r in rows if r["kind"] == kind and r["M"] == M and r["shape"].startswith("8B")]
+            if sel:
+                summary.append(f"- {kind} M={M}, Llama-3-8B shapes: {statistics.mean(r['pct_bw'] for r in sel):.0f}% of read BW, "
+                               f"x_bf16 {min(r['x_bf16'] for r in sel):.2f}-{max(r['x_bf16'] for r in sel):.2f}, "
+                               f"x_int8 {min(r['x_int8'] for r in sel):.2f}-{max(r['x_int8'] for r in sel):.2f}, "
+                               f"x_int4 {min(r['x_int4'] for r in sel):.2f}-{max(r['x_int4'] for r in sel):.2f}")
+    text = head + "\n".join(summary) + "\n\n" + "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        labels = [l for l, _ in roof["_bw"]]
+        ax.plot(labels, [v for _, v in roof["_bw"]], "k--", label="measured read bandwidth")
+        for kind, marker in (("int8", "s"), ("int4", "^"), ("int2", "o"), ("int1", "D"), ("bf16", "x")):
+            ax.plot(labels, [v for _, v in roof[kind]], marker=marker, linestyle="-", label=kind)
+        ax.set_ylabel("attained GB/s of weight bytes (M=1)")
+        ax.set_title(f"GEMV weight streaming, {cpu_name()}, {threads} threads")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=110)
+    except ImportError:
+        print("matplotlib missing: no plot")
+
+
+if __name__ == "__main__":
+    main()

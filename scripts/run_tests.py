@@ -1,0 +1,89 @@
+"""Runs the whole test suite: each plugin's tests in its own venv, the kernel layer's in every venv.
+
+    python3 scripts/run_tests.py                 # all environments
+    python3 scripts/run_tests.py --env vllm      # one environment
+    python3 scripts/run_tests.py -- -k lowbit    # extra pytest arguments after --
+
+Venvs are built on first use and reused while their inputs are unchanged (scripts/envs.py).
+Prints a timing summary and a combined ``N passed, N failed`` line; exits non-zero on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import envs  # noqa: E402
+
+
+def _counts(junit: Path) -> dict[str, int]:
+    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if not junit.exists():
+        return total
+    root = ET.parse(junit).getroot()
+    for suite in root.iter("testsuite"):
+        for k in total:
+            total[k] += int(suite.get(k, 0))
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", action="append", choices=sorted(envs.ENVS), help="only these environments")
+    args = ap.parse_args(argv)
+
+    timings: dict[str, float] = {}
+    results: dict[str, dict[str, int]] = {}
+    codes: dict[str, int] = {}
+    t_all = time.time()
+    for name in args.env or list(envs.ENVS):
+        spec = envs.ENVS[name]
+        try:
+            py = envs.ensure_env(spec, timings)
+        except RuntimeError as e:
+            print(f"[tests] environment '{name}' could not be built:\n{e}", flush=True)
+            codes[name] = 2
+            continue
+        folders = [t for t in spec.tests if (envs.ROOT / t).is_dir()]
+        junit = envs.VENVS / f"{name}.junit.xml"
+        junit.unlink(missing_ok=True)
+        print(f"[tests] {name}: pytest {' '.join(folders)}", flush=True)
+        t0 = time.time()
+        env = dict(os.environ, **spec.env, PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.run(
+            [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *folders, *extra],
+            cwd=envs.ROOT,
+            env=env,
+        )
+        timings[f"tests {name}"] = time.time() - t0
+        results[name] = _counts(junit)
+        # pytest exit 5 = nothing collected: a failure here (every environment has tests)
+        codes[name] = proc.returncode
+
+    print("\n[tests] timing summary")
+    for k, v in timings.items():
+        print(f"  {k:40s} {v:7.1f} s")
+    print(f"  {'total':40s} {time.time() - t_all:7.1f} s")
+    passed = failed = skipped = 0
+    for name, c in results.items():
+        f = c["failures"] + c["errors"]
+        p = c["tests"] - f - c["skipped"]
+        passed, failed, skipped = passed + p, failed + f, skipped + c["skipped"]
+        print(f"  {name:12s} {p} passed, {f} failed, {c['skipped']} skipped (pytest exit {codes[name]})")
+    failed += sum(1 for n, c in codes.items() if n not in results)
+    print(f"\n{passed} passed, {failed} failed, {skipped} skipped")
+    return 0 if codes and all(c == 0 for c in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,719 @@
+/*
+ * Low-bit weight x float activation linear layer, CPU up-convert-and-compute
+ * (Georganas et al., "Pushing the Envelope of LLM Inference on AI-PC and Intel GPUs", III-B..D).
+ *
+ *   y[m, n] = sum_g  sx[m,g] * ( s[n,g] * cmul * dot_g(c[n,:], xq[m,:]) - s[n,g] * z[n,g] * sum_g(xq[m,:]) ) + bias[n]
+ *
+ * where c are the unsigned weight codes (0..3 for 2 bits, 0..1 for 1 bit), w = s * (cmul * c - z),
+ * xq = round(x / sx) the int8 activations (absmax per token, or per K-group), and dot_g an int32 dot
+ * product over group g. The zero correction uses the group sum of the quantized activations, so the
+ * inner loop is a pure u8 x s8 -> s32 dot product: vpdpbusd (AVX-512 VNNI, AVX-VNNI) or
+ * vpmaddubsw + vpmaddwd (AVX2), and a portable C loop on the same layout.
+ *
+ * Weight layout ("cpu_vnni16", produced by aipc_kernels.packing): rows in blocks of 16; per block the
+ * K axis in chunks of 64 bytes. A chunk holds, at byte [n][kk] (n < 16, kk < 4), the codes of
+ * k = kc*chunk + 4*q + kk for every bit-plane q (2 bits: q < 4 at bits 2q; 1 bit: q < 8 at bit q).
+ * So one 64-byte load and a shift + mask per plane yield a [16 rows][4 k] u8 vector, exactly the
+ * operand vpdpbusd wants against a broadcast of 4 consecutive int8 activations.
+ * Scales (and affine zeros) are [N/16][K/G][16] in fp16 or bf16.
+ *
+ * Plain C with intrinsics, no torch headers; ISA chosen at run time; threads via OpenMP.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define AIPC_X86 1
+#include <immintrin.h>
+#endif
+
+#define API __attribute__((visibility("default")))
+#define BLOCK_N 16
+#define CHUNK_BYTES 64
+#define OTF_M 4    /* tokens per tile when up-converting on the fly (2 bits; half that for 1 bit) */
+#define UP_M 8     /* tokens per tile once a row block is up-converted */
+#define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once */
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX_VNNI = 2, ISA_AVX512_VNNI = 3 };
+enum {
+    OK = 0,
+    ERR_BITS = -1,
+    ERR_SHAPE = -2,
+    ERR_GROUP = -3,
+    ERR_DTYPE = -4,
+    ERR_ISA = -5,
+    ERR_NOMEM = -6,
+};
+
+/* ------------------------------------------------------------------ scalar conversions */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+    uint32_t man = u & 0x7fffffu;
+    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00u);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = sign | ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1))) half++;
+    return (uint16_t)half;
+}
+
+static inline float load_f(const void *p, int64_t i, int dt) {
+    switch (dt) {
+    case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case DT_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline void store_f(void *p, int64_t i, int dt, float v) {
+    switch (dt) {
+    case DT_BF16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+    case DT_F16: ((uint16_t *)p)[i] = f32_to_f16(v); break;
+    default: ((float *)p)[i] = v;
+    }
+}
+
+/* ------------------------------------------------------------------ activation quantization */
+
+#ifdef AIPC_X86
+#define MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MULTIVERSION
+#endif
+
+/* Row of x in float32 (vectorised per ISA by target_clones; fp16 through the scalar converter). */
+MULTIVERSION static void row_to_f32(const void *x, int dt, int64_t K, float *out) {
+    if (dt == DT_F32) {
+        memcpy(out, x, sizeof(float) * (size_t)K);
+    } else if (dt == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)x;
+        uint32_t *o = (uint32_t *)out;
+        for (int64_t k = 0; k < K; k++) o[k] = (uint32_t)p[k] << 16;
+    } else {
+        const uint16_t *p = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) out[k] = f16_to_f32(p[k]);
+    }
+}
+
+/* int8 absmax quantization of one span; returns its scale. Rounds half to even like rintf: adding
+ * and removing 1.5 * 2^23 leaves the nearest integer for |v| <= 127 (no libm call, vectorises). */
+MULTIVERSION static float quantize_span(const float *v, int64_t n, int8_t *q) {
+    /* |v| as bit patterns: for non-negative floats integer order is value order, and an integer
+     * max-reduction vectorises where a float one may not (without fast-math) */
+    uint32_t abits = 0;
+    const uint32_t *u = (const uint32_t *)v;
+    for (int64_t k = 0; k < n; k++) {
+        const uint32_t a = u[k] & 0x7fffffffu;
+        abits = a > abits ? a : abits;
+    }
+    float amax;
+    memcpy(&amax, &abits, 4);
+    /* |v * inv| <= 127 up to one rounding, which the rounding to an integer absorbs: no clamp */
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, magic = 12582912.f;
+    for (int64_t k = 0; k < n; k++) q[k] = (int8_t)(int32_t)((v[k] * inv + magic) - magic);
+    return amax / 127.f;
+}
+
+/* Quantizes x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group.
+ * xq: [M][K]; sx: [M][K/G] scale of each weight group; xs: [M][K/G] = sx * sum_group(xq). */
+static int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group,
+                                int8_t *xq, float *sx, float *xs, int nthreads) {
+    const int64_t ng = K / G, nag = K / act_group, esize = dt == DT_F32 ? 4 : 2;
+    int status = OK;
+#pragma omp parallel num_threads(nthreads) if (M > 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * (size_t)K);
+        if (!row) {
+#pragma omp atomic write
+            status = ERR_NOMEM;
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!row) continue;
+            row_to_f32((const char *)x + m * K * esize, dt, K, row);
+            int8_t *qm = xq + m * K;
+            for (int64_t a = 0; a < nag; a++) {
+                const float scale = quantize_span(row + a * act_group, act_group, qm + a * act_group);
+                for (int64_t g = a * act_group / G; g < (a + 1) * act_group / G; g++) sx[m * ng + g] = scale;
+            }
+            for (int64_t g = 0; g < ng; g++) {
+                int32_t sum = 0;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) sum += qm[k];
+                xs[m * ng + g] = sx[m * ng + g] * (float)sum;
+            }
+        }
+        free(row);
+    }
+    return status;
+}
+
+/* ------------------------------------------------------------------ shared kernel arguments */
+
+typedef struct {
+    const uint8_t *w;   /* packed codes, [N/16][K/kc][64] */
+    const void *scales; /* [N/16][K/G][16] */
+    const void *zeros;  /* same layout, or NULL: then zero_const */
+    int scale_dt;
+    int bits;
+    int64_t M, N, K, G;
+    float cmul, zero_const;
+    const int8_t *xq;   /* [M][K] */
+    const int32_t *xt;  /* AVX-512 paths: [ceil(M/T)][K/4][T] quads, tokens of a tile interleaved */
+    int64_t T;          /* tokens per tile of xt */
+    const float *sx, *xs;
+    const void *bias; /* [N] in out_dt, or NULL */
+    void *y;          /* [M][N] */
+    int out_dt;
+} lowbit_args;
+
+static inline int64_t chunk_k(int bits) { return CHUNK_BYTES * 8 / bits / BLOCK_N; }
+
+static void store_block(const lowbit_args *a, int64_t m, int64_t n0, const float *acc16) {
+    const int64_t nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
+    for (int64_t j = 0; j < nn; j++) {
+        float v = acc16[j];
+        if (a->bias) v += load_f(a->bias, n0 + j, a->out_dt);
+        store_f(a->y, m * a->N + n0 + j, a->out_dt, v);
+    }
+}
+
+/* ------------------------------------------------------------------ portable C */
+
+static void block_scalar(const lowbit_args *a, int64_t nb) {
+    const int64_t kc = chunk_k(a->bits), ng = a->K / a->G, nq = kc / 4;
+    const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
+    const int mask = (1 << a->bits) - 1;
+    for (int64_t m = 0; m < a->M; m++) {
+        float acc[BLOCK_N] = {0};
+        for (int64_t g = 0; g < ng; g++) {
+            int32_t dot[BLOCK_N] = {0};
+            for (int64_t c = g * a->G / kc; c < (g + 1) * a->G / kc; c++) {
+                const uint8_t *wc = wb + c * CHUNK_BYTES;
+                for (int64_t q = 0; q < nq; q++) {
+                    const int8_t *xp = a->xq + m * a->K + c * kc + q * 4;
+                    for (int n = 0; n < BLOCK_N; n++)
+                        for (int kk = 0; kk < 4; kk++)
+                            dot[n] += ((wc[n * 4 + kk] >> (q * a->bits)) & mask) * xp[kk];
+                }
+            }
+            const int64_t si = (nb * ng + g) * BLOCK_N;
+            for (int n = 0; n < BLOCK_N; n++) {
+                const float s = load_f(a->scales, si + n, a->scale_dt);
+                const float z = a->zeros ? load_f(a->zeros, si + n, a->scale_dt) : a->zero_const;
+                acc[n] += s * a->cmul * a->sx[m * ng + g] * (float)dot[n] - s * z * a->xs[m * ng + g];
+            }
+        }
+        store_block(a, m, nb * BLOCK_N, acc);
+    }
+}
+
+#ifdef AIPC_X86
+/* ------------------------------------------------------------------ AVX-512 VNNI */
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+/* acc += u8(a) . s8(b) per 32-bit lane. GCC 12 allocates the _mm512_dpbusd_epi32 builtin with a
+ * register copy around every accumulate; this ties the accumulator in place. */
+static inline T512 __m512i dpbusd512(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+static inline T512 __m512 half16_to_ps(__m256i h, int dt) {
+    if (dt == DT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 fp16/bf16 values at p[i..i+15] as float32. */
+static inline T512 __m512 load16_scales(const void *p, int64_t i, int dt) {
+    return half16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)), dt);
+}
+
+static inline T512 __m512 load16_scales_masked(const void *p, int64_t i, int dt, __mmask16 k) {
+    return half16_to_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i), dt);
+}
+
+/* Up-converts plane q of a 64-byte chunk to 16 rows x 4 k of u8 codes. */
+static inline T512 __m512i plane512(__m512i w, int q, int bits) {
+    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
+    return _mm512_and_si512(q ? _mm512_srli_epi16(w, (unsigned)(q * bits)) : w, mask);
+}
+
+static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
+                                          const __m512i *dot, __m512 *acc) {
+    const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
+    const __m512 s = load16_scales(a->scales, si, a->scale_dt);
+    const __m512 sz = _mm512_mul_ps(s, a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const));
+    const __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(a->cmul));
+    for (int i = 0; i < mt; i++) {
+        const int64_t mg = (m0 + i) * ng + g;
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(a->sx[mg])), _mm512_cvtepi32_ps(dot[i]), acc[i]);
+        acc[i] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(a->xs[mg]), acc[i]);
+    }
+}
+
+/* Writes 16 outputs (+ bias) of row block nb for MT tokens, converting to the output dtype. */
+static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64_t nb, const __m512 *acc) {
+    const int64_t n0 = nb * BLOCK_N, nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
+    const __mmask16 k = (__mmask16)((1u << nn) - 1u);
+    __m512 bias = _mm512_setzero_ps();
+    if (a->bias) {
+        if (a->out_dt == DT_F32) bias = _mm512_maskz_loadu_ps(k, (const float *)a->bias + n0);
+        else bias = load16_scales_masked(a->bias, n0, a->out_dt, k);
+    }
+    for (int i = 0; i < mt; i++) {
+        const __m512 v = _mm512_add_ps(acc[i], bias);
+        const int64_t off = (m0 + i) * a->N + n0;
+        if (a->out_dt == DT_F32) {
+            _mm512_mask_storeu_ps((float *)a->y + off, k, v);
+        } else {
+            __m256i h;
+            if (a->out_dt == DT_F16) {
+                h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            } else { /* bf16, round to nearest even; NaN stays NaN */
+                const __m512i u = _mm512_castps_si512(v);
+                const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+                const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+                h = _mm512_cvtepi32_epi16(r);
+            }
+            _mm256_mask_storeu_epi16((uint16_t *)a->y + off, k, h);
+        }
+    }
+}
+
+/* Up-convert on the fly, MT tokens share each up-converted vector (decode / small M).
+ * Plane q is masked in place (w & (mask << q*bits) = 2^(q*bits) * c_q), so no shift sits beside the
+ * VNNI op on its port; each plane has its own int32 sums, shifted back once per group (exact: they
+ * are multiples of 2^(q*bits)). */
+static inline T512 __attribute__((always_inline)) void tile_otf512(const lowbit_args *a, int64_t nb, int64_t m0,
+                                                                    const int MT, const int bits) {
+    const int nq = 8 / bits;
+    const int64_t kc = chunk_k(bits), ng = a->K / a->G, cpg = a->G / kc;
+    const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
+    const int32_t *xt = a->xt + m0 * (a->K / 4); /* m0 is a multiple of T = MT's tile */
+    __m512i pmask[8];
+    for (int q = 0; q < nq; q++) pmask[q] = _mm512_set1_epi8((char)(((1 << bits) - 1) << (q * bits)));
+    __m512 acc[4];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i dq[4][8];
+        for (int i = 0; i < MT; i++)
+            for (int q = 0; q < nq; q++) dq[i][q] = _mm512_setzero_si512();
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
+            _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + 8 * CHUNK_BYTES, _MM_HINT_T0);
+            for (int q = 0; q < nq; q++) {
+                const __m512i wq = _mm512_and_si512(w, pmask[q]);
+                for (int i = 0; i < MT; i++)
+                    dq[i][q] = dpbusd512(dq[i][q], wq, _mm512_set1_epi32(xt[(c * nq + q) * a->T + i]));
+            }
+        }
+        __m512i dot[4];
+        for (int i = 0; i < MT; i++) {
+            dot[i] = dq[i][0];
+            for (int q = 1; q < nq; q++) dot[i] = _mm512_add_epi32(dot[i], _mm512_srai_epi32(dq[i][q], (unsigned)(q * bits)));
+        }
+        group_epilogue512(a, nb, g, m0, MT, dot, acc);
+    }
+    store512(a, m0, MT, nb, acc);
+}
+
+/* Decode (one token): explicit accumulators, one per bit-plane. */
+#define PLANE_DOT(d, q) d = dpbusd512(d, _mm512_and_si512(w, m##q), _mm512_set1_epi32(xp[c * NQ + q]))
+
+static T512 __attribute__((noinline)) void gemv512_2b(const lowbit_args *a, int64_t nb, int64_t m) {
+    enum { NQ = 4 };
+    const int64_t kc = chunk_k(2), ng = a->K / a->G, cpg = a->G / kc;
+    const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
+    const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0c), m2 = _mm512_set1_epi8(0x30),
+                  m3 = _mm512_set1_epi8((char)0xc0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
+        const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
+        /* two chunks per step: 8 independent accumulator chains hide the VNNI latency */
+        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, e0 = d0, e1 = d0, e2 = d0, e3 = d0;
+        int64_t c = 0;
+        for (; c + 2 <= cpg; c += 2) {
+            __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
+            PLANE_DOT(d0, 0);
+            PLANE_DOT(d1, 1);
+            PLANE_DOT(d2, 2);
+            PLANE_DOT(d3, 3);
+            w = _mm512_loadu_si512((const void *)(wp + (c + 1) * CHUNK_BYTES));
+            c++;
+            PLANE_DOT(e0, 0);
+            PLANE_DOT(e1, 1);
+            PLANE_DOT(e2, 2);
+            PLANE_DOT(e3, 3);
+            c--;
+        }
+        for (; c < cpg; c++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
+            PLANE_DOT(d0, 0);
+            PLANE_DOT(d1, 1);
+            PLANE_DOT(d2, 2);
+            PLANE_DOT(d3, 3);
+        }
+        d0 = _mm512_add_epi32(d0, e0);
+        d1 = _mm512_add_epi32(d1, e1);
+        d2 = _mm512_add_epi32(d2, e2);
+        d3 = _mm512_add_epi32(d3, e3);
+        __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, _mm512_srai_epi32(d1, 2)),
+                                       _mm512_add_epi32(_mm512_srai_epi32(d2, 4), _mm512_srai_epi32(d3, 6)));
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+    }
+    store512(a, m, 1, nb, &acc);
+}
+
+static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int64_t nb, int64_t m) {
+    enum { NQ = 8 };
+    const int64_t kc = chunk_k(1), ng = a->K / a->G, cpg = a->G / kc;
+    const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
+    const __m512i m0 = _mm512_set1_epi8(0x01), m1 = _mm512_set1_epi8(0x02), m2 = _mm512_set1_epi8(0x04),
+                  m3 = _mm512_set1_epi8(0x08), m4 = _mm512_set1_epi8(0x10), m5 = _mm512_set1_epi8(0x20),
+                  m6 = _mm512_set1_epi8(0x40), m7 = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
+        const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
+        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
+        for (int64_t c = 0; c < cpg; c++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
+            PLANE_DOT(d0, 0);
+            PLANE_DOT(d1, 1);
+            PLANE_DOT(d2, 2);
+            PLANE_DOT(d3, 3);
+            PLANE_DOT(d4, 4);
+            PLANE_DOT(d5, 5);
+            PLANE_DOT(d6, 6);
+            PLANE_DOT(d7, 7);
+        }
+        __m512i lo = _mm512_add_epi32(_mm512_add_epi32(d0, _mm512_srai_epi32(d1, 1)),
+                                      _mm512_add_epi32(_mm512_srai_epi32(d2, 2), _mm512_srai_epi32(d3, 3)));
+        __m512i hi = _mm512_add_epi32(_mm512_add_epi32(_mm512_srai_epi32(d4, 4), _mm512_srai_epi32(d5, 5)),
+                                      _mm512_add_epi32(_mm512_srai_epi32(d6, 6), _mm512_srai_epi32(d7, 7)));
+        __m512i dot = _mm512_add_epi32(lo, hi);
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+    }
+    store512(a, m, 1, nb, &acc);
+}
+#undef PLANE_DOT
+
+/* Block already up-converted to int8 planes in `up` ([K/4][64] bytes): reused by every token tile. */
+static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_args *a, int64_t nb, int64_t m0,
+                                                                   const int MT, const uint8_t *up) {
+    const int64_t ng = a->K / a->G, qpg = a->G / 4;
+    const int32_t *xt = a->xt + m0 * (a->K / 4);
+    __m512 acc[8];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i dot[8];
+        for (int i = 0; i < MT; i++) dot[i] = _mm512_setzero_si512();
+        for (int64_t kq = g * qpg; kq < (g + 1) * qpg; kq++) {
+            const __m512i wq = _mm512_load_si512((const void *)(up + kq * CHUNK_BYTES));
+            for (int i = 0; i < MT; i++) dot[i] = dpbusd512(dot[i], wq, _mm512_set1_epi32(xt[kq * UP_M + i]));
+        }
+        group_epilogue512(a, nb, g, m0, MT, dot, acc);
+    }
+    store512(a, m0, MT, nb, acc);
+}
+
+static T512 void upconvert_block512(const lowbit_args *a, int64_t nb, uint8_t *up) {
+    const int64_t kc = chunk_k(a->bits), nq = kc / 4, nchunks = a->K / kc;
+    const uint8_t *wb = a->w + nb * nchunks * CHUNK_BYTES;
+    for (int64_t c = 0; c < nchunks; c++) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
+        for (int q = 0; q < nq; q++) _mm512_store_si512((void *)(up + (c * nq + q) * CHUNK_BYTES), plane512(w, q, a->bits));
+    }
+}
+
+
+static T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
+    if (a->M >= UP_MIN_M) {
+        upconvert_block512(a, nb, up);
+        int64_t m0 = 0;
+        for (; m0 + UP_M <= a->M; m0 += UP_M) tile_up512(a, nb, m0, UP_M, up);
+        switch (a->M - m0) {
+        case 7: tile_up512(a, nb, m0, 7, up); break;
+        case 6: tile_up512(a, nb, m0, 6, up); break;
+        case 5: tile_up512(a, nb, m0, 5, up); break;
+        case 4: tile_up512(a, nb, m0, 4, up); break;
+        case 3: tile_up512(a, nb, m0, 3, up); break;
+        case 2: tile_up512(a, nb, m0, 2, up); break;
+        case 1: tile_up512(a, nb, m0, 1, up); break;
+        default: break;
+        }
+        return;
+    }
+    if (a->M == 1) {
+        if (a->bits == 2) gemv512_2b(a, nb, 0);
+        else gemv512_1b(a, nb, 0);
+        return;
+    }
+    const int64_t tile = a->bits == 2 ? OTF_M : OTF_M / 2;
+    for (int64_t m0 = 0; m0 < a->M; m0 += tile) {
+        const int64_t mt = a->M - m0 < tile ? a->M - m0 : tile;
+        if (a->bits == 1) {
+            if (mt == 2) tile_otf512(a, nb, m0, 2, 1);
+            else tile_otf512(a, nb, m0, 1, 1);
+            continue;
+        }
+        switch (mt) {
+        case 4: tile_otf512(a, nb, m0, 4, 2); break;
+        case 3: tile_otf512(a, nb, m0, 3, 2); break;
+        case 2: tile_otf512(a, nb, m0, 2, 2); break;
+        default: tile_otf512(a, nb, m0, 1, 2);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ 256-bit: AVX-VNNI and AVX2 */
+
+/* The 64-byte chunk is processed as two 32-byte halves: rows 0-7 and rows 8-15. */
+#define DEFINE_BLOCK256(NAME, TARGET, DOT)                                                                    \
+    static TARGET void NAME(const lowbit_args *a, int64_t nb) {                                              \
+        const int64_t kc = chunk_k(a->bits), nq = kc / 4, ng = a->K / a->G, cpg = a->G / kc;                 \
+        const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;                                           \
+        const __m256i mask = _mm256_set1_epi8((char)((1 << a->bits) - 1));                                  \
+        const __m256i ones16 = _mm256_set1_epi16(1);                                                         \
+        (void)ones16;                                                                                        \
+        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {                                                           \
+            const int mt = a->M - m0 < 4 ? (int)(a->M - m0) : 4;                                             \
+            __m256 acc[4][2];                                                                                \
+            for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                         \
+            for (int64_t g = 0; g < ng; g++) {                                                               \
+                __m256i dot[4][2];                                                                           \
+                for (int i = 0; i < 4; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();                  \
+                for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {                                          \
+                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + c * CHUNK_BYTES));          \
+                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + c * CHUNK_BYTES + 32));     \
+                    for (int q = 0; q < nq; q++) {                                                           \
+                        const int sh = q * a->bits;                                                          \
+                        const __m256i p0 = _mm256_and_si256(_mm256_srli_epi16(w0, sh), mask);                \
+                        const __m256i p1 = _mm256_and_si256(_mm256_srli_epi16(w1, sh), mask);                \
+                        for (int i = 0; i < mt; i++) {                                                       \
+                            const __m256i xb = _mm256_set1_epi32(                                            \
+                                ((const int32_t *)(a->xq + (m0 + i) * a->K))[c * nq + q]);                   \
+                            dot[i][0] = DOT(dot[i][0], p0, xb);                                              \
+                            dot[i][1] = DOT(dot[i][1], p1, xb);                                              \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+                const int64_t si = (nb * ng + g) * BLOCK_N;                                                  \
+                for (int h = 0; h < 2; h++) {                                                                \
+                    const __m128i sr = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->scales + si + 8 * h)); \
+                    const __m256 s = a->scale_dt == DT_F16                                                   \
+                                         ? _mm256_cvtph_ps(sr)                                               \
+                                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(sr), 16)); \
+                    __m256 z = _mm256_set1_ps(a->zero_const);                                                \
+                    if (a->zeros) {                                                                          \
+                        const __m128i zr = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->zeros + si + 8 * h)); \
+                        z = a->scale_dt == DT_F16                                                            \
+                                ? _mm256_cvtph_ps(zr)                                                        \
+                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(zr), 16));     \
+                    }                                                                                        \
+                    const __m256 sz = _mm256_mul_ps(s, z), sc = _mm256_mul_ps(s, _mm256_set1_ps(a->cmul));   \
+                    for (int i = 0; i < mt; i++) {                                                           \
+                        const int64_t mg = (m0 + i) * ng + g;                                                \
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(a->sx[mg])),            \
+                                                    _mm256_cvtepi32_ps(dot[i][h]), acc[i][h]);               \
+                        acc[i][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(a->xs[mg]), acc[i][h]);              \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            for (int i = 0; i < mt; i++) {                                                                   \
+                float buf[BLOCK_N];                                                                          \
+                _mm256_storeu_ps(buf, acc[i][0]);                                                            \
+                _mm256_storeu_ps(buf + 8, acc[i][1]);                                                        \
+                store_block(a, m0 + i, nb * BLOCK_N, buf);                                                   \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+#define DOT_AVXVNNI(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#define DOT_AVX2(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones16))
+
+DEFINE_BLOCK256(block_avxvnni, __attribute__((target("avx2,avxvnni,f16c,fma"))), DOT_AVXVNNI)
+DEFINE_BLOCK256(block_avx2, __attribute__((target("avx2,f16c,fma"))), DOT_AVX2)
+#endif /* AIPC_X86 */
+
+/* ------------------------------------------------------------------ dispatch */
+
+static int detect_isa(void) {
+#ifdef AIPC_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        return ISA_AVX512_VNNI;
+    if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2")) return ISA_AVX_VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+static int g_isa = -1;
+
+/* Best ISA this CPU supports (the one used unless overridden). */
+API int aipc_best_isa(void) { return detect_isa(); }
+
+/* ISA used by the kernels. */
+API int aipc_get_isa(void) {
+    if (g_isa < 0) g_isa = detect_isa();
+    return g_isa;
+}
+
+/* Forces an ISA (for tests and benchmarks); refuses one the CPU lacks. */
+API int aipc_set_isa(int isa) {
+    if (isa < ISA_SCALAR || isa > detect_isa()) return ERR_ISA;
+#ifdef AIPC_X86
+    if (isa == ISA_AVX_VNNI && !__builtin_cpu_supports("avxvnni")) return ERR_ISA;
+#endif
+    g_isa = isa;
+    return OK;
+}
+
+/*
+ * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt` (DT_F32/BF16/F16); scales and
+ * zeros use `scale_dt` (DT_BF16 or DT_F16). act_group: K for per-token activation scales, or the
+ * weight group size (or a multiple of it dividing K) for per-group ones. Returns 0 or a negative error.
+ */
+API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
+                           const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
+                           float zero_const, const void *bias, void *y, int64_t act_group, int nthreads) {
+    if (bits != 1 && bits != 2) return ERR_BITS;
+    if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits)) return ERR_SHAPE;
+    if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return ERR_GROUP;
+    if (dt < DT_F32 || dt > DT_F16 || (scale_dt != DT_BF16 && scale_dt != DT_F16)) return ERR_DTYPE;
+    if (M == 0) return OK;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    const int64_t ng = K / G, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(M * ng));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * ng));
+    if (!xq || !sx || !xs) {
+        free(xq); free(sx); free(xs);
+        return ERR_NOMEM;
+    }
+    if (quantize_activations(x, dt, M, K, G, act_group, xq, sx, xs, nthreads) != OK) {
+        free(xq); free(sx); free(xs);
+        return ERR_NOMEM;
+    }
+    const int isa = aipc_get_isa();
+    /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
+    const int64_t T = M == 1 ? 1 : M >= UP_MIN_M ? UP_M : bits == 2 ? OTF_M : OTF_M / 2, K4 = K / 4;
+    int32_t *xt = (int32_t *)xq;
+    if (isa == ISA_AVX512_VNNI && T > 1) {
+        const int64_t tiles = (M + T - 1) / T;
+        xt = (int32_t *)aligned_alloc(64, (size_t)(tiles * T * K4 * 4 + 63) / 64 * 64);
+        if (!xt) {
+            free(xq); free(sx); free(xs);
+            return ERR_NOMEM;
+        }
+        const int32_t *rows = (const int32_t *)xq;
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t kq = 0; kq < K4; kq++)
+                for (int64_t i = 0; i < T; i++)
+                    xt[(t * K4 + kq) * T + i] = t * T + i < M ? rows[(t * T + i) * K4 + kq] : 0;
+    }
+    const lowbit_args a = {w, scales, zeros, scale_dt, bits, M, N, K, G, cmul, zero_const, xq, xt, T, sx, xs, bias, y, dt};
+    int status = OK;
+    if (nblocks < nthreads) nthreads = (int)nblocks;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *up = NULL;
+#ifdef AIPC_X86
+        if (isa == ISA_AVX512_VNNI && M >= UP_MIN_M) {
+            up = (uint8_t *)aligned_alloc(64, (size_t)(K / 4 * CHUNK_BYTES));
+            if (!up) {
+#pragma omp atomic write
+                status = ERR_NOMEM;
+            }
+        }
+#endif
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            switch (isa) {
+#ifdef AIPC_X86
+            case ISA_AVX512_VNNI:
+                if (up || M < UP_MIN_M) block_avx512(&a, nb, up);
+                break;
+            case ISA_AVX_VNNI: block_avxvnni(&a, nb); break;
+            case ISA_AVX2: block_avx2(&a, nb); break;
+#endif
+            default: block_scalar(&a, nb);
+            }
+        }
+        free(up);
+    }
+    if (xt != (int32_t *)xq) free(xt);
+    free(xq);
+    free(sx);
+    free(xs);
+    return status;
+}
+
+/* Reads `bytes` of `buf` with all threads (for measuring read bandwidth); returns a checksum. */
+API uint64_t aipc_stream_read(const void *buf, int64_t bytes, int nthreads) {
+    const uint64_t *p = (const uint64_t *)buf;
+    const int64_t n = bytes / 8;
+    uint64_t total = 0;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+#pragma omp parallel for schedule(static) reduction(^ : total) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i += 8) {
+        uint64_t t = p[i] ^ p[i + 1] ^ p[i + 2] ^ p[i + 3] ^ p[i + 4] ^ p[i + 5] ^ p[i + 6] ^ p[i + 7];
+        total ^= t;
+    }
+    return total;
+}

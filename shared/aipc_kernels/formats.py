@@ -1,0 +1,254 @@
+"""The canonical low-bit weight format (``lowbit2``, and its 1-bit sibling).
+
+A weight ``W[N, K]`` is stored as unsigned codes ``c`` packed along K (2 bits: 4 per byte, 1 bit:
+8 per byte, element ``k`` at bits ``bits*(k % per_byte)`` of byte ``k // per_byte``, low bits first),
+per-group scales ``s[N, K/G]`` (fp16 or bf16) and a code book that maps codes to values:
+
+    W[n, k] = s[n, g] * (cmul * c[n, k] - z[n, g]),   g = k // G
+
+========  ====  ==================================  =============================
+codebook  bits  levels (cmul * c - z)               zero point z
+========  ====  ==================================  =============================
+affine    2     {0,1,2,3} - z                        per group, stored (``zeros``)
+int2      2     {-2, -1, 0, 1}                       2
+sym       2     {-1.5, -0.5, 0.5, 1.5} (ParetoQ)     1.5
+ternary   2     {-1, 0, 1} (BitNet b1.58; c <= 2)    1
+binary    1     {-1, +1} (cmul = 2)                  1
+========  ====  ==================================  =============================
+
+Device layouts (``aipc_kernels.packing``) are derived from this one and never stored.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FORMAT_NAME = "lowbit2"
+FORMAT_VERSION = 1
+GROUP_SIZES = (32, 64, 128)  # or -1: one group per row
+SCALE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """How codes map to values: ``cmul * c - zero`` (``zero`` None: stored per group)."""
+
+    name: str
+    bits: int
+    cmul: float
+    zero: Optional[float]
+    max_code: int
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """The representable values (for zero-point code books: with z = 0)."""
+        c = torch.arange(self.max_code + 1, dtype=torch.float32)
+        return self.cmul * c - (self.zero or 0.0)
+
+
+CODEBOOKS: dict[str, Codebook] = {
+    cb.name: cb
+    for cb in (
+        Codebook("affine", 2, 1.0, None, 3),
+        Codebook("int2", 2, 1.0, 2.0, 3),
+        Codebook("sym", 2, 1.0, 1.5, 3),
+        Codebook("ternary", 2, 1.0, 1.0, 2),
+        Codebook("binary", 1, 2.0, 1.0, 1),
+    )
+}
+
+
+def get_codebook(name: str) -> Codebook:
+    """Looks a code book up by name, with an error listing the known ones."""
+    try:
+        return CODEBOOKS[name]
+    except KeyError:
+        raise ValueError(f"codebook={name!r} is unknown; use one of {sorted(CODEBOOKS)}") from None
+
+
+def resolve_group_size(group_size: int, in_features: int) -> int:
+    """Validates ``group_size`` for a row of ``in_features`` and returns the effective size."""
+    if group_size == -1:
+        group_size = in_features
+    elif group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size} is not supported; use one of {GROUP_SIZES} or -1 (whole row)")
+    if in_features % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not divide in_features K={in_features}; "
+            f"pick a group size that divides K, or -1 for one group per row"
+        )
+    if in_features % 32:
+        raise ValueError(f"in_features K={in_features} must be a multiple of 32 for low-bit packing")
+    return group_size
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packs codes ``[..., K]`` (uint8, < 2**bits) along K into ``[..., K*bits/8]`` bytes."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * bits
+    grouped = codes.to(torch.uint8).unflatten(-1, (-1, per_byte))
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: bytes ``[..., B]`` -> codes ``[..., B*8/bits]``."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=packed.device) * bits
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+@dataclass
+class LowBitWeight:
+    """A quantized weight in the canonical format. ``zeros`` only for the affine code book."""
+
+    qweight: torch.Tensor  # uint8 [N, K*bits/8]
+    scales: torch.Tensor  # fp16/bf16 [N, K/G]
+    zeros: Optional[torch.Tensor]  # like scales (affine) or None
+    codebook: str
+    group_size: int  # effective (K for whole-row)
+    in_features: int
+    name: str = field(default="weight", compare=False, repr=False)  # for error messages
+
+    def __post_init__(self) -> None:
+        self.validate(self.name)
+
+    @property
+    def cb(self) -> Codebook:
+        return get_codebook(self.codebook)
+
+    @property
+    def bits(self) -> int:
+        return self.cb.bits
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def validate(self, name: str = "weight") -> None:
+        """Checks shapes and dtypes; the error names the tensor and what was expected."""
+        cb = get_codebook(self.codebook)
+        N, K, G = self.qweight.shape[0], self.in_features, self.group_size
+        if G != K:
+            resolve_group_size(G, K)
+        elif K % 32:
+            raise ValueError(f"{name}: in_features K={K} must be a multiple of 32 for low-bit packing")
+        expect = {
+            f"{name}.qweight": ((N, K * cb.bits // 8), torch.uint8),
+            f"{name}.scales": ((N, K // G), None),
+        }
+        if cb.zero is None:
+            if self.zeros is None:
+                raise ValueError(f"{name}.zeros is missing: the affine codebook needs per-group zero points")
+            expect[f"{name}.zeros"] = ((N, K // G), self.scales.dtype)
+        elif self.zeros is not None:
+            raise ValueError(f"{name}.zeros given for codebook={self.codebook!r}, which has a fixed zero point")
+        tensors = {f"{name}.qweight": self.qweight, f"{name}.scales": self.scales, f"{name}.zeros": self.zeros}
+        for tname, (shape, dtype) in expect.items():
+            t = tensors[tname]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{tname} has shape {tuple(t.shape)}, expected {shape} (N={N}, K={K}, group={G})")
+            if dtype is not None and t.dtype != dtype:
+                raise ValueError(f"{tname} has dtype {t.dtype}, expected {dtype}")
+        if self.scales.dtype not in SCALE_DTYPES:
+            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use float16 or bfloat16")
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked codes ``[N, K]`` (uint8)."""
+        return unpack_codes(self.qweight, self.bits)
+
+    def values(self) -> torch.Tensor:
+        """Per-element ``cmul * c - z`` in float32 (the integer grid before scaling)."""
+        cb = self.cb
+        v = cb.cmul * self.codes().float()
+        z = self.zeros.float() if self.zeros is not None else torch.full_like(self.scales, cb.zero, dtype=torch.float32)
+        return v - z.repeat_interleave(self.group_size, dim=1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` the codes stand for, computed in float32 (float64 if asked)."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        s = self.scales.to(work).repeat_interleave(self.group_size, dim=1)
+        return (s * self.values().to(work)).to(dtype)
+
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+    # -------------------------------------------------------------- serialization
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": str(FORMAT_VERSION),
+            "codebook": self.codebook,
+            "group_size": str(self.group_size),
+            "in_features": str(self.in_features),
+        }
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Tensors under ``prefix.qweight``, ``prefix.scales`` (and ``prefix.zeros``)."""
+        out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
+        if self.zeros is not None:
+            out[f"{prefix}.zeros"] = self.zeros
+        return out
+
+    @classmethod
+    def from_state_dict(
+        cls, tensors: dict[str, torch.Tensor], prefix: str, codebook: str, group_size: int, in_features: int
+    ) -> "LowBitWeight":
+        """Rebuilds a weight from :meth:`state_dict` tensors, failing with the missing tensor's name."""
+        for part in ("qweight", "scales") + (("zeros",) if get_codebook(codebook).zero is None else ()):
+            if f"{prefix}.{part}" not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {prefix}.{part}")
+        G = in_features if group_size == -1 else group_size
+        return cls(
+            tensors[f"{prefix}.qweight"],
+            tensors[f"{prefix}.scales"],
+            tensors.get(f"{prefix}.zeros"),
+            codebook,
+            G,
+            in_features,
+            name=prefix,
+        )
+
+
+def save_lowbit(path: str, weights: dict[str, LowBitWeight], extra: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Writes weights (and plain tensors) to one safetensors file with the metadata to reload them."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = dict(extra or {})
+    layers = {}
+    for name, w in weights.items():
+        tensors.update({k: v.contiguous() for k, v in w.state_dict(name).items()})
+        layers[name] = w.metadata()
+    meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "lowbit_layers": json.dumps(layers)}
+    save_file(tensors, path, metadata=meta)
+
+
+def load_lowbit(path: str) -> tuple[dict[str, LowBitWeight], dict[str, torch.Tensor]]:
+    """Reads a file written by :func:`save_lowbit`: (low-bit weights, other tensors)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT_NAME:
+            raise ValueError(f"{path}: not a {FORMAT_NAME} file (metadata format={meta.get('format')!r})")
+        version = int(meta.get("format_version", "0"))
+        if version > FORMAT_VERSION:
+            raise ValueError(f"{path}: format_version {version} is newer than this aipc-plugins ({FORMAT_VERSION}); upgrade")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    layers = json.loads(meta["lowbit_layers"])
+    weights = {}
+    for name, m in layers.items():
+        weights[name] = LowBitWeight.from_state_dict(
+            tensors, name, m["codebook"], int(m["group_size"]), int(m["in_features"])
+        )
+        for part in ("qweight", "scales", "zeros"):
+            tensors.pop(f"{name}.{part}", None)
+    return weights, tensors

@@ -1,0 +1,81 @@
+"""``torch.nn`` modules over the low-bit op, and swapping them into a model.
+
+Used outside serving frameworks (demo, benchmarks, references for the plugins' tests): vLLM has its
+own linear-method mechanism and uses the op directly.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .formats import LowBitWeight
+from .ops import lowbit_linear
+from .packing import pack_for_cpu
+from .quantizers import quantize_weight
+
+DEFAULT_SKIP = ("lm_head", "embed_tokens", "embed_in", "embed_out", "wte")
+
+
+class LowBitLinear(nn.Module):
+    """A linear layer whose weight is a packed low-bit weight (``aipc::lowbit_linear``)."""
+
+    def __init__(self, weight: LowBitWeight, bias: Optional[torch.Tensor] = None, act_group: int = 0):
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.codebook, self.group_size, self.act_group = weight.codebook, weight.group_size, act_group
+        packed = pack_for_cpu(weight)
+        self.layout = packed.layout
+        self.register_buffer("qweight", packed.qweight)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("zeros", packed.zeros)
+        self.register_buffer("bias", bias)
+        self._packed = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lowbit_linear(x, self._packed, self.bias, self.act_group)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, codebook={self.codebook}, group={self.group_size}"
+
+
+def linear_names(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP) -> list[str]:
+    """Names of the ``nn.Linear`` modules that quantization applies to (``skip``: name fragments)."""
+    skip = tuple(skip)
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not any(s in n for s in skip)]
+
+
+def quantize_linears(
+    model: nn.Module,
+    codebook: str = "affine",
+    group_size: int = 64,
+    method: str = "optimized",
+    skip: Iterable[str] = DEFAULT_SKIP,
+    replace: Callable[[nn.Linear, LowBitWeight], nn.Module] | None = None,
+) -> dict[str, LowBitWeight]:
+    """Quantizes every eligible ``nn.Linear`` of ``model`` in place and returns the weights by name.
+
+    ``replace(linear, weight)`` builds the substitute module; the default is :class:`LowBitLinear`.
+    Pass ``lambda lin, w: dequantized_linear(lin, w)`` for a float reference with the same weights.
+    """
+    replace = replace or (lambda lin, w: LowBitLinear(w, None if lin.bias is None else lin.bias.detach().float()))
+    out = {}
+    for name in linear_names(model, skip):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lin = getattr(parent, child)
+        w = quantize_weight(lin.weight.detach().float(), codebook, group_size, method=method)
+        setattr(parent, child, replace(lin, w))
+        out[name] = w
+    return out
+
+
+def dequantized_linear(lin: nn.Linear, w: LowBitWeight) -> nn.Linear:
+    """``lin`` with its weight replaced by the dequantized low-bit weight (same dtype as before)."""
+    new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w.dequantize(torch.float32).to(lin.weight.dtype))
+        if lin.bias is not None:
+            new.bias.copy_(lin.bias)
+    return new

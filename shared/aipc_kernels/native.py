@@ -1,0 +1,116 @@
+"""Loader for the native CPU kernel library (``_aipc_native``, plain C built by setup.py).
+
+The library is called through ctypes (it has no Python or torch headers); ctypes releases the GIL
+during the call. Threads: every call passes ``torch.get_num_threads()``, so the kernels follow the
+size PyTorch (and vLLM's CPU worker, which sets it) chose, instead of OpenMP's own default.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
+ISA_NAMES = {v: k for k, v in ISAS.items()}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ERRORS = {
+    -1: "bits must be 1 or 2",
+    -2: "bad shape (K must be a multiple of the chunk: 16 for 2 bits, 32 for 1 bit)",
+    -3: "bad group size (must divide K and be a multiple of the chunk)",
+    -4: "unsupported dtype",
+    -5: "ISA not supported by this CPU",
+    -6: "out of memory",
+}
+
+
+@lru_cache(maxsize=1)
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded native library, or None when it was not built (``AIPC_NO_NATIVE=1``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_aipc_native*.so")))
+    if not found:
+        return None
+    lib = ctypes.CDLL(found[0])
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.aipc_lowbit_linear.restype = ctypes.c_int
+    lib.aipc_lowbit_linear.argtypes = [
+        vp, ctypes.c_int, i64, i64, vp, ctypes.c_int, i64, vp, vp, ctypes.c_int, i64,
+        ctypes.c_float, ctypes.c_float, vp, vp, i64, ctypes.c_int,
+    ]  # fmt: skip
+    lib.aipc_stream_read.restype = ctypes.c_uint64
+    lib.aipc_stream_read.argtypes = [vp, i64, ctypes.c_int]
+    for fn in ("aipc_best_isa", "aipc_get_isa"):
+        getattr(lib, fn).restype = ctypes.c_int
+    lib.aipc_set_isa.argtypes = [ctypes.c_int]
+    isa = os.environ.get("AIPC_ISA")
+    if isa:
+        set_isa(isa, lib)
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels were built and load."""
+    return library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("aipc_kernels native library is not built; reinstall aipc-plugins without AIPC_NO_NATIVE=1")
+    return lib
+
+
+def best_isa() -> str:
+    """Best instruction set the CPU offers the kernels."""
+    return ISA_NAMES[_lib().aipc_best_isa()]
+
+
+def get_isa() -> str:
+    """Instruction set the kernels use now."""
+    return ISA_NAMES[_lib().aipc_get_isa()]
+
+
+def set_isa(name: str, lib: Optional[ctypes.CDLL] = None) -> None:
+    """Forces an instruction set (``AIPC_ISA`` does the same at load); errors if the CPU lacks it."""
+    if name not in ISAS:
+        raise ValueError(f"AIPC_ISA / isa={name!r} is unknown; use one of {list(ISAS)}")
+    if (lib or _lib()).aipc_set_isa(ISAS[name]) != 0:
+        raise ValueError(f"isa={name!r} is not supported by this CPU (best: {best_isa()})")
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def lowbit_linear_into(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    bits: int,
+    group_size: int,
+    cmul: float,
+    zero: float,
+    act_group: int,
+) -> None:
+    """Runs the native kernel: ``y[M, N] = x[M, K] @ W^T + bias`` with W in the ``cpu_vnni16`` layout."""
+    M, K = x.shape
+    N = y.shape[1]
+    status = _lib().aipc_lowbit_linear(
+        _ptr(x), DTYPE_CODES[x.dtype], M, K, _ptr(qweight), bits, N,
+        _ptr(scales), _ptr(zeros), DTYPE_CODES[scales.dtype], group_size, cmul, zero,
+        _ptr(bias), _ptr(y), act_group, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"aipc_lowbit_linear failed: {ERRORS.get(status, status)} (M={M}, K={K}, N={N})")
+
+
+def stream_read(buf: torch.Tensor, threads: Optional[int] = None) -> int:
+    """Reads every byte of a contiguous CPU tensor with ``threads`` threads (bandwidth probe)."""
+    return _lib().aipc_stream_read(buf.data_ptr(), buf.numel() * buf.element_size(), threads or torch.get_num_threads())

@@ -1,0 +1,117 @@
+"""``torch.library`` custom ops of aipc_kernels, with fake kernels (usable under torch.compile).
+
+``torch.ops.aipc.lowbit_linear(x, qweight, scales, zeros, bias, layout, codebook, group_size,
+out_features, act_group) -> y``: ``y[..., N] = x[..., K] @ W^T + bias`` for a low-bit ``W`` in a
+device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype.
+
+Dispatch: CPU + ``cpu_vnni16`` layout -> the native kernel (activations quantized to int8 inside it,
+per token, or per K-group when ``act_group > 0``); every other case -> the reference (dequantize,
+float32 matmul, activations unquantized). The Triton kernels register for ``cuda``/``xpu``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import native
+from .formats import LowBitWeight, get_codebook
+from .packing import CPU_LAYOUT, PackedLowBit, to_canonical
+from .quantizers import quantize_activations
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, layout: str, codebook: str, group_size: int, out_features: int) -> int:
+    get_codebook(codebook)
+    if x.dim() < 1:
+        raise ValueError("lowbit_linear: x must have a feature dimension")
+    K = x.shape[-1]
+    if layout == CPU_LAYOUT:
+        bits = get_codebook(codebook).bits
+        if qweight.dim() != 4 or qweight.shape[0] * 16 < out_features or qweight.shape[1] * (32 // bits) != K:
+            raise ValueError(
+                f"lowbit_linear: qweight of shape {tuple(qweight.shape)} ({layout}) does not match "
+                f"x's K={K} and out_features={out_features}"
+            )
+    return K
+
+
+def _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K) -> PackedLowBit:
+    return PackedLowBit(layout, qweight, scales, zeros, codebook, group_size, out_features, K)
+
+
+def reference_linear(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weight-only reference: dequantize, float32 matmul, cast back to ``x``'s dtype."""
+    y = x.float() @ weight.dequantize(torch.float32).to(x.device).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def reference_linear_w8(
+    x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None, act_group: int = 0
+) -> torch.Tensor:
+    """The native kernel's exact math in float64: int8 activations (same rounding), integer group
+    dot products, per-group scales and zero correction. Returns float64."""
+    K = x.shape[-1]
+    G = weight.group_size
+    xq, sx = quantize_activations(x.reshape(-1, K), act_group if act_group > 0 else None)
+    sx = sx.double().repeat_interleave((act_group if act_group > 0 else K) // G, dim=-1)  # [M, K/G]
+    v = weight.values().double().reshape(weight.out_features, K // G, G)  # cmul*c - z
+    xg = xq.double().reshape(-1, K // G, G)
+    dots = torch.einsum("mgk,ngk->mng", xg, v)  # exact: small integers times z in float64
+    y = (dots * weight.scales.double().unsqueeze(0) * sx.unsqueeze(1)).sum(-1)
+    if bias is not None:
+        y = y + bias.double()
+    return y.reshape(*x.shape[:-1], weight.out_features)
+
+
+@torch.library.custom_op("aipc::lowbit_linear", mutates_args=())
+def lowbit_linear_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    layout: str,
+    codebook: str,
+    group_size: int,
+    out_features: int,
+    act_group: int,
+) -> torch.Tensor:
+    """Default implementation (any device): the reference."""
+    K = _check(x, qweight, layout, codebook, group_size, out_features)
+    w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K))
+    return reference_linear(x, w, bias)
+
+
+@lowbit_linear_op.register_kernel("cpu")
+def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+    K = _check(x, qweight, layout, codebook, group_size, out_features)
+    if layout != CPU_LAYOUT or not native.available() or x.dtype not in NATIVE_DTYPES:
+        w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K))
+        return reference_linear(x, w, bias)
+    cb = get_codebook(codebook)
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
+    b = bias.to(x.dtype).contiguous() if bias is not None else None
+    native.lowbit_linear_into(
+        y, x2, qweight, scales, zeros, b, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
+    )
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+@lowbit_linear_op.register_fake
+def _lowbit_linear_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def lowbit_linear(
+    x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor] = None, act_group: int = 0
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a packed low-bit weight (see the module docstring)."""
+    return torch.ops.aipc.lowbit_linear(
+        x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
+        weight.group_size, weight.out_features, act_group,
+    )  # fmt: skip

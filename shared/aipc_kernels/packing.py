@@ -1,0 +1,128 @@
+"""Device layouts derived from the canonical :class:`~aipc_kernels.formats.LowBitWeight`.
+
+``cpu_vnni16`` (native CPU kernels): rows in blocks of 16, K in 64-byte chunks. Byte ``[n][kk]`` of a
+chunk holds, in bit-plane ``q``, the code of ``k = chunk*kc + 4q + kk`` (kc = 16 k for 2 bits, 32 for
+1 bit). One 64-byte load then a shift and mask per plane gives a [16 rows][4 k] u8 vector, the
+operand of one VNNI dot product against four broadcast int8 activations (the paper's
+[N/16][K/kc][16][4] blocking with bit-planes instead of a LUT). Scales and zeros become
+``[N/16][K/G][16]`` so one 32-byte load feeds a whole row block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .formats import LowBitWeight, get_codebook, pack_codes
+
+BLOCK_N = 16
+CPU_LAYOUT = "cpu_vnni16"
+
+
+def _planes(bits: int) -> int:
+    return 8 // bits  # bit-planes per byte; a chunk spans 4 * planes k
+
+
+def pack_cpu_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[N, K]`` -> ``cpu_vnni16`` bytes ``[ceil(N/16), K/kc, 16, 4]`` (rows past N are zero)."""
+    N, K = codes.shape
+    planes = _planes(bits)
+    Np = -(-N // BLOCK_N) * BLOCK_N
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, Np - N))
+    # [nb, n, chunk, plane, kk] -> [nb, chunk, n, kk, plane]
+    c = c.view(Np // BLOCK_N, BLOCK_N, K // (4 * planes), planes, 4).permute(0, 2, 1, 4, 3)
+    shifts = torch.arange(planes, dtype=torch.uint8, device=codes.device) * bits
+    return (c << shifts).sum(-1, dtype=torch.uint8).contiguous()
+
+
+def unpack_cpu_codes(packed: torch.Tensor, bits: int, n_rows: int) -> torch.Tensor:
+    """Inverse of :func:`pack_cpu_codes`: -> codes ``[n_rows, K]``."""
+    nb, chunks = packed.shape[:2]
+    planes = _planes(bits)
+    shifts = torch.arange(planes, dtype=torch.uint8, device=packed.device) * bits
+    c = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [nb, chunk, n, kk, plane]
+    c = c.permute(0, 2, 1, 4, 3).reshape(nb * BLOCK_N, chunks * 4 * planes)
+    return c[:n_rows].contiguous()
+
+
+def pack_cpu_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-group tensor ``[N, K/G]`` -> ``[ceil(N/16), K/G, 16]`` (rows past N are zero)."""
+    N, ng = t.shape
+    Np = -(-N // BLOCK_N) * BLOCK_N
+    return F.pad(t, (0, 0, 0, Np - N)).view(Np // BLOCK_N, BLOCK_N, ng).transpose(1, 2).contiguous()
+
+
+def unpack_cpu_groups(t: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Inverse of :func:`pack_cpu_groups`."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n_rows].contiguous()
+
+
+@dataclass
+class PackedLowBit:
+    """A weight in a device layout, with what the kernels need to interpret it."""
+
+    layout: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    codebook: str
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def bits(self) -> int:
+        return get_codebook(self.codebook).bits
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.scales, self.zeros) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
+    """Canonical -> ``cpu_vnni16``."""
+    return PackedLowBit(
+        CPU_LAYOUT,
+        pack_cpu_codes(w.codes(), w.bits),
+        pack_cpu_groups(w.scales),
+        pack_cpu_groups(w.zeros) if w.zeros is not None else None,
+        w.codebook,
+        w.group_size,
+        w.out_features,
+        w.in_features,
+    )
+
+
+def to_canonical(p: PackedLowBit) -> LowBitWeight:
+    """Any supported device layout -> canonical (for the reference path and round-trip tests)."""
+    if p.layout == "canonical":
+        return LowBitWeight(p.qweight, p.scales, p.zeros, p.codebook, p.group_size, p.in_features)
+    if p.layout != CPU_LAYOUT:
+        raise ValueError(f"layout={p.layout!r} is not known to aipc_kernels.packing")
+    N = p.out_features
+    codes = unpack_cpu_codes(p.qweight, p.bits, N)
+    zeros = unpack_cpu_groups(p.zeros, N) if p.zeros is not None else None
+    return LowBitWeight(pack_codes(codes, p.bits), unpack_cpu_groups(p.scales, N), zeros, p.codebook, p.group_size, p.in_features)
+
+
+def as_canonical_packed(w: LowBitWeight) -> PackedLowBit:
+    """Wraps a canonical weight as a :class:`PackedLowBit` with layout ``canonical`` (reference path)."""
+    return PackedLowBit("canonical", w.qweight, w.scales, w.zeros, w.codebook, w.group_size, w.out_features, w.in_features)
+
+
+__all__ = [
+    "BLOCK_N",
+    "CPU_LAYOUT",
+    "PackedLowBit",
+    "pack_cpu_codes",
+    "unpack_cpu_codes",
+    "pack_cpu_groups",
+    "unpack_cpu_groups",
+    "pack_for_cpu",
+    "to_canonical",
+    "as_canonical_packed",
+]

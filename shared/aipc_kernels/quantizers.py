@@ -1,0 +1,168 @@
+"""Weight quantizers to the canonical low-bit format, and the int8 activation quantizer.
+
+* :func:`quantize_rtn` - min-max round-to-nearest (affine) / absmax (fixed code books).
+* :func:`quantize_optimized` - fits scale (and zero) per group by alternating least squares: codes
+  given the scale, then the least-squares scale (and zero) given the codes, starting from a grid of
+  clipping ratios and keeping the best per group. Monotone in the group's squared error.
+* :func:`quantize_activations` - absmax int8 per token (or per K-group), the kernels' exact rounding.
+
+All are vectorised torch over every group at once; computation in float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import Codebook, LowBitWeight, get_codebook, pack_codes, resolve_group_size
+
+QUANTIZERS = ("rtn", "optimized")
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    N, K = w.shape
+    return w.float().reshape(N, K // group_size, group_size)
+
+
+def _codes(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, cb: Codebook) -> torch.Tensor:
+    """Nearest code for ``w = s*(cmul*c - z)``, clamped to the code book."""
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    return torch.clamp(torch.round((wg / safe + z) / cb.cmul), 0, cb.max_code)
+
+
+def _rtn_params(wg: torch.Tensor, cb: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per group from the group's range (shape [N, ng, 1])."""
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    if cb.zero is None:  # affine: map [lo, hi] onto [0, max_code]
+        # a constant group has no range: scale |lo| and zero -sign(lo) store it exactly with code 0
+        s = torch.where(hi > lo, (hi - lo) / cb.max_code, lo.abs())
+        z = torch.where(s > 0, -lo / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+        return s, z
+    if cb.max_code == 1:  # sign quantization: mean |w| is the least-squares scale (XNOR-Net)
+        return wg.abs().mean(-1, keepdim=True), torch.full_like(lo, cb.zero)
+    levels = cb.levels
+    # the scale that makes the extreme levels reach the extreme weights (both sides fit)
+    s = torch.maximum(hi / levels.max(), lo / levels.min()).clamp_min(0)
+    return s, torch.full_like(s, cb.zero)
+
+
+def _store(s: torch.Tensor, z: torch.Tensor, cb: Codebook, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounds scale/zero to their storage dtype (codes are then chosen for the stored values)."""
+    s = s.to(dtype).float()
+    z = z.to(dtype).float() if cb.zero is None else z
+    return s, z
+
+
+def _finish(codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, cb: Codebook, G: int, K: int, dtype: torch.dtype) -> LowBitWeight:
+    N = codes.shape[0]
+    return LowBitWeight(
+        pack_codes(codes.reshape(N, K).to(torch.uint8), cb.bits),
+        s.squeeze(-1).to(dtype).contiguous(),
+        z.squeeze(-1).to(dtype).contiguous() if cb.zero is None else None,
+        cb.name,
+        G,
+        K,
+    )
+
+
+def _check_weight(w: torch.Tensor) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
+    if not torch.isfinite(w).all():
+        raise ValueError("weight contains NaN or Inf; refusing to quantize")
+
+
+def quantize_rtn(
+    w: torch.Tensor, codebook: str = "affine", group_size: int = 64, scale_dtype: torch.dtype = torch.float16
+) -> LowBitWeight:
+    """Min-max round-to-nearest quantization of ``w[N, K]``."""
+    _check_weight(w)
+    cb = get_codebook(codebook)
+    G = resolve_group_size(group_size, w.shape[1])
+    wg = _grouped(w, G)
+    s, z = _store(*_rtn_params(wg, cb), cb, scale_dtype)
+    return _finish(_codes(wg, s, z, cb), s, z, cb, G, w.shape[1], scale_dtype)
+
+
+def _lstsq_params(
+    wg: torch.Tensor, v: torch.Tensor, cb: Codebook, s_prev: torch.Tensor, z_prev: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares scale (and zero) of ``w ~ s*(v - z)`` for fixed codes (v = cmul*c); groups
+    where the fit is degenerate (all codes equal, non-positive scale) keep ``s_prev, z_prev``."""
+    if cb.zero is None:  # w ~ a*v + b with a = s, b = -s*z
+        mv, mw = v.mean(-1, keepdim=True), wg.mean(-1, keepdim=True)
+        var = ((v - mv) ** 2).sum(-1, keepdim=True)
+        a = ((v - mv) * (wg - mw)).sum(-1, keepdim=True) / var.clamp_min(1e-12)
+        ok = (var > 0) & (a > 0)
+        a_safe = torch.where(ok, a, torch.ones_like(a))
+        return torch.where(ok, a, s_prev), torch.where(ok, -(mw - a * mv) / a_safe, z_prev)
+    vv = v - cb.zero
+    s = (vv * wg).sum(-1, keepdim=True) / (vv * vv).sum(-1, keepdim=True).clamp_min(1e-12)
+    return torch.where(s > 0, s, s_prev), z_prev
+
+
+def quantize_optimized(
+    w: torch.Tensor,
+    codebook: str = "affine",
+    group_size: int = 64,
+    scale_dtype: torch.dtype = torch.float16,
+    steps: int = 10,
+    clip_ratios: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5),
+) -> LowBitWeight:
+    """Alternating least-squares fit of scale (and zero) per group, from the best of several clipping
+    ratios of the RTN range. Never worse than RTN (ratio 1.0 is its starting point)."""
+    _check_weight(w)
+    cb = get_codebook(codebook)
+    G = resolve_group_size(group_size, w.shape[1])
+    wg = _grouped(w, G)
+    best_err = best_s = best_z = None
+    s0, z0 = _rtn_params(wg, cb)
+    for ratio in clip_ratios:
+        if cb.zero is None:  # shrink the range around its centre
+            lo = wg.amin(-1, keepdim=True)
+            mid = lo + s0 * cb.max_code / 2
+            s = s0 * ratio
+            z = torch.where(s > 0, -(mid - s * cb.max_code / 2) / torch.where(s > 0, s, torch.ones_like(s)), z0)
+        else:
+            s, z = s0 * ratio, z0
+        for step in range(steps + 1):
+            s, z = _store(s, z, cb, scale_dtype)
+            c = _codes(wg, s, z, cb)
+            err = ((s * (cb.cmul * c - z) - wg) ** 2).sum(-1, keepdim=True)
+            if best_err is None:
+                best_err, best_s, best_z = err, s, z
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+            if step < steps:
+                s, z = _lstsq_params(wg, cb.cmul * c, cb, s, z)
+    c = _codes(wg, best_s, best_z, cb)
+    return _finish(c, best_s, best_z, cb, G, w.shape[1], scale_dtype)
+
+
+def quantize_weight(
+    w: torch.Tensor, codebook: str = "affine", group_size: int = 64, method: str = "optimized", **kw
+) -> LowBitWeight:
+    """Quantizes ``w`` with the named method (``rtn`` or ``optimized``)."""
+    if method == "rtn":
+        return quantize_rtn(w, codebook, group_size, **kw)
+    if method == "optimized":
+        return quantize_optimized(w, codebook, group_size, **kw)
+    raise ValueError(f"method={method!r} is unknown; use one of {QUANTIZERS}")
+
+
+def quantize_activations(x: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absmax int8 quantization of ``x[..., K]`` per token (``group_size`` None) or per K-group.
+
+    Returns ``(xq int8 [..., K], scale float32 [..., K/group])`` with ``x ~ xq * scale``; the rounding
+    is the native kernels' (float32 ``x * (127/absmax)``, round half to even)."""
+    K = x.shape[-1]
+    g = K if group_size is None else group_size
+    if K % g:
+        raise ValueError(f"activation group_size={g} does not divide K={K}")
+    xg = x.float().unflatten(-1, (K // g, g))
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xg * inv).clamp(-127, 127).to(torch.int8).flatten(-2)
+    return xq, (amax / 127.0).squeeze(-1)

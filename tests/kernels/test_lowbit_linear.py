@@ -1,0 +1,120 @@
+"""lowbit_linear: native CPU kernels (every ISA this CPU has) against float64 references."""
+import pytest
+import torch
+
+from aipc_kernels import native, ops, packing
+from aipc_kernels.formats import CODEBOOKS
+from aipc_kernels.quantizers import quantize_rtn
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
+
+ISAS = [i for i in native.ISAS if native.available() and native.ISAS[i] <= native.ISAS[native.best_isa()]]
+if native.available() and native.best_isa() == "avx512_vnni":
+    ISAS = ISAS  # avx_vnni is tested too when the CPU has it (set_isa refuses otherwise)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    try:
+        native.set_isa(request.param)
+    except ValueError:
+        pytest.skip(f"{request.param} not on this CPU")
+    yield request.param
+    native.set_isa(native.best_isa())
+
+
+def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_rtn(torch.randn(N, K, generator=g), codebook, group, scale_dtype=scale_dtype)
+    return w, packing.pack_for_cpu(w)
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("M, N, K, group", [(1, 37, 256, 32), (3, 16, 128, 64), (8, 50, 384, 128), (13, 33, 192, -1), (40, 17, 256, 64)])
+def test_matches_exact_integer_math(isa, codebook, M, N, K, group):
+    w, p = _case(N, K, codebook, group, seed=M * 1000 + N)
+    x = torch.randn(M, K)
+    bias = torch.randn(N)
+    y = ops.lowbit_linear(x, p, bias)
+    ref = ops.reference_linear_w8(x, w, bias)
+    assert y.shape == (M, N) and y.dtype == x.dtype
+    torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_dtypes_against_float64_dequantized_weights(isa, dtype, scale_dtype):
+    M, N, K = 5, 70, 512
+    w, p = _case(N, K, "affine", 64, seed=7, scale_dtype=scale_dtype)
+    x = torch.randn(2, M, K).to(dtype)  # leading batch dims are flattened
+    bias = torch.randn(N).to(dtype)
+    y = ops.lowbit_linear(x, p, bias)
+    assert y.shape == (2, M, N) and y.dtype == dtype
+    exact = ops.reference_linear_w8(x, w, bias)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+    # against unquantized activations: the int8 activation error only (absmax/127 per token)
+    weight_only = x.double() @ w.dequantize(torch.float64).T + bias.double()
+    rel = ((y.double() - weight_only).norm() / weight_only.norm()).item()
+    assert rel < 0.02, rel
+
+
+def test_per_group_activation_scales(isa):
+    w, p = _case(24, 256, "sym", 32, seed=3)
+    x = torch.randn(6, 256)
+    x[:, :32] *= 100  # one outlier group: per-group scales keep the rest precise
+    y = ops.lowbit_linear(x, p, act_group=32)
+    torch.testing.assert_close(y.double(), ops.reference_linear_w8(x, w, act_group=32), rtol=2e-5, atol=1e-3)
+    exact = x.double() @ w.dequantize(torch.float64).T
+    err_group = (y.double() - exact).norm()
+    err_token = (ops.lowbit_linear(x, p).double() - exact).norm()
+    assert err_group < err_token
+
+
+@pytest.mark.parametrize("M", [1, 4, 9])
+def test_every_output_written_and_nothing_past_it(isa, M):
+    N, K = 35, 128
+    w, p = _case(N, K, "int2", 32, seed=11)
+    x = torch.randn(M, K)
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.full((M * N + 64,), float("nan"), dtype=dtype)
+        y = buf[: M * N].view(M, N)
+        native.lowbit_linear_into(y, x.to(dtype), p.qweight, p.scales, None, None, 2, 32, 1.0, 2.0, K)
+        assert not torch.isnan(y).any()
+        assert torch.isnan(buf[M * N :]).all()
+
+
+def test_zero_activations_and_zero_rows():
+    w, p = _case(16, 64, "affine", 32, seed=0)
+    assert ops.lowbit_linear(torch.zeros(2, 64), p).abs().max() == 0
+    assert ops.lowbit_linear(torch.zeros(0, 64), p).shape == (0, 16)
+
+
+def test_isa_override_is_validated():
+    with pytest.raises(ValueError, match="AIPC_ISA / isa='sse9' is unknown"):
+        native.set_isa("sse9")
+
+
+def test_reference_path_for_canonical_layout():
+    w, _ = _case(20, 128, "ternary", 64, seed=5)
+    x = torch.randn(3, 128)
+    y = ops.lowbit_linear(x, packing.as_canonical_packed(w))
+    torch.testing.assert_close(y, ops.reference_linear(x, w))
+
+
+def test_mismatched_weight_is_refused():
+    _, p = _case(16, 128, "affine", 32, seed=0)
+    with pytest.raises(ValueError, match="does not match x's K=64"):
+        ops.lowbit_linear(torch.randn(1, 64), p)
+
+
+def test_fake_kernel_and_torch_compile():
+    w, p = _case(48, 256, "affine", 64, seed=2)
+    x = torch.randn(4, 256)
+    torch.library.opcheck(
+        torch.ops.aipc.lowbit_linear.default,
+        (x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, p.group_size, p.out_features, 0),
+    )
+    eager = ops.lowbit_linear(x, p)
+    compiled = torch.compile(lambda t: ops.lowbit_linear(t, p) * 2, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager * 2)
