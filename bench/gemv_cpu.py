@@ -105,12 +105,40 @@ def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:
     return best
 
 
+def plot(rows: list[dict], out: Path, threads: int) -> None:
+    """Roofline-style figure: attained GB/s per shape at M=1 against the measured read bandwidth."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    m1 = [r for r in rows if r["M"] == 1]
+    labels = list(dict.fromkeys(r["shape"] for r in m1))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    bw = {r["shape"]: r["bw"] for r in m1}
+    ax.plot(labels, [bw[l] for l in labels], "k--", label="measured read bandwidth")
+    for kind, marker in (("bf16", "x"), ("int8", "s"), ("int4", "^"), ("int2", "o"), ("int1", "D")):
+        got = {r["shape"]: r["gbs"] for r in m1 if r["kind"] == kind}
+        ax.plot(labels, [got[l] for l in labels], marker=marker, linestyle="-", label=kind)
+    ax.set_ylabel("attained GB/s of weight bytes (M=1)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"GEMV weight streaming, {cpu_name()}, {threads} threads")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,4,16,128")
     ap.add_argument("--rotate-gb", type=float, default=2.0)
     ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only, small rotation")
     ap.add_argument("--out", default="bench/results/gemv_cpu")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's JSON")
     args = ap.parse_args()
     shapes = dict(list(SHAPES.items())[4:6]) if args.quick else SHAPES
     ms = [1] if args.quick else [int(m) for m in args.ms.split(",")]
@@ -118,7 +146,10 @@ def main() -> None:
     threads = torch.get_num_threads()
     torch.manual_seed(0)
 
-    rows, roof = [], {}
+    if args.replot:
+        plot(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out), threads)
+        return
+    rows = []
     for label, (N, K) in shapes.items():
         bw = read_bandwidth()
         w = torch.randn(N, K) * 0.02
@@ -126,7 +157,7 @@ def main() -> None:
         for kind in PEERS + OURS:
             fn, one, nbytes = make_weights(kind, w)
             copies = max(2, int(rotate * 1e9 // nbytes))
-            sets = [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)]
+            sets = [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)]
             for M in ms:
                 x = torch.randn(M, K, dtype=torch.float32 if kind == "fp32" else torch.bfloat16)
                 s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
@@ -139,9 +170,6 @@ def main() -> None:
                 gbs = nbytes / s / 1e9
                 rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
                                  **{f"x_{k}": base[k] / s for k in PEERS}))
-                if M == 1:
-                    roof.setdefault(kind, []).append((label, gbs))
-            roof.setdefault("_bw", []).append((label, bw))
         print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
 
     out = Path(args.out)
@@ -168,26 +196,7 @@ def main() -> None:
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4.5))
-        labels = [l for l, _ in roof["_bw"]]
-        ax.plot(labels, [v for _, v in roof["_bw"]], "k--", label="measured read bandwidth")
-        for kind, marker in (("int8", "s"), ("int4", "^"), ("int2", "o"), ("int1", "D"), ("bf16", "x")):
-            ax.plot(labels, [v for _, v in roof[kind]], marker=marker, linestyle="-", label=kind)
-        ax.set_ylabel("attained GB/s of weight bytes (M=1)")
-        ax.set_title(f"GEMV weight streaming, {cpu_name()}, {threads} threads")
-        ax.tick_params(axis="x", rotation=30)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("matplotlib missing: no plot")
-
+    plot(rows, out, threads)
 
 if __name__ == "__main__":
     main()

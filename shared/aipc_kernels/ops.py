@@ -67,42 +67,43 @@ def reference_linear_w8(
     return y.reshape(*x.shape[:-1], weight.out_features)
 
 
-@torch.library.custom_op("aipc::lowbit_linear", mutates_args=())
-def lowbit_linear_op(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    layout: str,
-    codebook: str,
-    group_size: int,
-    out_features: int,
-    act_group: int,
-) -> torch.Tensor:
-    """Default implementation (any device): the reference."""
+# Registered through torch.library.Library (define + impl) rather than torch.library.custom_op:
+# the latter's Python wrapper costs ~20 us more per call, which decode pays per linear layer.
+_LIB = torch.library.Library("aipc", "DEF")
+_LIB.define(
+    "lowbit_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, str layout, "
+    "str codebook, int group_size, int out_features, int act_group) -> Tensor"
+)
+
+
+def _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+    """Any device: the weight-only reference (dequantize, float32 matmul)."""
     K = _check(x, qweight, layout, codebook, group_size, out_features)
     w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K))
     return reference_linear(x, w, bias)
 
 
-@lowbit_linear_op.register_kernel("cpu")
 def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+    """CPU: the native kernel for the ``cpu_vnni16`` layout, else the reference."""
+    if layout != CPU_LAYOUT or x.dtype not in NATIVE_DTYPES or not native.available():
+        return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
     K = _check(x, qweight, layout, codebook, group_size, out_features)
-    if layout != CPU_LAYOUT or not native.available() or x.dtype not in NATIVE_DTYPES:
-        w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K))
-        return reference_linear(x, w, bias)
     cb = get_codebook(codebook)
     x2 = x.reshape(-1, K).contiguous()
     y = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
-    b = bias.to(x.dtype).contiguous() if bias is not None else None
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
     native.lowbit_linear_into(
-        y, x2, qweight, scales, zeros, b, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
+        y, x2, qweight, scales, zeros, bias, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
     )
-    return y.reshape(*x.shape[:-1], out_features)
+    return y.view(*x.shape[:-1], out_features)
 
 
-@lowbit_linear_op.register_fake
+_LIB.impl("lowbit_linear", _lowbit_linear_reference, "CompositeExplicitAutograd")
+_LIB.impl("lowbit_linear", _lowbit_linear_cpu, "CPU")
+
+
+@torch.library.register_fake("aipc::lowbit_linear")
 def _lowbit_linear_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
     return x.new_empty(*x.shape[:-1], out_features)
 

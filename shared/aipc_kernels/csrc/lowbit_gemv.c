@@ -36,6 +36,9 @@
 #define OTF_M 4    /* tokens per tile when up-converting on the fly (2 bits; half that for 1 bit) */
 #define UP_M 8     /* tokens per tile once a row block is up-converted */
 #define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024 /* software prefetch distance of the weight stream */
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX_VNNI = 2, ISA_AVX512_VNNI = 3 };
@@ -353,7 +356,7 @@ static inline T512 __attribute__((always_inline)) void tile_otf512(const lowbit_
             for (int q = 0; q < nq; q++) dq[i][q] = _mm512_setzero_si512();
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
-            _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + 8 * CHUNK_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
             for (int q = 0; q < nq; q++) {
                 const __m512i wq = _mm512_and_si512(w, pmask[q]);
                 for (int i = 0; i < MT; i++)
@@ -387,6 +390,8 @@ static T512 __attribute__((noinline)) void gemv512_2b(const lowbit_args *a, int6
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, e0 = d0, e1 = d0, e2 = d0, e3 = d0;
         int64_t c = 0;
         for (; c + 2 <= cpg; c += 2) {
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + CHUNK_BYTES, _MM_HINT_T0);
             __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
             PLANE_DOT(d0, 0);
             PLANE_DOT(d1, 1);
@@ -431,6 +436,7 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
         for (int64_t c = 0; c < cpg; c++) {
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
             PLANE_DOT(d0, 0);
             PLANE_DOT(d1, 1);
@@ -704,16 +710,32 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
     return status;
 }
 
-/* Reads `bytes` of `buf` with all threads (for measuring read bandwidth); returns a checksum. */
+/* One thread's share of aipc_stream_read: 64-byte lines, four independent accumulators. */
+MULTIVERSION static uint64_t read_span(const uint64_t *p, int64_t n) {
+    uint64_t a[4][8] = {{0}};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 8; l++) a[j][l] ^= p[i + 8 * j + l];
+    uint64_t t = 0;
+    for (; i < n; i++) t ^= p[i];
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 8; l++) t ^= a[j][l];
+    return t;
+}
+
+/* Reads `bytes` of `buf` with `nthreads` threads, each a contiguous share (for measuring read
+ * bandwidth); returns a checksum so the reads cannot be elided. */
 API uint64_t aipc_stream_read(const void *buf, int64_t bytes, int nthreads) {
     const uint64_t *p = (const uint64_t *)buf;
     const int64_t n = bytes / 8;
     uint64_t total = 0;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-#pragma omp parallel for schedule(static) reduction(^ : total) num_threads(nthreads)
-    for (int64_t i = 0; i < n; i += 8) {
-        uint64_t t = p[i] ^ p[i + 1] ^ p[i + 2] ^ p[i + 3] ^ p[i + 4] ^ p[i + 5] ^ p[i + 6] ^ p[i + 7];
-        total ^= t;
+#pragma omp parallel num_threads(nthreads) reduction(^ : total)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t lo = n * t / nt / 8 * 8, hi = t == nt - 1 ? n : n * (t + 1) / nt / 8 * 8;
+        total ^= read_span(p + lo, hi - lo);
     }
     return total;
 }
