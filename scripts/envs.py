@@ -143,7 +143,7 @@ def ensure_env(spec: EnvSpec, timings: dict[str, float]) -> Path:
         log.write_text("")
         _run([sys.executable, "-m", "venv", str(vdir)], log)
         pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
-        _run(pip + ["install", "-q", "-U", "pip", "setuptools>=70,<81", "wheel"], log)
+        _run(pip + ["install", "-q", "-U", "pip", "setuptools>=77,<81", "wheel"], log)
         _run(pip + ["install", "-q", TORCH], log)
         cons = vdir / "constraints.txt"
         cons.write_text("\n".join((TORCH,) + spec.constraints) + "\n")
