@@ -198,5 +198,6 @@ def main() -> None:
     print(text)
     plot(rows, out, threads)
 
+
 if __name__ == "__main__":
     main()

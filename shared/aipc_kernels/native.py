@@ -83,7 +83,12 @@ def set_isa(name: str, lib: Optional[ctypes.CDLL] = None) -> None:
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
+    """Address of a tensor the C code reads densely: refuses strided views instead of misreading them."""
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        raise ValueError(f"native kernel operand of shape {tuple(t.shape)} must be contiguous (call .contiguous())")
+    return t.data_ptr()
 
 
 def lowbit_linear_into(

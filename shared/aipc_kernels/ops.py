@@ -91,10 +91,11 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
     cb = get_codebook(codebook)
     x2 = x.reshape(-1, K).contiguous()
     y = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
+    # the kernel reads raw pointers; .contiguous() / .to() return the tensor itself when already dense
+    dense = [None if t is None else t.contiguous() for t in (qweight, scales, zeros)]
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
     native.lowbit_linear_into(
-        y, x2, qweight, scales, zeros, bias, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
+        y, x2, *dense, bias, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
     )
     return y.view(*x.shape[:-1], out_features)
 

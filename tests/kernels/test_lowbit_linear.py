@@ -117,3 +117,24 @@ def test_fake_kernel_and_torch_compile():
     eager = ops.lowbit_linear(x, p)
     compiled = torch.compile(lambda t: ops.lowbit_linear(t, p) * 2, fullgraph=True)(x)
     torch.testing.assert_close(compiled, eager * 2)
+
+
+def test_strided_operands_are_read_correctly(isa):
+    """The kernel reads raw pointers: strided views (bias, weights) must not be misread."""
+    w, p = _case(32, 128, "affine", 32, seed=9)
+    x = torch.randn(3, 128)
+    bias_store = torch.randn(32, 2)
+    bias = bias_store[:, 1]  # stride 2
+    scales = torch.cat([p.scales, p.scales], dim=1)[:, : p.scales.shape[1]]  # non-contiguous view
+    strided = packing.PackedLowBit(p.layout, p.qweight, scales, p.zeros, p.codebook, p.group_size, p.out_features, p.in_features)
+    assert not bias.is_contiguous() and not scales.is_contiguous()
+    y = ops.lowbit_linear(x, strided, bias)
+    ref = ops.reference_linear_w8(x, w, bias)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+
+
+def test_native_entry_refuses_strided_buffers():
+    _, p = _case(16, 64, "affine", 32, seed=0)
+    y = torch.empty(1, 16)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        native.lowbit_linear_into(y, torch.randn(1, 64), p.qweight, p.scales.transpose(1, 2).contiguous().transpose(1, 2), p.zeros, None, 2, 32, 1.0, 0.0, 64)
