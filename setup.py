@@ -3,11 +3,47 @@
 The library is loaded with ctypes by ``aipc_kernels.native``; ISA selection (AVX-512 VNNI,
 AVX-VNNI, AVX2, portable C) happens at run time inside the library, so one build serves
 every x86-64 CPU. Set ``AIPC_NO_NATIVE=1`` to skip the build (ops then use the reference).
+
+The build also ships ``aipc_plugins.pth`` at the top of site-packages: one line that installs
+the post-import hooks of :mod:`aipc_kernels._autoload` (optimum-intel and transformers have no
+plugin entry points). Both the wheel and editable installs get it.
 """
 import glob
 import os
+import shutil
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+PTH = "aipc_plugins.pth"
+PTH_SOURCE = os.path.join("shared", PTH)
+
+
+class build_py_with_pth(build_py):
+    """build_py that also places the .pth file at the root of the wheel."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, PTH)
+        self.mkpath(self.build_lib)
+        shutil.copyfile(PTH_SOURCE, target)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
+class editable_wheel_with_pth(editable_wheel):
+    """Editable installs map packages to the source tree; the .pth is added to the wheel itself."""
+
+    def _create_wheel_file(self, bdist_wheel):
+        from wheel.wheelfile import WheelFile
+
+        path = super()._create_wheel_file(bdist_wheel)
+        with WheelFile(path, "a") as wf:
+            wf.write(PTH_SOURCE, PTH)
+        return path
+
 
 ext_modules = []
 if os.environ.get("AIPC_NO_NATIVE") != "1":
@@ -22,4 +58,7 @@ if os.environ.get("AIPC_NO_NATIVE") != "1":
         )
     )
 
-setup(ext_modules=ext_modules)
+setup(
+    ext_modules=ext_modules,
+    cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
+)
