@@ -13,6 +13,7 @@ import os
 import shutil
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -31,6 +32,18 @@ class build_py_with_pth(build_py):
 
     def get_outputs(self, include_bytecode=True):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
+class build_ext_replacing(build_ext):
+    """In-place builds replace the library file (new inode) instead of rewriting it, so processes
+    that have the old one mapped keep running."""
+
+    def copy_extensions_to_source(self):
+        for ext in self.extensions:
+            target = os.path.join("shared", *self.get_ext_filename(ext.name).split(os.sep))
+            if os.path.exists(target):
+                os.unlink(target)
+        super().copy_extensions_to_source()
 
 
 class editable_wheel_with_pth(editable_wheel):
@@ -60,5 +73,5 @@ if os.environ.get("AIPC_NO_NATIVE") != "1":
 
 setup(
     ext_modules=ext_modules,
-    cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
+    cmdclass={"build_py": build_py_with_pth, "build_ext": build_ext_replacing, "editable_wheel": editable_wheel_with_pth},
 )

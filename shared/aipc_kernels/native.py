@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
+ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ERRORS = {
@@ -29,9 +29,11 @@ ERRORS = {
 
 @lru_cache(maxsize=1)
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded native library, or None when it was not built (``AIPC_NO_NATIVE=1``)."""
+    """The loaded native library, or None when it was not built (``AIPC_NO_NATIVE=1``).
+    ``AIPC_NATIVE_LIB=/path/to/lib.so`` loads another build of it (experiments, benchmarks)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    found = sorted(glob.glob(os.path.join(here, "_aipc_native*.so")))
+    override = os.environ.get("AIPC_NATIVE_LIB")
+    found = [override] if override else sorted(glob.glob(os.path.join(here, "_aipc_native*.so")))
     if not found:
         return None
     lib = ctypes.CDLL(found[0])
