@@ -4,7 +4,8 @@
 
 Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
-group 64) and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in.
+group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16)
+and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in.
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
 call streams them from DRAM. The read bandwidth is measured with all threads next to each shape
 (the machine is shared: it moves), and each kernel's GB/s (weight bytes incl. scales / time) is given
@@ -40,7 +41,14 @@ SHAPES = {  # (N = out_features, K = in_features)
     "8B down 4096x14336": (4096, 14336),
 }
 PEERS = ("fp32", "bf16", "int8", "int4")
-OURS = ("int2", "int1")
+OURS = ("int2", "int2_g128", "int2_vnni", "int1")
+# ours: code book, group size, forced ISA (None: the best this CPU has)
+OUR_CONFIGS = {
+    "int2": ("affine", 64, None),
+    "int2_g128": ("affine", 128, None),
+    "int2_vnni": ("affine", 64, "avx512_vnni"),  # the AVX-512 VNNI kernels even where AMX exists
+    "int1": ("binary", 64, None),
+}
 
 
 def cpu_name() -> str:
@@ -82,11 +90,21 @@ def make_weights(kind: str, w: torch.Tensor):
         sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         fn = lambda x, ws: torch._weight_int4pack_mm_for_cpu(x, ws[0], G, ws[1])  # noqa: E731
         return fn, (packed, sz), packed.numel() + sz.numel() * 2
-    codebook = {"int2": "affine", "int1": "binary"}[kind]
-    p = pack_for_cpu(quantize_rtn(w, codebook, 64))
+    codebook, group, isa = OUR_CONFIGS[kind]
+    p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
-    fn = lambda x, ws: torch.ops.aipc.lowbit_linear(x, ws[0], ws[1], ws[2], None, *meta, 0)  # noqa: E731
-    return fn, (p.qweight, p.scales, p.zeros), p.nbytes()
+    op = lambda x, ws: torch.ops.aipc.lowbit_linear(x, ws[0], ws[1], ws[2], None, *meta, 0)  # noqa: E731
+    if isa is None or native.ISAS[isa] >= native.ISAS[native.best_isa()]:
+        return op, (p.qweight, p.scales, p.zeros), p.nbytes()
+
+    def forced(x, ws):
+        native.set_isa(isa)
+        try:
+            return op(x, ws)
+        finally:
+            native.set_isa(native.best_isa())
+
+    return forced, (p.qweight, p.scales, p.zeros), p.nbytes()
 
 
 def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:

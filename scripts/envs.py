@@ -54,14 +54,14 @@ ENVS: dict[str, EnvSpec] = {
         ),
         EnvSpec(
             "openvino",
-            extras=("openvino", "dev"),
+            extras=("openvino", "dev", "triton"),  # triton: kernel tests under TRITON_INTERPRET=1
             tests=COMMON_TESTS + ("tests/optimum_npu",),
             # optimum-intel requires torchvision; an unpinned one drags in a newer torch with CUDA.
             constraints=(TORCH, "torchvision==0.28.0"),
         ),
         EnvSpec(
             "transformers",
-            extras=("transformers", "dev"),
+            extras=("transformers", "dev", "triton"),
             tests=COMMON_TESTS + ("tests/ipex_segment_kv",),
         ),
     )

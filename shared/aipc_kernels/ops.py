@@ -6,7 +6,8 @@ device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype.
 
 Dispatch: CPU + ``cpu_vnni16`` layout -> the native kernel (activations quantized to int8 inside it,
 per token, or per K-group when ``act_group > 0``); every other case -> the reference (dequantize,
-float32 matmul, activations unquantized). The Triton kernels register for ``cuda``/``xpu``.
+float32 matmul, activations unquantized). CUDA/XPU + ``triton_k32`` layout -> the Triton kernels
+(:mod:`aipc_kernels.triton.lowbit_linear`, int8 activations per token; triton imported lazily).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from . import native
 from .formats import LowBitWeight, get_codebook
-from .packing import CPU_LAYOUT, PackedLowBit, to_canonical
+from .packing import CPU_LAYOUT, TRITON_LAYOUT, PackedLowBit, to_canonical, triton_chunk
 from .quantizers import quantize_activations
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +31,13 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, layout: str, codebook: str, g
     if layout == CPU_LAYOUT:
         bits = get_codebook(codebook).bits
         if qweight.dim() != 4 or qweight.shape[0] * 16 < out_features or qweight.shape[1] * (32 // bits) != K:
+            raise ValueError(
+                f"lowbit_linear: qweight of shape {tuple(qweight.shape)} ({layout}) does not match "
+                f"x's K={K} and out_features={out_features}"
+            )
+    elif layout == TRITON_LAYOUT:
+        bits, kc = get_codebook(codebook).bits, triton_chunk(get_codebook(codebook).bits)
+        if tuple(qweight.shape) != (out_features, -(-K // kc) * kc * bits // 8):
             raise ValueError(
                 f"lowbit_linear: qweight of shape {tuple(qweight.shape)} ({layout}) does not match "
                 f"x's K={K} and out_features={out_features}"
@@ -100,8 +108,21 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
     return y.view(*x.shape[:-1], out_features)
 
 
+def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+    """CUDA / XPU: the Triton kernels for the ``triton_k32`` layout, else the reference."""
+    if layout != TRITON_LAYOUT:
+        return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
+    from .triton.lowbit_linear import lowbit_linear_triton  # lazy: triton is imported only here
+
+    K = _check(x, qweight, layout, codebook, group_size, out_features)
+    w = _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K)
+    return lowbit_linear_triton(x, w, bias, act_group)
+
+
 _LIB.impl("lowbit_linear", _lowbit_linear_reference, "CompositeExplicitAutograd")
 _LIB.impl("lowbit_linear", _lowbit_linear_cpu, "CPU")
+_LIB.impl("lowbit_linear", _lowbit_linear_gpu, "CUDA")
+_LIB.impl("lowbit_linear", _lowbit_linear_gpu, "XPU")
 
 
 @torch.library.register_fake("aipc::lowbit_linear")

@@ -97,10 +97,62 @@ def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
     )
 
 
+# ------------------------------------------------------------------ triton_k32 (Triton kernels)
+# Rows stay K-contiguous ([N, Kp*bits/8] bytes, Kp = K padded to a whole chunk). A chunk is 32 bytes
+# holding 32 * planes codes: byte j, bit-plane q holds the code of k = chunk*32*planes + 32*q + j.
+# One 32-byte load per row then a shift and mask per plane gives 32 consecutive k of that row (an
+# int8 dot operand of K = 32, never straddling a group). Scales and zeros are transposed to
+# [K/G, N] so the kernels read one group of a row tile as one contiguous vector.
+TRITON_LAYOUT = "triton_k32"
+TRITON_PLANE = 32  # consecutive k per bit-plane run
+
+
+def triton_chunk(bits: int) -> int:
+    """Codes per 32-byte ``triton_k32`` chunk (128 for 2-bit, 256 for 1-bit)."""
+    return TRITON_PLANE * _planes(bits)
+
+
+def pack_triton_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[N, K]`` -> ``triton_k32`` bytes ``[N, Kp*bits/8]`` (K zero-padded to a whole chunk)."""
+    N, K = codes.shape
+    planes, kc = _planes(bits), triton_chunk(bits)
+    Kp = -(-K // kc) * kc
+    c = F.pad(codes.to(torch.uint8), (0, Kp - K)).view(N, Kp // kc, planes, TRITON_PLANE)
+    shifts = (torch.arange(planes, dtype=torch.uint8, device=codes.device) * bits).view(1, 1, planes, 1)
+    return (c << shifts).sum(2, dtype=torch.uint8).reshape(N, Kp // planes).contiguous()
+
+
+def unpack_triton_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_triton_codes`: -> codes ``[N, in_features]``."""
+    N, nbytes = packed.shape
+    planes = _planes(bits)
+    shifts = (torch.arange(planes, dtype=torch.uint8, device=packed.device) * bits).view(1, 1, planes, 1)
+    c = (packed.view(N, nbytes // TRITON_PLANE, 1, TRITON_PLANE) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(N, nbytes * planes)[:, :in_features].contiguous()
+
+
+def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
+    """Canonical -> ``triton_k32`` (codes re-packed, scales/zeros transposed to ``[K/G, N]``)."""
+    return PackedLowBit(
+        TRITON_LAYOUT,
+        pack_triton_codes(w.codes(), w.bits),
+        w.scales.t().contiguous(),
+        w.zeros.t().contiguous() if w.zeros is not None else None,
+        w.codebook,
+        w.group_size,
+        w.out_features,
+        w.in_features,
+    )
+
+
 def to_canonical(p: PackedLowBit) -> LowBitWeight:
     """Any supported device layout -> canonical (for the reference path and round-trip tests)."""
     if p.layout == "canonical":
         return LowBitWeight(p.qweight, p.scales, p.zeros, p.codebook, p.group_size, p.in_features)
+    if p.layout == TRITON_LAYOUT:
+        codes = unpack_triton_codes(p.qweight, p.bits, p.in_features)
+        zeros = p.zeros.t().contiguous() if p.zeros is not None else None
+        return LowBitWeight(pack_codes(codes, p.bits), p.scales.t().contiguous(), zeros, p.codebook, p.group_size, p.in_features)
     if p.layout != CPU_LAYOUT:
         raise ValueError(f"layout={p.layout!r} is not known to aipc_kernels.packing")
     N = p.out_features
@@ -123,6 +175,12 @@ __all__ = [
     "pack_cpu_groups",
     "unpack_cpu_groups",
     "pack_for_cpu",
+    "TRITON_LAYOUT",
+    "TRITON_PLANE",
+    "triton_chunk",
+    "pack_triton_codes",
+    "unpack_triton_codes",
+    "pack_for_triton",
     "to_canonical",
     "as_canonical_packed",
 ]

@@ -1,0 +1,375 @@
+"""Low-bit GEMV/GEMM on a GPU (CUDA; Triton XPU untested here), side by side, in one run.
+
+    python bench/gemv_gpu.py [--quick] [--out bench/results/gemv_gpu] [--m 1,16,1024]
+
+Rows per shape and M: torch bf16 ``F.linear`` (cuBLAS), ours (``aipc::lowbit_linear``, Triton W2A8:
+int2 code book, group 64, fp16 scales, activations quantized to int8 inside), and the public Triton
+peer gemlite (``pip install gemlite``) in its A16W2 (weight-only, HQQ-style affine 2-bit, group 64) and
+A8W8 int8 dynamic modes. A peer that does not import or fails is reported as skipped, with the reason.
+
+Every row is timed as CUDA-graph replays of calls that rotate over weight copies totalling >= 4x
+the L2 size, so weights come from HBM. GB/s = weight bytes (codes + scales/zeros) / time; % copy =
+of the device-to-device copy bandwidth measured in the same run (bytes read + written / time);
+floor_us = weight bytes / copy bandwidth; x_bf16 = bf16 time / this row's time; TFLOPS = 2MNK / time.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from aipc_kernels.ops import lowbit_linear
+from aipc_kernels.packing import PackedLowBit, pack_for_triton
+from aipc_kernels.quantizers import quantize_rtn
+
+SHAPES = {  # (N = out_features, K = in_features)
+    "1B qkv/o 2048x2048": (2048, 2048),
+    "1B gate/up 8192x2048": (8192, 2048),
+    "1B down 2048x8192": (2048, 8192),
+    "1B kv 512x2048": (512, 2048),
+    "8B q/o 4096x4096": (4096, 4096),
+    "8B kv 1024x4096": (1024, 4096),
+    "8B gate/up 14336x4096": (14336, 4096),
+    "8B down 4096x14336": (4096, 14336),
+}
+EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
+ROWS = ("bf16", "ours_w2a8", "gemlite_a16w2", "gemlite_a8w8")
+GROUP = 64
+MAX_COPIES = 1024
+
+
+def copy_bandwidth(gb: float = 2.0, reps: int = 10) -> float:
+    """Device-to-device copy, (bytes read + bytes written) / time, GB/s (median of reps)."""
+    n = int(gb * 1e9) // 2
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(reps + 2):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    t = sorted(ts[2:])[len(ts[2:]) // 2]
+    del a, b
+    return 2 * n / t / 1e9
+
+
+def time_rotating(calls: list, replays: int = 5) -> float:
+    """Median seconds per call of a CUDA graph that runs every call once (each on its own copy)."""
+    for c in calls[:2]:
+        c()  # compile / tune / allocate outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3 / len(calls))
+    del g
+    return sorted(ts)[len(ts) // 2]
+
+
+def n_copies(bytes_per_copy: int, l2: int) -> int:
+    return max(2, min(MAX_COPIES, math.ceil(4 * l2 / bytes_per_copy)))
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------- rows
+
+
+def row_bf16(W, x, l2):
+    wb = W.to(torch.bfloat16)
+    b = nbytes(wb)
+    ws = [wb] + [wb.clone() for _ in range(n_copies(b, l2) - 1)]
+    return [lambda w=w: F.linear(x, w) for w in ws], b, len(ws)
+
+
+def row_ours(W, x, l2, state):
+    if "ours" not in state:
+        lw = quantize_rtn(W.float(), "int2", GROUP)  # on the GPU: vectorised torch
+        state["ours"] = pack_for_triton(lw)
+        state["ours_lw"] = lw
+    p = state["ours"]
+    b = p.nbytes()
+    ws = [p] + [
+        PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), None, p.codebook, p.group_size, p.out_features, p.in_features)
+        for _ in range(n_copies(b, l2) - 1)
+    ]
+    return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
+
+
+def _gemlite_rotate(layer, copies):
+    out = [layer]
+    for _ in range(copies - 1):
+        c = copy.copy(layer)
+        c._parameters, c._buffers = dict(layer._parameters), dict(layer._buffers)  # own dicts, not shared
+        for name in ("W_q", "scales", "zeros"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.nn.Parameter):
+                setattr(c, name, torch.nn.Parameter(t.detach().clone(), requires_grad=False))
+            elif isinstance(t, torch.Tensor):
+                setattr(c, name, t.clone())
+        out.append(c)
+    return out
+
+
+def row_gemlite_a16w2(W, x, l2, state):
+    from gemlite.helper import A16Wn
+
+    N, K = W.shape
+    if "gl_w2" not in state:  # affine 2-bit, group 64 (HQQ-style): codes 0..3, w = (c - z) * s
+        Wg = W.float().view(N, K // GROUP, GROUP)
+        lo, hi = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
+        s = ((hi - lo) / 3).clamp_min(1e-8)
+        z = -lo / s
+        codes = torch.clamp(torch.round(Wg / s + z), 0, 3).to(torch.uint8).view(N, K)
+        layer = A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(
+            codes, s.view(N, -1).to(torch.bfloat16), z.view(N, -1).to(torch.bfloat16), 2, GROUP
+        )
+        state["gl_w2"] = layer
+    layer = state["gl_w2"]
+    b = nbytes(layer.W_q, layer.scales, layer.zeros)
+    layers = _gemlite_rotate(layer, n_copies(b, l2))
+    return [lambda m=m: m(x) for m in layers], b, len(layers)
+
+
+def row_gemlite_a8w8(W, x, l2, state):
+    from gemlite.helper import A8W8_int8_dynamic
+
+    N, K = W.shape
+    if "gl_a8w8" not in state:
+        lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(W)
+        state["gl_a8w8"] = A8W8_int8_dynamic(device="cuda", dtype=torch.bfloat16).from_linear(lin)
+    layer = state["gl_a8w8"]
+    b = nbytes(layer.W_q, layer.scales)
+    layers = _gemlite_rotate(layer, n_copies(b, l2))
+    return [lambda m=m: m(x) for m in layers], b, len(layers)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def machine() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    info = {
+        "gpu": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "l2_mb": props.L2_cache_size / 2**20,
+        "gpu_mem_gb": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host_cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        info["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout.strip()  # fmt: skip
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def check_ours(W, x, p, lw) -> float:
+    """Relative error of our kernel against the float64 int8-activation reference (sanity)."""
+    from aipc_kernels.ops import reference_linear_w8
+
+    y = lowbit_linear(x, p).double().cpu()
+    ref = reference_linear_w8(x.float().cpu(), lw.__class__(
+        lw.qweight.cpu(), lw.scales.cpu(), None, lw.codebook, lw.group_size, lw.in_features))  # fmt: skip
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/gemv_gpu")
+    ap.add_argument("--m", default="1,16,1024")
+    ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--shapes", default="", help="only shapes whose name starts with this (e.g. 8B)")
+    args = ap.parse_args()
+    Ms = [1] if args.quick else [int(m) for m in args.m.split(",")]
+    shapes = {k: SHAPES[k] for k in (EIGHT_B[:2] if args.quick else SHAPES) if k.startswith(args.shapes)}
+    rows = args.rows.split(",")
+    torch.manual_seed(0)
+    info = machine()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    bw = copy_bandwidth()
+    info["copy_gbs"] = round(bw, 1)
+    print(f"[bench] {info}", flush=True)
+
+    skipped: dict[str, str] = {}
+    for peer in ("gemlite_a16w2", "gemlite_a8w8"):
+        if peer in rows:
+            try:
+                import gemlite  # noqa: F401
+
+                info["gemlite"] = gemlite.__version__
+            except Exception as e:  # noqa: BLE001
+                skipped[peer] = f"gemlite does not import: {e!r}"
+    results = []
+    t_start = time.time()
+    for sname, (N, K) in shapes.items():
+        W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+        state: dict = {}
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            entry = {"shape": sname, "N": N, "K": K, "M": M}
+            for row in rows:
+                if row in skipped:
+                    continue
+                try:
+                    if row == "bf16":
+                        calls, b, copies = row_bf16(W, x, l2)
+                    elif row == "ours_w2a8":
+                        calls, b, copies = row_ours(W, x, l2, state)
+                    elif row == "gemlite_a16w2":
+                        calls, b, copies = row_gemlite_a16w2(W, x, l2, state)
+                    else:
+                        calls, b, copies = row_gemlite_a8w8(W, x, l2, state)
+                    t = time_rotating(calls)
+                except Exception as e:  # noqa: BLE001 - a peer failing is reported, not fatal
+                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"[bench] {sname} M={M} {row} failed: {msg}", flush=True)
+                    traceback.print_exc(limit=3)
+                    entry[row] = {"error": msg}
+                    if row.startswith("gemlite") and M == Ms[0] and sname == next(iter(shapes)):
+                        skipped[row] = msg
+                    continue
+                finally:
+                    calls = None
+                    torch.cuda.empty_cache()
+                entry[row] = {
+                    "us": t * 1e6,
+                    "gbs": b / t / 1e9,
+                    "pct_copy": 100 * b / t / 1e9 / bw,
+                    "floor_us": b / (bw * 1e9) * 1e6,
+                    "tflops": 2 * M * N * K / t / 1e12,
+                    "weight_bytes": b,
+                    "copies": copies,
+                }
+            if isinstance(entry.get("ours_w2a8"), dict) and "us" in entry["ours_w2a8"]:
+                from aipc_kernels.triton import lowbit_linear as tlin
+
+                cfgs = tlin._configs_for(tlin.device_name(x.device))
+                entry["ours_w2a8"]["config"] = cfgs.get(tlin.config_key(M, N, K, GROUP, 2), "heuristic")
+            if "ours_w2a8" in state and M == Ms[0]:
+                entry["ours_rel_err"] = check_ours(W, x, state["ours"], state["ours_lw"])
+            base = entry.get("bf16", {}).get("us")
+            for row in rows:
+                if isinstance(entry.get(row), dict) and "us" in entry[row] and base:
+                    entry[row]["x_bf16"] = base / entry[row]["us"]
+            results.append(entry)
+            line = " ".join(
+                f"{r}={entry[r]['us']:.1f}us({entry[r].get('x_bf16', 0):.2f}x,{entry[r]['pct_copy']:.0f}%)"
+                for r in rows if isinstance(entry.get(r), dict) and "us" in entry[r]
+            )  # fmt: skip
+            print(f"[bench] {sname} M={M}: {line}", flush=True)
+        del W, state
+        torch.cuda.empty_cache()
+        info["bench_seconds"] = round(time.time() - t_start, 1)
+        info["loadavg_end"] = os.getloadavg()
+        write(args.out, info, results, skipped, rows, Ms, echo=False)  # partial results survive a timeout
+    write(args.out, info, results, skipped, rows, Ms)
+    return 0
+
+
+def summary(results, rows, Ms) -> list[str]:
+    lines = []
+    for M in Ms:
+        ours = [e for e in results if e["M"] == M and e["shape"] in EIGHT_B and "us" in e.get("ours_w2a8", {})]
+        if not ours:
+            continue
+        xs = [e["ours_w2a8"]["x_bf16"] for e in ours]
+        pc = [e["ours_w2a8"]["pct_copy"] for e in ours]
+        line = f"- ours W2A8 M={M}, Llama-3-8B shapes: x_bf16 {min(xs):.2f}-{max(xs):.2f}, {min(pc):.0f}-{max(pc):.0f}% of copy BW"
+        for peer in ("gemlite_a16w2", "gemlite_a8w8"):
+            px = [e[peer]["x_bf16"] for e in ours if "us" in e.get(peer, {})]
+            if px:
+                line += f"; {peer} x_bf16 {min(px):.2f}-{max(px):.2f}"
+        lines.append(line)
+    return lines
+
+
+def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bool = True) -> None:
+    out_p = Path(out)
+    out_p.parent.mkdir(parents=True, exist_ok=True)
+    out_p.with_suffix(".json").write_text(json.dumps({"machine": info, "skipped": skipped, "results": results}, indent=1))
+    md = [
+        "# Low-bit GEMV/GEMM on GPU (Triton W2A8)",
+        "",
+        f"Machine: {info['gpu']} ({info['sms']} SMs, L2 {info['l2_mb']:.0f} MiB), driver/clocks {info.get('driver', '?')}, "
+        f"torch {info['torch']} (CUDA {info['cuda']}), triton {info.get('triton', '?')}, gemlite {info.get('gemlite', 'n/a')}; "
+        f"host {info['host_cpus']} CPUs, load average {tuple(round(v, 2) for v in info['loadavg'])} at start, "
+        f"{tuple(round(v, 2) for v in info['loadavg_end'])} at end (a lent machine, not shared during the run as far as we know).",
+        f"Measured copy bandwidth (read + write): {info['copy_gbs']:.0f} GB/s. Each row: CUDA-graph replay over weight copies "
+        f">= 4x L2 (capped at {MAX_COPIES} copies), median of 5 replays.",
+        "ours_w2a8: int2 code book, group 64, fp16 scales, bf16 activations quantized to int8 per token inside the kernel. "
+        "gemlite_a16w2: gemlite 2-bit weight-only (group 64, bf16 activations). gemlite_a8w8: gemlite int8 weights + dynamic int8 activations.",
+        "Columns: us per call; GB/s of weight bytes (codes + scales/zeros); % of the copy bandwidth; floor_us = weight bytes / copy bandwidth; "
+        "x_bf16 = bf16 time / row time (>1: faster); TFLOPS = 2MNK / time.",
+        f"Command: `python bench/gemv_gpu.py {' '.join(sys.argv[1:])}`",
+        "",
+        *summary(results, rows, Ms),
+    ]
+    if skipped:
+        md += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())]
+    md += ["", "| shape | M | row | us | GB/s | % copy | floor_us | x_bf16 | TFLOPS |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in results:
+        for r in rows:
+            v = e.get(r)
+            if isinstance(v, dict) and "us" in v:
+                md.append(
+                    f"| {e['shape']} | {e['M']} | {r} | {v['us']:.2f} | {v['gbs']:.0f} | {v['pct_copy']:.1f} | "
+                    f"{v['floor_us']:.2f} | {v.get('x_bf16', float('nan')):.2f} | {v['tflops']:.1f} |"
+                )
+            elif isinstance(v, dict):
+                md.append(f"| {e['shape']} | {e['M']} | {r} | failed: {v['error'][:80]} | | | | | |")
+    out_p.with_suffix(".md").write_text("\n".join(md) + "\n")
+    if echo:
+        print("\n".join(md))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,632 @@
+"""Triton W2A8 ``lowbit_linear`` for CUDA and Intel XPU (the Xe2 design of Georganas et al., III-E).
+
+``y = x @ W^T + bias`` for a low-bit ``W`` in the ``triton_k32`` layout (:mod:`aipc_kernels.packing`):
+activations are quantized to int8 (absmax per token, the rounding of
+:func:`aipc_kernels.quantizers.quantize_activations`), the matrix units do int8 x int8 -> int32
+(``tl.dot``: mma on NVIDIA, DPAS on Xe), and each 32-k bit-plane's int32 dot is dequantized in fp32::
+
+    y[m, n] = sx[m] * sum_g s[g, n] * (cmul * sum_{k in g} xq[m, k] c[n, k] - z[g, n] * sum_{k in g} xq[m, k])
+
+Two paths, both computing ``y^T`` tiles ``[BLOCK_N, BLOCK_M]`` (weights are the dot's A operand, so
+a decode step pads M to 16 and not the weight tile):
+
+* GEMV (M <= 16): one kernel; each program finds its rows' absmax, quantizes activations in
+  registers, streams its weight rows once. Split-K (``SPLIT_K`` programs per output tile) when
+  there are too few tiles to fill the GPU; the last program of a tile (atomic ticket) sums the fp32
+  partials, so it is still one launch with no zero-fill (CUDA-graph friendly).
+* GEMM (M > 16): a quantization pass writes int8 activations, per-token scales and 32-k sums
+  (the zero-point correction), then int8 tiles re-use each activation block across BLOCK_N rows.
+
+Tile configurations are autotuned per (path, M bucket, N, K, group, bits) and cached per device
+name under ``$AIPC_CACHE_DIR/triton/``; ``lowbit_linear_configs.json`` next to this file ships the
+tuned defaults of the GPUs we measured. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import get_codebook
+from ..packing import TRITON_LAYOUT, TRITON_PLANE, PackedLowBit, triton_chunk
+
+GEMV_MAX_M = 16  # M up to this runs the fused-quantization GEMV kernel
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOCK_SLOTS = 16384  # split-K tickets (output tiles) per device
+
+
+# ----------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _rne(v):
+    """Round half to even for |v| < 2**22 (torch.round's rounding, no libdevice needed)."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _quantize(xv, inv):
+    """int8 code (as fp32) of ``xv``: rne(fp32(xv * inv)). The product goes through an fma with 0 so
+    the compiler cannot contract it into the rounding add (that would skip the product's rounding)."""
+    return _rne(tl.fma(xv, inv, 0.0))
+
+
+@triton.jit
+def _act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_KX: tl.constexpr):
+    """Per-row absmax of x[M, K] -> (127 / absmax or 0, absmax / 127), both fp32 [BLOCK_M]."""
+    offs = tl.arange(0, BLOCK_KX)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_KX):
+        k = k0 + offs
+        xv = tl.load(x_ptr + offs_m[:, None] * K + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(xv.to(tl.float32)), axis=1))
+    safe = tl.where(amax > 0, amax, 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), safe), 0.0)
+    return inv, tl.math.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32))
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.constexpr):
+    """One row per program: int8 codes [M, Kp] (zero past K), scale [M], 32-k sums [M, Kp/32]."""
+    m = tl.program_id(0).to(tl.int64)
+    row = tl.full([1], 0, tl.int64) + m
+    inv, sx = _act_scales(x_ptr, row, row >= 0, K, 1, BLOCK_KX)
+    tl.store(sx_ptr + row, sx)
+    offs = tl.arange(0, BLOCK_KX)
+    offs32 = tl.arange(0, BLOCK_KX // 32)
+    for k0 in range(0, Kp, BLOCK_KX):
+        k = k0 + offs
+        xv = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+        xqf = _quantize(xv, inv)
+        tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
+        sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
+        tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
+
+
+@triton.jit
+def _lowbit_dot_kernel(
+    x_ptr, xq_ptr, sx_ptr, xsum_ptr,  # FUSED: x [M, K] float; else xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32]
+    w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, Kp, NG, KB, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_KX: tl.constexpr,
+):
+    P: tl.constexpr = 8 // BITS  # bit-planes per byte
+    KC: tl.constexpr = 32 * P  # k per 32-byte chunk
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    j = tl.arange(0, 32)
+
+    if FUSED:
+        inv, sx = _act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M, BLOCK_KX)
+    else:
+        sx = tl.load(sx_ptr + offs_m, mask=m_mask, other=0.0)
+
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, Kp // KC)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    row_dot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)  # WHOLE_ROW: int32 over all of K
+    row_xs = tl.zeros([BLOCK_M], dtype=tl.int32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KB + j[None, :]
+    for c in range(c_begin, c_end):
+        wb = tl.load(w_rows + c * 32, mask=n_mask[:, None], other=0)  # [BLOCK_N, 32] bytes, P planes
+        gdot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        gxs = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for q in tl.static_range(P):
+            k = c * KC + q * 32 + j  # the 32 k of this plane
+            if FUSED:
+                xv = tl.load(
+                    x_ptr + offs_m[None, :] * K + k[:, None], mask=m_mask[None, :] & (k[:, None] < K), other=0.0
+                ).to(tl.float32)
+                xqf = _quantize(xv, inv[None, :])  # [32, BLOCK_M], integers in [-127, 127]
+                xq = xqf.to(tl.int8)
+                xs = tl.sum(xqf, axis=0).to(tl.int32)
+            else:
+                xq = tl.load(xq_ptr + offs_m[None, :].to(tl.int64) * Kp + k[:, None], mask=m_mask[None, :], other=0)
+                xs = tl.load(xsum_ptr + offs_m * (Kp // 32) + (c * P + q), mask=m_mask, other=0)
+            codes = ((wb >> (BITS * q)) & MASK).to(tl.int8)
+            gdot += tl.dot(codes, xq, out_dtype=tl.int32)
+            gxs += xs
+            if not WHOLE_ROW:
+                if ((q + 1) * 32) % G == 0 or q == P - 1:  # end of a group (or of a chunk inside one)
+                    g = (c * KC + q * 32) // G
+                    gmask = n_mask & ((offs_n * 0 + g) < NG)
+                    sc = tl.load(s_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                    if HAS_ZEROS:
+                        zp = tl.load(z_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                        corr = zp[:, None] * gxs[None, :].to(tl.float32)
+                    else:
+                        corr = ZERO * gxs[None, :].to(tl.float32)
+                    acc += sc[:, None] * (CMUL * gdot.to(tl.float32) - corr)
+                    gdot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+                    gxs = tl.zeros([BLOCK_M], dtype=tl.int32)
+        if WHOLE_ROW:
+            row_dot += gdot
+            row_xs += gxs
+    if WHOLE_ROW:
+        sc = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zp = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            corr = zp[:, None] * row_xs[None, :].to(tl.float32)
+        else:
+            corr = ZERO * row_xs[None, :].to(tl.float32)
+        acc = sc[:, None] * (CMUL * row_dot.to(tl.float32) - corr)
+
+    acc = acc * sx[None, :]
+    out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    omask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        # fp32 partial to the workspace; the last program of this tile (ticket) reduces and stores
+        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=omask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + out_offs, tot.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def _lowbit_gemv_fma_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    N, K, Kp, NG, KB, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_KX: tl.constexpr,
+):
+    """M == 1 without the matrix units: codes -> fp32 (exponent trick, no int->float convert),
+    fp32 FMA against the int8-valued activations (exact: |partial sums| < 2**24), row reductions."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    j = tl.arange(0, 32)
+    offs = tl.arange(0, BLOCK_KX)
+    amax = tl.zeros([BLOCK_KX], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_KX):
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
+    amax1 = tl.max(amax, axis=0)
+    inv = tl.where(amax1 > 0, tl.math.div_rn(127.0, tl.where(amax1 > 0, amax1, 1.0)), 0.0)
+    sx = tl.math.div_rn(amax1, 127.0)
+
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, Kp // KC)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_dot = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_xs = tl.sum(tl.zeros([32], dtype=tl.float32), axis=0)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KB + j[None, :]
+    for c in range(c_begin, c_end):
+        wb = tl.load(w_rows + c * 32, mask=n_mask[:, None], other=0).to(tl.int32)
+        gdot = tl.zeros([BLOCK_N], dtype=tl.float32)
+        gxs = tl.sum(tl.zeros([32], dtype=tl.float32), axis=0)
+        for q in tl.static_range(P):
+            k = c * KC + q * 32 + j
+            xqf = _quantize(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), inv)
+            # code c as fp32: bits 0x4B000000 | c are 2**23 + c exactly
+            cf = (((wb >> (BITS * q)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            gdot += tl.sum(cf * xqf[None, :], axis=1)
+            gxs += tl.sum(xqf, axis=0)
+            if not WHOLE_ROW:
+                if ((q + 1) * 32) % G == 0 or q == P - 1:
+                    g = (c * KC + q * 32) // G
+                    gmask = n_mask & ((offs_n * 0 + g) < NG)
+                    sc = tl.load(s_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                    if HAS_ZEROS:
+                        zp = tl.load(z_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                        acc += sc * (CMUL * gdot - zp * gxs)
+                    else:
+                        acc += sc * (CMUL * gdot - ZERO * gxs)
+                    gdot = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    gxs = tl.sum(tl.zeros([32], dtype=tl.float32), axis=0)
+        if WHOLE_ROW:
+            row_dot += gdot
+            row_xs += gxs
+    if WHOLE_ROW:
+        sc = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zp = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc = sc * (CMUL * row_dot - zp * row_xs)
+        else:
+            acc = sc * (CMUL * row_dot - ZERO * row_xs)
+    acc = acc * sx
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(ws_ptr + pid_k * N + offs_n, acc, mask=n_mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_n, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+# ----------------------------------------------------------------------------- configurations
+
+# GEMV: (KERNEL, BLOCK_N, SPLIT_K, num_warps, num_stages); GEMM: (BLOCK_N, BLOCK_M, num_warps, num_stages)
+GEMV_SPACE = [
+    ("dot", bn, sk, nw, ns)
+    for bn in (32, 64, 128)
+    for sk in (1, 2, 4, 8)
+    for nw, ns in ((4, 3), (4, 5))
+]
+GEMV_FMA_SPACE = [  # M == 1 only
+    ("fma", bn, sk, nw, ns)
+    for bn in (64, 128, 256)
+    for sk in (1, 2, 4, 8)
+    for nw, ns in ((4, 3), (8, 3))
+]
+GEMM_SPACE = [
+    (bn, bm, nw, ns)
+    for bn, bm in ((128, 128), (128, 64), (64, 128), (256, 128), (128, 256))
+    for nw, ns in ((4, 3), (8, 3), (8, 4))
+]
+_CONFIG_FIELDS = {"gemv": ("BLOCK_N", "SPLIT_K", "num_warps", "num_stages"), "gemm": ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")}
+# GEMV configs also name their kernel: "dot" (int8 matrix units, M padded to 16) or "fma" (M == 1)
+SHIPPED_CONFIGS = Path(__file__).with_name("lowbit_linear_configs.json")
+_mem_cache: dict[str, dict[str, dict]] = {}
+_cache_lock = threading.Lock()
+
+
+def _path(M: int) -> str:
+    return "gemv" if M <= GEMV_MAX_M else "gemm"
+
+
+def _m_bucket(M: int) -> int:
+    if M <= 1:
+        return 1
+    if M <= GEMV_MAX_M:
+        return GEMV_MAX_M
+    return min(1 << (M - 1).bit_length(), 4096)
+
+
+def config_key(M: int, N: int, K: int, group_size: int, bits: int) -> str:
+    """The autotune cache key of a problem (path, M bucket, N, K, group, bits)."""
+    g = "row" if group_size == K else group_size
+    return f"{_path(M)}:m{_m_bucket(M)}:n{N}:k{K}:g{g}:b{bits}"
+
+
+def device_name(device: torch.device) -> str:
+    """The name configs are cached under (``torch.cuda/xpu.get_device_name``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "xpu":
+        return torch.xpu.get_device_name(device)
+    return f"{device.type}-interpreter"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def cache_file(name: str) -> Path:
+    """Where tuned configs of device ``name`` are cached (``$AIPC_CACHE_DIR/triton/``)."""
+    root = Path(os.environ.get("AIPC_CACHE_DIR", Path.home() / ".cache" / "aipc-plugins"))
+    return root / "triton" / f"lowbit_linear-{_slug(name)}.json"
+
+
+def _configs_for(name: str) -> dict[str, dict]:
+    with _cache_lock:
+        if name not in _mem_cache:
+            cfgs: dict[str, dict] = {}
+            if SHIPPED_CONFIGS.exists():
+                cfgs.update(json.loads(SHIPPED_CONFIGS.read_text()).get(name, {}))
+            f = cache_file(name)
+            if f.exists():
+                try:
+                    cfgs.update(json.loads(f.read_text()))
+                except json.JSONDecodeError:
+                    pass  # a torn write from a crashed process: re-tune
+            _mem_cache[name] = cfgs
+        return _mem_cache[name]
+
+
+def _save_config(name: str, key: str, cfg: dict) -> None:
+    with _cache_lock:
+        _mem_cache.setdefault(name, {})[key] = cfg
+        f = cache_file(name)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        on_disk = json.loads(f.read_text()) if f.exists() else {}
+        on_disk[key] = cfg
+        tmp = f.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(on_disk, indent=1, sort_keys=True))
+        tmp.replace(f)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        return getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 64)
+    return 4
+
+
+def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The untuned default: enough programs to fill the device, then the largest tiles."""
+    chunks = -(-K // triton_chunk(bits))
+    if _path(M) == "gemm":
+        return {"BLOCK_N": 64, "BLOCK_M": 128 if M >= 128 else 64, "num_warps": 4, "num_stages": 3}
+    sms = _sm_count(device)
+    bn = 128 if N >= 4096 else 64 if N >= 1024 else 32
+    tiles = -(-N // bn)
+    split = 1
+    while split < 8 and tiles * split < 2 * sms and chunks >= 2 * split:
+        split *= 2
+    return {"KERNEL": "dot", "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    """``AIPC_TRITON_AUTOTUNE`` (default: on for GPUs, off in the interpreter)."""
+    default = "0" if device.type == "cpu" else "1"
+    return os.environ.get("AIPC_TRITON_AUTOTUNE", default) not in ("0", "", "false", "False")
+
+
+# ----------------------------------------------------------------------------- launching
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _lock_buffer(device: torch.device) -> torch.Tensor:
+    if device not in _locks:
+        _locks[device] = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
+    return _locks[device]
+
+
+def _check_config(cfg: dict, path: str) -> dict:
+    need = _CONFIG_FIELDS[path]
+    missing = [f for f in need if f not in cfg]
+    if missing:
+        raise ValueError(f"config={cfg} lacks {missing} for the {path} kernel; give {need}")
+    return cfg
+
+
+# Kernels decorated under TRITON_INTERPRET=1 (tests on CPU) also need it set while they run.
+_INTERPRETED = type(_lowbit_dot_kernel).__name__ == "InterpretedFunction"
+
+
+@contextmanager
+def _interpreter_scope():
+    if not _INTERPRETED:
+        yield
+        return
+    # triton.language's own @jit helpers (tl.zeros, tl.sum, ...) were decorated when triton was first
+    # imported; if that was without TRITON_INTERPRET, interpret them too while our kernels run.
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    saved_env, saved_call = os.environ.get("TRITON_INTERPRET"), JITFunction.__call__
+    os.environ["TRITON_INTERPRET"] = "1"
+    JITFunction.__call__ = lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw)
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = saved_call
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+
+
+def _launch(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
+    """Runs one configuration, writing ``y[M, N]``."""
+    with _interpreter_scope():
+        _launch_kernels(x2, weight, bias, y, cfg)
+
+
+def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
+    M, K = x2.shape
+    N = weight.out_features
+    cb = get_codebook(weight.codebook)
+    kc = triton_chunk(cb.bits)
+    Kp = weight.qweight.shape[1] * (8 // cb.bits)
+    G = weight.group_size
+    whole = G == K
+    common = dict(
+        BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else G, WHOLE_ROW=whole,
+        HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    s, z = weight.scales, weight.zeros if weight.zeros is not None else weight.scales
+    b = bias if bias is not None else weight.scales
+    dummy = y
+    if _path(M) == "gemv":
+        _check_config(cfg, "gemv")
+        bn, split = cfg["BLOCK_N"], cfg["SPLIT_K"]
+        chunks = Kp // kc
+        per_split = -(-chunks // split)
+        split = -(-chunks // per_split)  # no empty splits
+        grid = (triton.cdiv(N, bn), triton.cdiv(M, GEMV_MAX_M), split)
+        ws, locks = dummy, dummy
+        if split > 1:
+            if grid[0] * grid[1] > _LOCK_SLOTS:
+                split, per_split = 1, chunks
+                grid = grid[:2] + (1,)
+            else:
+                ws = torch.empty(split * M * N, dtype=torch.float32, device=x2.device)
+                locks = _lock_buffer(x2.device)
+        if cfg.get("KERNEL", "dot") == "fma":
+            if M != 1:
+                raise ValueError(f"config {cfg}: the fma GEMV kernel takes M == 1 only (M={M})")
+            _lowbit_gemv_fma_kernel[(grid[0], split)](
+                x2, weight.qweight, s, z, b, y, ws, locks,
+                N, K, Kp, s.shape[0], weight.qweight.shape[1], per_split,
+                BLOCK_N=bn, SPLIT_K=split, BLOCK_KX=1024,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+            )  # fmt: skip
+            return
+        _lowbit_dot_kernel[grid](
+            x2, dummy, dummy, dummy, weight.qweight, s, z, b, y, ws, locks,
+            M, N, K, Kp, s.shape[0], weight.qweight.shape[1], per_split,
+            FUSED=True, BLOCK_N=bn, BLOCK_M=GEMV_MAX_M, SPLIT_K=split, BLOCK_KX=512,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+        )  # fmt: skip
+        return
+    _check_config(cfg, "gemm")
+    xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
+    sx = torch.empty(M, dtype=torch.float32, device=x2.device)
+    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device)
+    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=512, num_warps=4)
+    bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), 1)
+    _lowbit_dot_kernel[grid](
+        dummy, xq, sx, xsum, weight.qweight, s, z, b, y, dummy, dummy,
+        M, N, K, Kp, s.shape[0], weight.qweight.shape[1], Kp // kc,
+        FUSED=False, BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=1, BLOCK_KX=512,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+    )  # fmt: skip
+
+
+def _space(path: str, M: int) -> list[dict]:
+    if path == "gemm":
+        return [dict(zip(_CONFIG_FIELDS[path], c)) for c in GEMM_SPACE]
+    fields = ("KERNEL",) + _CONFIG_FIELDS[path]
+    return [dict(zip(fields, c)) for c in GEMV_SPACE + (GEMV_FMA_SPACE if M == 1 else [])]
+
+
+def _time(fn, device: torch.device) -> float:
+    """Median ms of ``fn``'s GPU work. On CUDA through graph replays: a plain timing loop would
+    measure the Python launch path (~10 us), not kernels of a few us."""
+    if device.type == "cuda":
+        fn()  # compile and allocate outside the capture
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor) -> dict:
+    """Times every configuration of the problem's path on these operands; returns the fastest."""
+    M, K = x2.shape
+    chunks = weight.qweight.shape[1] * 8 // weight.bits // triton_chunk(weight.bits)
+    best, best_t = None, float("inf")
+    for cfg in _space(_path(M), M):
+        if cfg.get("SPLIT_K", 1) > chunks or cfg["BLOCK_N"] > max(16, 2 * weight.out_features):
+            continue
+        try:
+            t = _time(lambda: _launch(x2, weight, bias, y, cfg), x2.device)
+        except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"lowbit_linear: no Triton configuration ran for {config_key(M, weight.out_features, K, weight.group_size, weight.bits)}")
+    return dict(best, us=round(best_t * 1e3, 2))
+
+
+def select_config(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor) -> dict:
+    """Cached config for this device and problem; tunes (and caches) on a miss when enabled."""
+    M, K = x2.shape
+    dev = x2.device
+    name = device_name(dev)
+    key = config_key(M, weight.out_features, K, weight.group_size, weight.bits)
+    cfgs = _configs_for(name)
+    if key in cfgs:
+        return cfgs[key]
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not autotune_enabled(dev) or capturing:
+        return heuristic_config(M, weight.out_features, K, weight.bits, dev)
+    cfg = tune(x2, weight, bias, y)
+    _save_config(name, key, cfg)
+    return cfg
+
+
+def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int) -> None:
+    if weight.layout != TRITON_LAYOUT:
+        raise ValueError(
+            f"weight.layout={weight.layout!r}: the Triton kernels need {TRITON_LAYOUT!r}; "
+            f"pack it with aipc_kernels.packing.pack_for_triton"
+        )
+    if act_group > 0:
+        raise ValueError(f"act_group={act_group}: the Triton kernels quantize activations per token; use act_group=0")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; the Triton kernels take {SUPPORTED_DTYPES}")
+    K = x.shape[-1]
+    bits = weight.bits
+    if K != weight.in_features or weight.qweight.shape != (weight.out_features, -(-K // triton_chunk(bits)) * triton_chunk(bits) * bits // 8):
+        raise ValueError(
+            f"lowbit_linear: qweight of shape {tuple(weight.qweight.shape)} ({TRITON_LAYOUT}) does not match "
+            f"x's K={K} and out_features={weight.out_features}"
+        )
+    G = weight.group_size
+    if G != K and triton_chunk(bits) % G:
+        raise ValueError(f"group_size={G} must divide {triton_chunk(bits)} (or be the whole row) for {TRITON_LAYOUT}")
+    for name, t in (("qweight", weight.qweight), ("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move the weight with the module")
+
+
+def lowbit_linear_triton(
+    x: torch.Tensor,
+    weight: PackedLowBit,
+    bias: Optional[torch.Tensor] = None,
+    act_group: int = 0,
+    config: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` with int8 activations on the Triton kernels.
+
+    ``config`` overrides the tuned tile configuration; ``out`` (contiguous, ``x``'s dtype, ``[..., N]``)
+    receives the result instead of a new tensor."""
+    _validate(x, weight, bias, act_group)
+    K, N = x.shape[-1], weight.out_features
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if out is None:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of {M * N} elements on {x.device}")
+    else:
+        y = out.view(M, N)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    bias = None if bias is None else bias.contiguous()
+    weight = PackedLowBit(
+        weight.layout, weight.qweight.contiguous(), weight.scales.contiguous(),
+        None if weight.zeros is None else weight.zeros.contiguous(),
+        weight.codebook, weight.group_size, weight.out_features, weight.in_features,
+    )  # fmt: skip
+    cfg = config if config is not None else select_config(x2, weight, bias, y)
+    _launch(x2, weight, bias, y, cfg)
+    return y.view(*x.shape[:-1], N)
+
+
+__all__ = [
+    "GEMV_MAX_M",
+    "lowbit_linear_triton",
+    "select_config",
+    "heuristic_config",
+    "config_key",
+    "cache_file",
+    "device_name",
+    "tune",
+]

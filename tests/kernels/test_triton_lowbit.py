@@ -1,0 +1,249 @@
+"""Triton W2A8 lowbit_linear against float64 references.
+
+On a CUDA machine the kernels run compiled on the GPU; without one they run on CPU tensors under
+``TRITON_INTERPRET=1`` (set here only while the kernel module is imported), on small shapes.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from aipc_kernels import ops, packing  # noqa: E402
+from aipc_kernels.formats import CODEBOOKS  # noqa: E402
+from aipc_kernels.quantizers import quantize_rtn  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+if not ON_GPU:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
+from aipc_kernels.triton import lowbit_linear as tlin  # noqa: E402
+
+if not ON_GPU:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+GEMV = {"BLOCK_N": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+FMA = {"KERNEL": "fma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+GEMM = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning(tmp_path, monkeypatch):
+    """Tests pick configs explicitly or take the heuristic; the cache goes to a temporary folder."""
+    monkeypatch.setenv("AIPC_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("AIPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tlin, "_mem_cache", {})
+
+
+def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_rtn(torch.randn(N, K, generator=g), codebook, group, scale_dtype=scale_dtype)
+    p = packing.pack_for_triton(w)
+    on = packing.PackedLowBit(
+        p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None if p.zeros is None else p.zeros.to(DEVICE),
+        p.codebook, p.group_size, p.out_features, p.in_features,
+    )  # fmt: skip
+    return w, on
+
+
+def _close(y, ref, rtol):
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("K", [96, 160, 384, 512])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+def test_layout_round_trip(codebook, K, group):
+    if group > 0 and K % group:
+        pytest.skip("group does not divide K")
+    w = quantize_rtn(torch.randn(23, K), codebook, group)
+    p = packing.pack_for_triton(w)
+    kc = packing.triton_chunk(w.bits)
+    assert p.qweight.shape == (23, -(-K // kc) * kc * w.bits // 8) and p.scales.shape == (K // w.group_size, 23)
+    back = packing.to_canonical(p)
+    assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+    assert (back.zeros is None and w.zeros is None) or torch.equal(back.zeros, w.zeros)
+    # bit-plane q of byte j in chunk c holds k = c * 32 * planes + 32 * q + j
+    codes = w.codes()
+    planes = 8 // w.bits
+    assert torch.equal((p.qweight[:, 1] >> w.bits) & ((1 << w.bits) - 1), codes[:, 32 + 1])
+    assert planes * 32 == kc
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize(
+    "M, N, K, group",
+    [(1, 37, 256, 32), (3, 33, 192, -1), (16, 50, 384, 128), (17, 40, 512, 64), (5, 19, 96, 32), (40, 70, 256, -1)],
+)
+def test_matches_exact_integer_math(codebook, M, N, K, group):
+    w, p = _case(N, K, codebook, group, seed=M * 1000 + N)
+    x = torch.randn(M, K)
+    bias = torch.randn(N)
+    cfg = GEMV if M <= tlin.GEMV_MAX_M else GEMM
+    y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
+    assert y.shape == (M, N) and y.dtype == x.dtype and y.device.type == DEVICE
+    ref = ops.reference_linear_w8(x, w, bias)
+    _close(y, ref, 2e-5)
+    if M == 1:  # the dot-free GEMV kernel too
+        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=FMA), ref, 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 24])
+def test_dtypes_against_float64_dequantized_weights(dtype, scale_dtype, M):
+    N, K = 70, 512
+    w, p = _case(N, K, "affine", 64, seed=7, scale_dtype=scale_dtype)
+    x = torch.randn(2, M, K).to(dtype)  # leading dims are flattened
+    bias = torch.randn(N).to(dtype)
+    cfg = GEMV if 2 * M <= tlin.GEMV_MAX_M else GEMM
+    y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
+    assert y.shape == (2, M, N) and y.dtype == dtype
+    tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    _close(y, ops.reference_linear_w8(x, w, bias), tol)
+    # against unquantized activations: the int8 activation error only (absmax/127 per token)
+    weight_only = x.double() @ w.dequantize(torch.float64).T + bias.double()
+    rel = ((y.double().cpu() - weight_only).norm() / weight_only.norm()).item()
+    assert rel < 0.02, rel
+
+
+@pytest.mark.parametrize("M, kernel", [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot")])
+@pytest.mark.parametrize("block_n, split_k", [(16, 2), (32, 3), (16, 8)])
+def test_split_k(M, kernel, block_n, split_k):
+    N, K = 45, 1024  # 8 chunks: splits of 4, 3 (uneven), 1 chunk
+    w, p = _case(N, K, "int2", 64, seed=M + split_k)
+    x, bias = torch.randn(M, K), torch.randn(N)
+    cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
+    for _ in range(2):  # tickets are re-armed by the reducing program: a second call is right too
+        y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
+        _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
+
+
+@pytest.mark.parametrize("block_n, block_m", [(16, 16), (32, 64), (64, 32)])
+def test_gemm_tiles(block_n, block_m):
+    M, N, K = 67, 83, 384
+    w, p = _case(N, K, "sym", 32, seed=block_n + block_m)
+    x = torch.randn(M, K) * 3
+    cfg = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": 4, "num_stages": 2}
+    _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg), ops.reference_linear_w8(x, w), 2e-5)
+
+
+@pytest.mark.parametrize("M", [1, 9, 33])
+def test_every_output_written_and_nothing_past_it(M):
+    N, K = 35, 256
+    w, p = _case(N, K, "ternary", 32, seed=11)
+    x = torch.randn(M, K)
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
+        cfg = GEMV if M <= tlin.GEMV_MAX_M else GEMM
+        tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])
+        assert not torch.isnan(buf[: M * N]).any()
+        assert torch.isnan(buf[M * N :]).all()
+        tol = 2e-5 if dtype == torch.float32 else 8e-3
+        _close(buf[: M * N].view(M, N), ops.reference_linear_w8(x.to(dtype), w), tol)
+
+
+def test_zero_activations_and_zero_rows():
+    _, p = _case(16, 128, "affine", 32, seed=0)
+    assert tlin.lowbit_linear_triton(torch.zeros(2, 128, device=DEVICE), p, config=GEMV).abs().max() == 0
+    assert tlin.lowbit_linear_triton(torch.zeros(0, 128, device=DEVICE), p).shape == (0, 16)
+
+
+def test_bad_input_is_refused():
+    w, p = _case(16, 128, "affine", 32, seed=0)
+    x = torch.randn(1, 128, device=DEVICE)
+    with pytest.raises(ValueError, match="pack it with aipc_kernels.packing.pack_for_triton"):
+        tlin.lowbit_linear_triton(x, packing.as_canonical_packed(w))
+    with pytest.raises(ValueError, match="act_group=32"):
+        tlin.lowbit_linear_triton(x, p, act_group=32)
+    with pytest.raises(ValueError, match="does not match x's K=64"):
+        tlin.lowbit_linear_triton(torch.randn(1, 64, device=DEVICE), p)
+    with pytest.raises(ValueError, match="x has dtype torch.int32"):
+        tlin.lowbit_linear_triton(x.to(torch.int32), p)
+    with pytest.raises(ValueError, match="M == 1 only"):
+        tlin.lowbit_linear_triton(torch.randn(2, 128, device=DEVICE), p, config=FMA)
+    with pytest.raises(ValueError, match="lacks"):
+        tlin.lowbit_linear_triton(x, p, config={"BLOCK_N": 16})
+    with pytest.raises(ValueError, match="out must be"):
+        tlin.lowbit_linear_triton(x, p, config=GEMV, out=torch.empty(3, device=DEVICE))
+
+
+def test_op_dispatch_fake_kernel_and_torch_compile():
+    w, p = _case(48, 256, "int2", 64, seed=2)
+    x = torch.randn(4, 256, device=DEVICE)
+    args = (x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, p.group_size, p.out_features, 0)
+    torch.library.opcheck(torch.ops.aipc.lowbit_linear.default, args)
+    eager = ops.lowbit_linear(x, p)
+    if ON_GPU:  # the op runs the Triton kernel: int8 activations
+        _close(eager, ops.reference_linear_w8(x.cpu(), w), 2e-5)
+    else:  # CPU + triton_k32: the weight-only reference (the Triton path is CUDA/XPU)
+        torch.testing.assert_close(eager, ops.reference_linear(x, w))
+    compiled = torch.compile(lambda t: ops.lowbit_linear(t, p) * 2, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager * 2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay():
+    w, p = _case(300, 1024, "int2", 64, seed=4)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    cfg = {"BLOCK_N": 16, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+    out = torch.empty(1, 300, device="cuda", dtype=torch.bfloat16)
+    tlin.lowbit_linear_triton(x, p, config=cfg, out=out)  # compile and allocate before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tlin.lowbit_linear_triton(x, p, config=cfg, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out, ops.reference_linear_w8(x.cpu(), w), 8e-3)
+
+
+def test_config_cache_per_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tlin, "_mem_cache", {})
+    name = tlin.device_name(torch.device(DEVICE))
+    key = tlin.config_key(1, 40, 256, 64, 2)
+    assert key == "gemv:m1:n40:k256:g64:b2"
+    assert tlin.config_key(300, 40, 256, 256, 2) == "gemm:m512:n40:k256:grow:b2"
+    tlin._save_config(name, key, {"BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2})
+    monkeypatch.setattr(tlin, "_mem_cache", {})  # a second process: starts from the file
+    on_disk = json.loads(tlin.cache_file(name).read_text())
+    assert on_disk[key]["BLOCK_N"] == 32
+    w, p = _case(40, 256, "int2", 64, seed=1)
+    x = torch.randn(1, 256, device=DEVICE)
+    y = torch.empty(1, 40, device=DEVICE)
+    assert tlin.select_config(x, p, None, y)["SPLIT_K"] == 2
+    _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="timing configurations needs a GPU")
+def test_autotune_writes_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AIPC_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(tlin, "_mem_cache", {})
+    monkeypatch.setattr(tlin, "GEMV_SPACE", [("dot", 16, 1, 4, 2), ("dot", 32, 2, 4, 3)])
+    monkeypatch.setattr(tlin, "GEMV_FMA_SPACE", [("fma", 64, 2, 4, 3)])
+    w, p = _case(64, 512, "affine", 128, seed=3)
+    x = torch.randn(1, 512, device="cuda")
+    _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)
+    cached = json.loads(tlin.cache_file(tlin.device_name(x.device)).read_text())
+    assert cached[tlin.config_key(1, 64, 512, 128, 2)]["BLOCK_N"] in (16, 32, 64)
+
+
+def test_shipped_configs_are_valid():
+    if not tlin.SHIPPED_CONFIGS.exists():
+        pytest.skip("no shipped configs")
+    shipped = json.loads(tlin.SHIPPED_CONFIGS.read_text())
+    for device, cfgs in shipped.items():
+        for key, cfg in cfgs.items():
+            path = key.split(":")[0]
+            assert all(f in cfg for f in tlin._CONFIG_FIELDS[path]), (device, key, cfg)
