@@ -1,0 +1,441 @@
+"""Export a transformers decoder LM to chunked, stateful, static-shape OpenVINO IRs (NITRO style).
+
+Directory written by :func:`export_npu_model`::
+
+    config.json, generation_config.json, tokenizer files, openvino_tokenizer/detokenizer.xml
+    npu_export.json                       manifest (format version, shapes, chunks, names, quantization)
+    npu_embed.xml/.bin                    token [1, B] -> x [1, B, H]            (B = prefill block)
+    npu_layers_<a>_<b>_prefill.xml/.bin   x [1, B, H], position [1] -> x_out; KV states, capacity P
+    npu_layers_<a>_<b>_kv<C>.xml          x [1, 1, H], position [1] -> x_out; KV states, capacity C
+    npu_head.xml/.bin                     x [1, 1, H] -> logits [1, 1, V]
+
+Every variant of a layer group has identical weights, so they share the group's one ``.bin``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .manifest import (FORMAT_VERSION, LOGITS, POSITION, TOKEN, X, X_OUT, ChunkFile, LayerGroup,
+                       NPUExportManifest, cache_name, cache_out_name)
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class WeightCompression:
+    """NNCF weight compression of every chunk. ``int4`` defaults to the NPU-safe settings:
+    symmetric, group 128, ``ratio=1.0, all_layers=True`` (no layer silently kept in INT8)."""
+
+    weight_format: str = "fp16"
+    sym: bool | None = None
+    group_size: int | None = None
+    ratio: float | None = None
+    all_layers: bool | None = None
+
+    def resolved(self, target: str) -> dict[str, Any] | None:
+        """The settings actually used (None: no compression); raises on invalid or NPU-unsafe ones."""
+        fmt = self.weight_format
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format={fmt!r} is not supported; use one of "
+                             f"{', '.join(WEIGHT_FORMATS)}")
+        if fmt in ("fp32", "fp16"):
+            given = {k: v for k, v in (("sym", self.sym), ("group_size", self.group_size),
+                                        ("ratio", self.ratio), ("all_layers", self.all_layers))
+                     if v is not None}
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to weight_format='int8'/'int4', "
+                                 f"not {fmt!r}; drop them or choose an integer weight format")
+            return None
+        sym = True if self.sym is None else bool(self.sym)
+        if fmt == "int4":
+            if not sym and target == "NPU":
+                raise ValueError(
+                    "weight_format='int4' with sym=False (INT4 asymmetric) crashes the NPU compiler "
+                    "(openvino#34450); use sym=True (the default), or weight_format='int8'")
+            group = 128 if self.group_size is None else int(self.group_size)
+            if group != -1 and group <= 0:
+                raise ValueError(f"group_size={group} must be positive or -1 (per channel)")
+            ratio = 1.0 if self.ratio is None else float(self.ratio)
+            if not 0.0 < ratio <= 1.0:
+                raise ValueError(f"ratio={ratio} must be in (0, 1]")
+            all_layers = True if self.all_layers is None else bool(self.all_layers)
+            return dict(weight_format="int4", mode="int4_sym" if sym else "int4_asym",
+                        group_size=group, ratio=ratio, all_layers=all_layers)
+        if self.group_size not in (None, -1) or self.ratio not in (None, 1.0):
+            raise ValueError("weight_format='int8' is per channel with ratio 1.0; drop group_size "
+                             "and ratio (or use weight_format='int4')")
+        return dict(weight_format="int8", mode="int8_sym" if sym else "int8_asym",
+                    group_size=-1, ratio=1.0, all_layers=True)
+
+
+def default_buckets(max_seq_len: int, prefill_block: int) -> list[int]:
+    """KV capacities 256, 512, 1024, ... (multiples of the prefill block) below ``max_seq_len``,
+    then ``max_seq_len`` itself."""
+    start = max(256, prefill_block)
+    start = math.ceil(start / prefill_block) * prefill_block
+    buckets = []
+    c = start
+    while c < max_seq_len:
+        buckets.append(c)
+        c *= 2
+    return buckets + [max_seq_len]
+
+
+def validate_shape_args(max_seq_len: Any, prefill_block: Any, kv_buckets: Any,
+                        layers_per_chunk: Any) -> tuple[int, int, list[int], int]:
+    """Checks the shape arguments; returns them normalised (buckets sorted, ending at max_seq_len)."""
+    for name, v in (("max_seq_len", max_seq_len), ("prefill_block", prefill_block),
+                    ("layers_per_chunk", layers_per_chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if prefill_block > max_seq_len:
+        raise ValueError(f"prefill_block={prefill_block} is larger than max_seq_len={max_seq_len}; "
+                         "choose a smaller block")
+    if kv_buckets is None:
+        buckets = default_buckets(max_seq_len, prefill_block)
+    else:
+        if isinstance(kv_buckets, (int, str)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in kv_buckets):
+            raise ValueError(f"kv_buckets={kv_buckets!r} must be a list of positive ints "
+                             "(KV capacities), e.g. [256, 512, 1024]")
+        bad = [b for b in kv_buckets if b > max_seq_len]
+        if bad:
+            raise ValueError(f"kv_buckets {bad} exceed max_seq_len={max_seq_len}; "
+                             "capacities past the limit are never used")
+        buckets = sorted(set(kv_buckets) | {max_seq_len})
+    return max_seq_len, prefill_block, buckets, layers_per_chunk
+
+
+def resolve_model_dir(model_id: str | os.PathLike, revision: str | None = None,
+                      token: Any = None, cache_dir: str | None = None,
+                      local_files_only: bool = False) -> Path:
+    """A local checkpoint directory for ``model_id`` (a path, or a Hub id downloaded once)."""
+    path = Path(model_id)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(
+        str(model_id), revision=revision, token=token, cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]))
+
+
+def _name_ports(ov_model, inputs: list[str], outputs: list[str]) -> None:
+    """Names every Parameter and Result (tensor names and friendly names) by convention."""
+    for port, name in zip(ov_model.inputs, inputs, strict=True):
+        port.get_tensor().set_names({name})
+        port.get_node().set_friendly_name(name)
+    for port, name in zip(ov_model.outputs, outputs, strict=True):
+        port.get_tensor().set_names({name})
+        port.get_node().set_friendly_name(name)
+
+
+def make_stateful(ov_model, pairs: dict[str, str]) -> None:
+    """Turns each (Parameter ``name``, Result ``pairs[name]``) into an OpenVINO state whose
+    variable id is ``name``: a ReadValue without initialiser (zeros after ``reset_state()``)
+    where the Parameter was, an Assign where the Result was."""
+    import openvino.opset6 as ops
+    from openvino.op import assign
+    from openvino.op.util import Variable, VariableInfo
+
+    params = {p.output(0).get_any_name(): p for p in ov_model.get_parameters()}
+    results = {r.input_value(0).get_any_name(): r for r in ov_model.get_results()}
+    results.update({r.output(0).get_any_name(): r for r in ov_model.get_results()})
+    for pname, rname in pairs.items():
+        param, result = params[pname], results[rname]
+        info = VariableInfo()
+        info.data_shape = param.get_partial_shape()
+        info.data_type = param.get_element_type()
+        info.variable_id = pname
+        variable = Variable(info)
+        read = ops.read_value(variable, name=pname)
+        read.output(0).get_tensor().set_names({pname})
+        for target in list(param.output(0).get_target_inputs()):
+            target.replace_source_output(read.output(0))
+        value = result.input_value(0)  # Assign takes a single-output Node
+        node = value.get_node()
+        if node.get_output_size() != 1:
+            node = ops.convert(value, value.get_element_type())
+        sink = assign(node, variable)
+        sink.set_friendly_name(rname)
+        ov_model.add_variables([variable])
+        ov_model.add_sinks([sink])
+        ov_model.remove_result(result)
+        ov_model.remove_parameter(param)
+    ov_model.validate_nodes_and_infer_types()
+
+
+def _compress(ov_model, quant: dict[str, Any] | None):
+    if quant is None:
+        return ov_model
+    import nncf
+
+    mode = {"int8_sym": nncf.CompressWeightsMode.INT8_SYM,
+            "int8_asym": nncf.CompressWeightsMode.INT8_ASYM,
+            "int4_sym": nncf.CompressWeightsMode.INT4_SYM,
+            "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}[quant["mode"]]
+    kw: dict[str, Any] = dict(mode=mode)
+    if quant["weight_format"] == "int4":
+        kw.update(group_size=quant["group_size"], ratio=quant["ratio"],
+                  all_layers=quant["all_layers"])
+    return nncf.compress_weights(ov_model, **kw)
+
+
+class _Writer:
+    """Converts torch chunks to named, static (optionally stateful, compressed) IRs on disk."""
+
+    def __init__(self, out: Path, quant: dict[str, Any] | None, fp16: bool):
+        self.out, self.quant, self.fp16 = out, quant, fp16
+
+    def write(self, module, example: tuple, inputs: list[str], outputs: list[str],
+              stem: str, states: dict[str, str] | None = None,
+              share_with: ChunkFile | None = None) -> ChunkFile:
+        import openvino as ov
+        import torch
+
+        spec = [(tuple(t.shape), {torch.int64: ov.Type.i64, torch.float32: ov.Type.f32}[t.dtype])
+                for t in example]
+        with torch.no_grad():
+            ov_model = ov.convert_model(module, example_input=example, input=spec)
+        _name_ports(ov_model, inputs, outputs)
+        if states:
+            make_stateful(ov_model, states)
+        ov_model = _compress(ov_model, self.quant)
+        xml = self.out / f"{stem}.xml"
+        ov.save_model(ov_model, xml, compress_to_fp16=self.fp16)
+        del ov_model
+        chunk = ChunkFile(xml=xml.name, weights=xml.with_suffix(".bin").name)
+        if share_with is not None:
+            merge_weights(xml, self.out / chunk.weights, self.out / share_with.weights)
+            chunk.weights = share_with.weights
+        return chunk
+
+
+_CONST_DATA = re.compile(rb'(<data\b[^>]*?\boffset=")(\d+)("\s+size=")(\d+)(")')
+
+
+def merge_weights(xml: Path, bin_path: Path, shared_bin: Path) -> None:
+    """Makes ``xml`` read its constants from ``shared_bin``: each constant whose bytes are already
+    there points at them, the others are appended (64-byte aligned); ``bin_path`` is deleted.
+    Variants of one chunk differ only in a few small shape constants, so they share the weights."""
+    shared = shared_bin.read_bytes()
+    index: dict[bytes, int] = {}
+    for m in _CONST_DATA.finditer(shared_bin.with_suffix(".xml").read_bytes()):
+        off, size = int(m.group(2)), int(m.group(4))
+        index.setdefault(hashlib.sha1(shared[off:off + size]).digest() + size.to_bytes(8, "little"), off)
+    mine = bin_path.read_bytes()
+    appended = bytearray()
+    base = len(shared)
+
+    def relocate(m: re.Match) -> bytes:
+        nonlocal appended
+        off, size = int(m.group(2)), int(m.group(4))
+        blob = mine[off:off + size]
+        key = hashlib.sha1(blob).digest() + size.to_bytes(8, "little")
+        if key not in index:
+            pad = (-(base + len(appended))) % 64
+            appended += b"\0" * pad
+            index[key] = base + len(appended)
+            appended += blob
+        return m.group(1) + str(index[key]).encode() + m.group(3) + m.group(4) + m.group(5)
+
+    text = _CONST_DATA.sub(relocate, xml.read_bytes())
+    if appended:
+        with open(shared_bin, "ab") as f:
+            f.write(appended)
+    xml.write_bytes(text)
+    bin_path.unlink()
+
+
+def export_npu_model(
+    model_id: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    max_seq_len: int = 2048,
+    prefill_block: int = 64,
+    kv_buckets: list[int] | None = None,
+    layers_per_chunk: int = 4,
+    weight_format: str = "fp16",
+    sym: bool | None = None,
+    group_size: int | None = None,
+    ratio: float | None = None,
+    all_layers: bool | None = None,
+    target: str = "NPU",
+    revision: str | None = None,
+    token: Any = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
+) -> Path:
+    """Exports ``model_id`` (a local directory or Hub id of a safetensors checkpoint) into
+    ``output_dir`` as static, stateful OpenVINO chunks; returns the directory.
+
+    ``max_seq_len``: tokens a sequence may hold (prompt + generated); ``prefill_block``: prompt
+    tokens per prefill call; ``kv_buckets``: decode KV capacities (default 256, 512, ... up to
+    ``max_seq_len``); ``layers_per_chunk``: decoder layers per IR (bounds export memory);
+    ``weight_format``: fp32 / fp16 (storage only) / int8 / int4 through NNCF (int4 defaults to
+    symmetric, group 128, ratio 1.0, all layers; INT4 asymmetric is refused for ``target="NPU"``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from . import chunks as ch
+
+    max_seq_len, prefill_block, buckets, layers_per_chunk = validate_shape_args(
+        max_seq_len, prefill_block, kv_buckets, layers_per_chunk)
+    if target not in ("NPU", "CPU", "GPU"):
+        raise ValueError(f"target={target!r} must be 'NPU', 'CPU' or 'GPU'")
+    quant = WeightCompression(weight_format, sym, group_size, ratio, all_layers).resolved(target)
+    src = resolve_model_dir(model_id, revision, token, cache_dir, local_files_only)
+    config = AutoConfig.from_pretrained(src)
+    ch.check_architecture(config)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos and max_seq_len > max_pos:
+        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's "
+                         f"max_position_embeddings={max_pos}; choose max_seq_len <= {max_pos}")
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stale = [p for p in out.glob("npu_*") if p.is_file()]
+    for p in stale:
+        p.unlink()
+
+    model = ch.build_skeleton(config)
+    reader = ch.CheckpointReader(src)
+    blocks = ch.parts(model)
+    rotary = ch.rotary_module(model, config)
+    windows = ch.sliding_windows(config)
+    n_layers = config.num_hidden_layers
+    hidden = config.hidden_size
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    prefill_capacity = math.ceil(max_seq_len / prefill_block) * prefill_block
+    writer = _Writer(out, quant, fp16=(weight_format == "fp16"))
+
+    # Embedding: one IR with the prefill block's width (decode uses its first row: a gather).
+    ch.materialize(model, blocks["embed"], reader)
+    embed = writer.write(ch.EmbeddingChunk(blocks["embed"]).eval(),
+                         (torch.zeros(1, prefill_block, dtype=torch.int64),),
+                         [TOKEN], [X], "npu_embed")
+    ch.release(blocks["embed"])
+
+    groups = []
+    for first in range(0, n_layers, layers_per_chunk):
+        last = min(first + layers_per_chunk, n_layers)
+        layers = blocks["layers"][first:last]
+        for layer in layers:
+            ch.materialize(model, layer, reader)
+        chunk = ch.LayersChunk(layers, first, rotary, windows).eval()
+        in_names, out_names, states = [X, POSITION], [X_OUT], {}
+        for i in range(first, last):
+            for kind in ("k", "v"):
+                in_names.append(cache_name(kind, i))
+                out_names.append(cache_out_name(kind, i))
+                states[cache_name(kind, i)] = cache_out_name(kind, i)
+
+        def example(tokens: int, capacity: int) -> tuple:
+            caches = [torch.zeros(1, kv_heads, capacity, head_dim)
+                      for _ in range(2 * (last - first))]
+            return (torch.zeros(1, tokens, hidden), torch.zeros(1, dtype=torch.int64), *caches)
+
+        stem = f"npu_layers_{first:02d}_{last - 1:02d}"
+        prefill = writer.write(chunk, example(prefill_block, prefill_capacity), in_names,
+                               out_names, f"{stem}_prefill", states)
+        decode = {}
+        for capacity in buckets:
+            decode[str(capacity)] = writer.write(chunk, example(1, capacity), in_names, out_names,
+                                                 f"{stem}_kv{capacity}", states, share_with=prefill)
+        groups.append(LayerGroup(first, last, prefill, decode))
+        for layer in layers:
+            ch.release(layer)
+        logger.info("exported layers %d..%d", first, last - 1)
+
+    ch.materialize(model, blocks["norm"], reader)
+    ch.materialize(model, blocks["lm_head"], reader)
+    head = writer.write(ch.HeadChunk(blocks["norm"], blocks["lm_head"], blocks["softcap"]).eval(),
+                        (torch.zeros(1, 1, hidden),), [X], [LOGITS], "npu_head")
+    ch.release(blocks["norm"])
+    ch.release(blocks["lm_head"])
+
+    config.save_pretrained(out)
+    try:
+        GenerationConfig.from_pretrained(src).save_pretrained(out)
+    except OSError:
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer_info = _save_tokenizers(src, out, AutoTokenizer)
+
+    import openvino
+    import transformers
+
+    manifest = NPUExportManifest(
+        format_version=FORMAT_VERSION, model_type=config.model_type, max_seq_len=max_seq_len,
+        prefill_block=prefill_block, kv_buckets=buckets, prefill_capacity=prefill_capacity,
+        hidden_size=hidden, num_layers=n_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=config.vocab_size, embedding=embed, head=head, layer_groups=groups,
+        quantization=quant, tokenizer=tokenizer_info,
+        exporter=dict(aipc_plugins=_package_version(), openvino=openvino.__version__,
+                      transformers=transformers.__version__, torch=torch.__version__,
+                      target=target))
+    manifest.write(out)
+    return out
+
+
+def _save_tokenizers(src: Path, out: Path, auto_tokenizer) -> dict[str, str]:
+    """Saves the HF tokenizer and, when openvino_tokenizers converts it, the OpenVINO
+    tokenizer/detokenizer pair (``openvino_tokenizer.xml``, ``openvino_detokenizer.xml``)."""
+    info: dict[str, str] = {}
+    try:
+        tok = auto_tokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        logger.warning("no tokenizer saved: %s", e)
+        return {"hf": "missing"}
+    tok.save_pretrained(out)
+    info["hf"] = "saved"
+    try:
+        import openvino as ov
+        from openvino_tokenizers import convert_tokenizer
+
+        ov_tok, ov_detok = convert_tokenizer(tok, with_detokenizer=True)
+        ov.save_model(ov_tok, out / "openvino_tokenizer.xml")
+        ov.save_model(ov_detok, out / "openvino_detokenizer.xml")
+        info["openvino"] = "openvino_tokenizer.xml"
+        info["openvino_detokenizer"] = "openvino_detokenizer.xml"
+    except Exception as e:  # noqa: BLE001 - the model is usable without them; say why they are absent
+        logger.warning("OpenVINO tokenizer not converted (%s: %s)", type(e).__name__, e)
+        info["openvino"] = f"not converted: {type(e).__name__}"
+    return info
+
+
+def copy_export(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copies an exported directory (without its compile cache) to ``dst``."""
+    from .manifest import COMPILE_CACHE_DIR
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.name == COMPILE_CACHE_DIR:
+            continue
+        if p.is_dir():
+            shutil.copytree(p, dst / p.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(p, dst / p.name)
+    return dst
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aipc-plugins")
+    except PackageNotFoundError:
+        return "unknown"
