@@ -1,9 +1,14 @@
 """ipex_segment_kv: segment KV cache and fused index-select SDPA for transformers beam search.
 
-Used as ``attn_implementation="segment_kv"`` with stock ``model.generate``. Importing this package
-imports neither transformers nor torch.
+Used as ``attn_implementation="segment_kv"`` with stock ``model.generate`` (registered by an import
+hook when transformers is imported), or explicitly with ``ipex_segment_kv.optimize(model)`` /
+``ipex_segment_kv.undo(model)``. Importing this package imports neither transformers nor torch.
 """
 from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["register", "optimize", "undo", "SegmentKVCache"]
 
 
 def register() -> bool:
@@ -12,3 +17,16 @@ def register() -> bool:
     from aipc_kernels.plugin_hooks import import_integration
 
     return import_integration(__name__, "integration")
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: optimize/undo/SegmentKVCache import torch and transformers
+    if name in ("optimize", "undo"):
+        from . import explicit
+
+        return getattr(explicit, name)
+    if name == "SegmentKVCache":
+        from .cache import SegmentKVCache
+
+        return SegmentKVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

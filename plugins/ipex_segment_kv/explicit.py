@@ -1,0 +1,57 @@
+"""``ipex_segment_kv.optimize(model)`` / ``undo(model)``: the explicit form, mirroring ``ipex.llm.optimize``."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aipc_kernels.segment_attention import SUPPORTED_DTYPES
+
+from .cache import DEFAULT_RESPONSE_STEP
+from .hook import install
+
+_PREVIOUS = "_aipc_segment_kv_previous_attn"
+
+
+def optimize(model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, inplace: bool = True) -> Any:
+    """Switches a loaded transformers causal LM to the segment KV cache + fused segment SDPA for
+    ``generate`` (beam search, sampling, greedy). Returns the model (modified in place; ``inplace=False``
+    is refused rather than silently copying a model). Undo with :func:`undo`.
+
+    Raises ValueError for architectures whose attention bypasses transformers' AttentionInterface and
+    for dtypes the kernels do not support."""
+    if not inplace:
+        raise ValueError("ipex_segment_kv.optimize: inplace=False is not supported (it would copy the weights); "
+                         "call optimize(model) and undo(model) instead")  # fmt: skip
+    if not isinstance(response_step, int) or response_step < 1:
+        raise ValueError(f"ipex_segment_kv.optimize: response_step must be a positive integer, got {response_step!r}")
+    install()
+    from .attention import ATTN_NAME
+    from .generation import check_architecture
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"ipex_segment_kv.optimize: expected a transformers model, got {type(model).__name__}")
+    check_architecture(model)
+    dtype = getattr(model, "dtype", None)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"ipex_segment_kv.optimize: model dtype {dtype} is not supported; use one of "
+                         f"{[str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES]} (model.to(dtype))")  # fmt: skip
+    current = model.config._attn_implementation
+    if current != ATTN_NAME:
+        setattr(model, _PREVIOUS, current)
+        model.set_attn_implementation(ATTN_NAME)
+    model._aipc_segment_kv_step = response_step
+    return model
+
+
+def undo(model: Any) -> Any:
+    """Restores the attention implementation the model had before :func:`optimize`."""
+    from .attention import ATTN_NAME
+
+    previous = getattr(model, _PREVIOUS, None)
+    if model.config._attn_implementation == ATTN_NAME:
+        model.set_attn_implementation(previous or "sdpa")
+    for attr in (_PREVIOUS, "_aipc_segment_kv_step"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model

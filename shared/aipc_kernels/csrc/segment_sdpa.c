@@ -1,0 +1,558 @@
+/*
+ * Segment-KV attention (index-select SDPA) for beam search, CPU
+ * ("Efficient LLM inference solution on Intel GPU", segment KV cache + fused index-select SDPA).
+ *
+ * Rows n = b*E + e (batch entry b, beam e of E). The keys/values of row n are, in logical order,
+ *   the prompt of its batch entry:  prompt_key[b, j, kvh, :]              j < Np   (shared by all E beams)
+ *   its response tokens:            resp_key[t, path[t, n], kvh, :]        t < Nr   (path: resolved beam table)
+ * and the output is the softmax attention of query[n, h, l, :] over those Np + Nr positions, with one
+ * online softmax over both segments, grouped-query heads (h -> kvh = h / G), an optional additive float
+ * mask indexed by logical position, and an optional causal rule (query l sees positions <= L - Lq + l).
+ *
+ * One work item = (batch entry, kv head, chunk of positions): it reads each prompt key/value row ONCE
+ * for all E beams x G query heads x Lq queries (the rows of a tile), which is where the segment cache
+ * saves bandwidth over a per-beam cache. Long sequences are split into chunks (flash-decoding) so that
+ * small batches still occupy every thread; the partial softmax states are merged at the end.
+ *
+ * Layouts (elements): query strides (q_sn, q_sh, q_sl), last dim contiguous; prompt [B][Np][Hkv][D];
+ * response [cap][N][Hkv][D]; path int32 [Nr][N]; mask float32 strides (m_sn, m_sh, m_sl), last dim
+ * contiguous over the L = Np + Nr logical positions; out float32 [N][Lq][Hq][D]. Fully masked query
+ * rows produce zeros. Plain C with intrinsics, no torch headers; ISA chosen by the caller at run time
+ * (0 scalar, 1-2 AVX2, 3 AVX-512); threads via OpenMP.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define SEG_X86 1
+#include <immintrin.h>
+#endif
+
+#define API __attribute__((visibility("default")))
+#define KB 32          /* key positions per block */
+#define ROW_TILE 64    /* query rows per tile (all beams x heads x queries of one kv head, tiled) */
+#define MIN_CHUNK 256  /* fewest positions per chunk when splitting a sequence across threads */
+
+enum { S_F32 = 0, S_BF16 = 1, S_F16 = 2 };
+enum { S_OK = 0, S_ERR_SHAPE = -2, S_ERR_DTYPE = -4, S_ERR_NOMEM = -6, S_ERR_PATH = -7 };
+
+/* ------------------------------------------------------------------ scalar helpers */
+
+static inline float s_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float s_f16(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000 | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void cvt_scalar(float *dst, const void *src, int dt, int64_t D) {
+    if (dt == S_F32) {
+        memcpy(dst, src, (size_t)D * 4);
+    } else if (dt == S_BF16) {
+        for (int64_t d = 0; d < D; d++) dst[d] = s_bf16(((const uint16_t *)src)[d]);
+    } else {
+        for (int64_t d = 0; d < D; d++) dst[d] = s_f16(((const uint16_t *)src)[d]);
+    }
+}
+
+/* sc[j] = q . k_j for the n keys of a block held transposed: kT[d][KB] */
+static void dots_scalar(float *sc, const float *q, const float *kT, int n, int64_t D) {
+    for (int j = 0; j < n; j++) sc[j] = 0.f;
+    for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < n; j++) sc[j] += q[d] * kT[d * KB + j];
+}
+
+/* p[j] = exp(sc[j] - m) (0 for -inf); returns the sum */
+static float softmax_scalar(float *p, const float *sc, float m, int n) {
+    float sum = 0.f;
+    for (int j = 0; j < n; j++) {
+        p[j] = expf(sc[j] - m);
+        sum += p[j];
+    }
+    return sum;
+}
+
+static void accum_scalar(float *acc, float alpha, const float *p, const float *const *v, int n, int64_t D) {
+    for (int64_t d = 0; d < D; d++) {
+        float a = acc[d] * alpha;
+        for (int j = 0; j < n; j++) a += p[j] * v[j][d];
+        acc[d] = a;
+    }
+}
+
+/* ------------------------------------------------------------------ AVX-512 */
+#ifdef SEG_X86
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define T256 __attribute__((target("avx2,f16c,fma")))
+
+static inline T512 __mmask16 tail16(int64_t rem) {
+    return rem >= 16 ? (__mmask16)0xFFFF : rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1);
+}
+
+static T512 void cvt_512(float *dst, const void *src, int dt, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        __mmask16 m = tail16(D - d);
+        __m512 x;
+        if (dt == S_F32) {
+            x = _mm512_maskz_loadu_ps(m, (const float *)src + d);
+        } else {
+            __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)src + d);
+            x = dt == S_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+        }
+        _mm512_mask_storeu_ps(dst + d, m, x);
+    }
+}
+
+static T512 void dots_512(float *sc, const float *q, const float *kT, int n, int64_t D) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 2 <= D; d += 2) { /* two independent chains per half-block */
+        const __m512 x = _mm512_set1_ps(q[d]), y = _mm512_set1_ps(q[d + 1]);
+        a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB), a0);
+        a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB + 16), a1);
+        b0 = _mm512_fmadd_ps(y, _mm512_loadu_ps(kT + (d + 1) * KB), b0);
+        b1 = _mm512_fmadd_ps(y, _mm512_loadu_ps(kT + (d + 1) * KB + 16), b1);
+    }
+    if (d < D) {
+        const __m512 x = _mm512_set1_ps(q[d]);
+        a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB), a0);
+        a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB + 16), a1);
+    }
+    _mm512_storeu_ps(sc, _mm512_add_ps(a0, b0));
+    _mm512_storeu_ps(sc + 16, _mm512_add_ps(a1, b1));
+    (void)n; /* lanes past n hold garbage the caller never reads */
+}
+
+/* exp(x) for x <= 0 (softmax arguments): Cody-Waite reduction, degree-6 polynomial, scalef; -inf -> 0 */
+static inline T512 __m512 exp_512(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+
+static T512 float softmax_512(float *p, const float *sc, float m, int n) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = tail16(n - j);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), mv)));
+        _mm512_storeu_ps(p + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* acc = alpha * acc + sum_j p[j] * v[j], 64 floats (4 registers) at a time */
+static T512 void accum_512(float *acc, float alpha, const float *p, const float *const *v, int n, int64_t D) {
+    const __m512 al = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < D; d += 64) {
+        const __mmask16 m0 = tail16(D - d), m1 = tail16(D - d - 16), m2 = tail16(D - d - 32), m3 = tail16(D - d - 48);
+        __m512 a0 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m0, acc + d));
+        __m512 a1 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m1, acc + d + 16));
+        __m512 a2 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m2, acc + d + 32));
+        __m512 a3 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m3, acc + d + 48));
+        for (int j = 0; j < n; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            const float *vj = v[j] + d;
+            a0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m0, vj), a0);
+            a1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m1, vj + 16), a1);
+            a2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m2, vj + 32), a2);
+            a3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m3, vj + 48), a3);
+        }
+        _mm512_mask_storeu_ps(acc + d, m0, a0);
+        _mm512_mask_storeu_ps(acc + d + 16, m1, a1);
+        _mm512_mask_storeu_ps(acc + d + 32, m2, a2);
+        _mm512_mask_storeu_ps(acc + d + 48, m3, a3);
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 */
+
+static T256 void cvt_256(float *dst, const void *src, int dt, int64_t D) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m256 x;
+        if (dt == S_F32) {
+            x = _mm256_loadu_ps((const float *)src + d);
+        } else {
+            __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + d));
+            x = dt == S_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+        }
+        _mm256_storeu_ps(dst + d, x);
+    }
+    if (d < D) cvt_scalar(dst + d, (const char *)src + d * (dt == S_F32 ? 4 : 2), dt, D - d);
+}
+
+static T256 void dots_256(float *sc, const float *q, const float *kT, int n, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 x = _mm256_set1_ps(q[d]);
+        const float *k = kT + d * KB;
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 8), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 16), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 24), a3);
+    }
+    _mm256_storeu_ps(sc, a0);
+    _mm256_storeu_ps(sc + 8, a1);
+    _mm256_storeu_ps(sc + 16, a2);
+    _mm256_storeu_ps(sc + 24, a3);
+    (void)n;
+}
+
+static T256 void accum_256(float *acc, float alpha, const float *p, const float *const *v, int n, int64_t D) {
+    const __m256 al = _mm256_set1_ps(alpha);
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d)), a1 = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d + 8));
+        __m256 a2 = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d + 16)), a3 = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d + 24));
+        for (int j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v[j] + d;
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d, a0);
+        _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2);
+        _mm256_storeu_ps(acc + d + 24, a3);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 a0 = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d));
+        for (int j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), a0);
+        _mm256_storeu_ps(acc + d, a0);
+    }
+    for (; d < D; d++) {
+        float a = acc[d] * alpha;
+        for (int j = 0; j < n; j++) a += p[j] * v[j][d];
+        acc[d] = a;
+    }
+}
+#endif /* SEG_X86 */
+
+/* ------------------------------------------------------------------ kernel */
+
+typedef void (*cvt_fn)(float *, const void *, int, int64_t);
+typedef void (*dots_fn)(float *, const float *, const float *, int, int64_t);
+typedef float (*softmax_fn)(float *, const float *, float, int);
+typedef void (*accum_fn)(float *, float, const float *, const float *const *, int, int64_t);
+
+typedef struct {
+    cvt_fn cvt;
+    dots_fn dots;
+    softmax_fn softmax;
+    accum_fn accum;
+} seg_isa;
+
+typedef struct {
+    /* problem */
+    const char *q;
+    int64_t q_sn, q_sh, q_sl;
+    const char *pk, *pv, *rk, *rv;
+    const int32_t *path;
+    const float *mask;
+    int64_t m_sn, m_sh, m_sl;
+    int dt;
+    size_t esz;
+    int64_t N, B, E, Hq, Hkv, G, Lq, D, Np, Nr, L;
+    float scale;
+    int causal;
+    seg_isa isa;
+} seg_args;
+
+/* Per-thread scratch of one row tile. */
+typedef struct {
+    float *qf, *acc, *m, *s, *kT, *kbuf, *vbuf;
+    const float *vp[KB];
+    float sc[KB], p[KB];
+} seg_scratch;
+
+/* Row r of a (b, kvh) work item -> (beam e, head group g, query l); rows ordered e-major. */
+static inline void row_coords(const seg_args *a, int64_t r, int64_t *e, int64_t *g, int64_t *l) {
+    *l = r % a->Lq;
+    *g = (r / a->Lq) % a->G;
+    *e = r / (a->Lq * a->G);
+}
+
+/* Gather one block of KB positions: keys transposed to fp32 kT[D][KB] (read by every row of the tile),
+ * values as fp32 rows (in place when already fp32). Lanes past nk are zero. */
+static void load_block(const seg_args *a, seg_scratch *w, const char *const *krow, const char *const *vrow, int nk) {
+    const int64_t D = a->D;
+    for (int j = 0; j < nk; j++) {
+        const float *k = (const float *)krow[j];
+        if (a->dt != S_F32) {
+            a->isa.cvt(w->kbuf, krow[j], a->dt, D);
+            k = w->kbuf;
+        }
+        for (int64_t d = 0; d < D; d++) w->kT[d * KB + j] = k[d];
+        if (a->dt == S_F32) {
+            w->vp[j] = (const float *)vrow[j];
+        } else {
+            a->isa.cvt(w->vbuf + (int64_t)j * D, vrow[j], a->dt, D);
+            w->vp[j] = w->vbuf + (int64_t)j * D;
+        }
+    }
+    if (nk < KB)
+        for (int64_t d = 0; d < D; d++)
+            for (int j = nk; j < KB; j++) w->kT[d * KB + j] = 0.f;
+}
+
+/* One row against a block of nk positions starting at logical position pos0 (online softmax update). */
+static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int64_t pos0, int nk) {
+    int64_t e, g, l;
+    row_coords(a, r, &e, &g, &l);
+    float *sc = w->sc;
+    a->isa.dots(sc, w->qf + rt * a->D, w->kT, nk, a->D);
+    if (a->mask) {
+        const int64_t n = b * a->E + e, h = kvh * a->G + g;
+        const float *mr = a->mask + n * a->m_sn + h * a->m_sh + l * a->m_sl + pos0;
+        for (int j = 0; j < nk; j++) sc[j] += mr[j];
+    }
+    if (a->causal) {
+        const int64_t limit = a->L - a->Lq + l;
+        for (int j = 0; j < nk; j++)
+            if (pos0 + j > limit) sc[j] = -INFINITY;
+    }
+    float bmax = -INFINITY;
+    for (int j = 0; j < nk; j++) bmax = sc[j] > bmax ? sc[j] : bmax;
+    if (bmax == -INFINITY) return; /* nothing visible in this block */
+    const float mold = w->m[rt], mnew = mold > bmax ? mold : bmax;
+    const float alpha = mold == -INFINITY ? 0.f : expf(mold - mnew);
+    const float sum = a->isa.softmax(w->p, sc, mnew, nk);
+    w->s[rt] = w->s[rt] * alpha + sum;
+    w->m[rt] = mnew;
+    a->isa.accum(w->acc + rt * a->D, alpha, w->p, w->vp, nk, a->D);
+}
+
+/* Work item (b, kvh, rows [r0, r1), positions [j0, j1)): leaves m, s, acc of the tile in w. */
+static void run_item(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
+    const int64_t D = a->D, R = r1 - r0;
+    for (int64_t rt = 0; rt < R; rt++) {
+        int64_t e, g, l;
+        row_coords(a, r0 + rt, &e, &g, &l);
+        const int64_t n = b * a->E + e, h = kvh * a->G + g;
+        a->isa.cvt(w->qf + rt * D, a->q + (n * a->q_sn + h * a->q_sh + l * a->q_sl) * (int64_t)a->esz, a->dt, D);
+        for (int64_t d = 0; d < D; d++) w->qf[rt * D + d] *= a->scale;
+        w->m[rt] = -INFINITY;
+        w->s[rt] = 0.f;
+    }
+    memset(w->acc, 0, (size_t)(R * D) * sizeof(float));
+    const char *krow[KB], *vrow[KB];
+    const int64_t rowb = a->Hkv * D * (int64_t)a->esz; /* bytes between positions of one head */
+
+    /* prompt segment: each key/value row read once for every row of the tile */
+    const int64_t pend = j1 < a->Np ? j1 : a->Np;
+    for (int64_t jb = j0; jb < pend; jb += KB) {
+        const int nk = (int)(pend - jb < KB ? pend - jb : KB);
+        const char *kb = a->pk + ((b * a->Np + jb) * a->Hkv + kvh) * D * (int64_t)a->esz;
+        const char *vb = a->pv + ((b * a->Np + jb) * a->Hkv + kvh) * D * (int64_t)a->esz;
+        for (int j = 0; j < nk; j++) {
+            krow[j] = kb + j * rowb;
+            vrow[j] = vb + j * rowb;
+        }
+        load_block(a, w, krow, vrow, nk);
+        for (int64_t rt = 0; rt < R; rt++) row_block(a, w, b, kvh, r0 + rt, rt, jb, nk);
+    }
+
+    /* response segment: per beam, rows chosen through the path table */
+    const int64_t t0 = (j0 > a->Np ? j0 : a->Np) - a->Np, t1 = j1 - a->Np;
+    if (t1 <= t0) return;
+    const int64_t rows_per_beam = a->G * a->Lq;
+    for (int64_t e = r0 / rows_per_beam; e * rows_per_beam < r1; e++) {
+        const int64_t n = b * a->E + e;
+        const int64_t ra = e * rows_per_beam > r0 ? e * rows_per_beam : r0;
+        const int64_t rb = (e + 1) * rows_per_beam < r1 ? (e + 1) * rows_per_beam : r1;
+        for (int64_t tb = t0; tb < t1; tb += KB) {
+            const int nk = (int)(t1 - tb < KB ? t1 - tb : KB);
+            for (int j = 0; j < nk; j++) {
+                const int64_t t = tb + j, phys = a->path[t * a->N + n];
+                const int64_t off = ((t * a->N + phys) * a->Hkv + kvh) * D * (int64_t)a->esz;
+                krow[j] = a->rk + off;
+                vrow[j] = a->rv + off;
+            }
+            load_block(a, w, krow, vrow, nk);
+            for (int64_t r = ra; r < rb; r++) row_block(a, w, b, kvh, r, r - r0, a->Np + tb, nk);
+        }
+    }
+}
+
+static int scratch_alloc(seg_scratch *w, int64_t rows, int64_t D) {
+    w->qf = malloc((size_t)(rows * D) * sizeof(float));
+    w->acc = malloc((size_t)(rows * D) * sizeof(float));
+    w->m = malloc((size_t)rows * sizeof(float));
+    w->s = malloc((size_t)rows * sizeof(float));
+    w->kT = malloc((size_t)(KB * D) * sizeof(float));
+    w->kbuf = malloc((size_t)D * sizeof(float));
+    w->vbuf = malloc((size_t)(KB * D) * sizeof(float));
+    return w->qf && w->acc && w->m && w->s && w->kT && w->kbuf && w->vbuf;
+}
+
+static void scratch_free(seg_scratch *w) {
+    free(w->qf);
+    free(w->acc);
+    free(w->m);
+    free(w->s);
+    free(w->kT);
+    free(w->kbuf);
+    free(w->vbuf);
+}
+
+/* Final value of one row: acc / s, or zeros when every position was masked. */
+static void write_row(const seg_args *a, float *out, int64_t b, int64_t kvh, int64_t r, const float *acc, float s) {
+    int64_t e, g, l;
+    row_coords(a, r, &e, &g, &l);
+    const int64_t n = b * a->E + e, h = kvh * a->G + g;
+    float *o = out + ((n * a->Lq + l) * a->Hq + h) * a->D;
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    for (int64_t d = 0; d < a->D; d++) o[d] = acc[d] * inv;
+}
+
+/*
+ * out[N][Lq][Hq][D] (float32) = segment attention (see the file comment). dt: 0 f32, 1 bf16, 2 f16 for
+ * query, prompt and response K/V. isa: 0 scalar, 1-2 AVX2, 3 AVX-512. Returns 0 or a negative error.
+ */
+API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_sl, const void *pk, const void *pv,
+                          const void *rk, const void *rv, const int32_t *path, const float *mask, int64_t m_sn,
+                          int64_t m_sh, int64_t m_sl, float *out, int dt, int64_t N, int64_t B, int64_t Hq,
+                          int64_t Hkv, int64_t Lq, int64_t D, int64_t Np, int64_t Nr, float scale, int causal,
+                          int isa, int nthreads) {
+    if (dt < S_F32 || dt > S_F16) return S_ERR_DTYPE;
+    if (B <= 0 || N <= 0 || N % B || Hkv <= 0 || Hq % Hkv || Lq <= 0 || D <= 0 || Np < 0 || Nr < 0 || Np + Nr <= 0)
+        return S_ERR_SHAPE;
+    for (int64_t i = 0; i < Nr * N; i++)
+        if (path[i] < 0 || path[i] >= N) return S_ERR_PATH;
+    seg_args a = {
+        .q = q, .q_sn = q_sn, .q_sh = q_sh, .q_sl = q_sl, .pk = pk, .pv = pv, .rk = rk, .rv = rv, .path = path,
+        .mask = mask, .m_sn = m_sn, .m_sh = m_sh, .m_sl = m_sl, .dt = dt, .esz = dt == S_F32 ? 4 : 2, .N = N,
+        .B = B, .E = N / B, .Hq = Hq, .Hkv = Hkv, .G = Hq / Hkv, .Lq = Lq, .D = D, .Np = Np, .Nr = Nr,
+        .L = Np + Nr, .scale = scale, .causal = causal,
+        .isa = {cvt_scalar, dots_scalar, softmax_scalar, accum_scalar},
+    };
+#ifdef SEG_X86
+    if (isa >= 3) a.isa = (seg_isa){cvt_512, dots_512, softmax_512, accum_512};
+    else if (isa >= 1) a.isa = (seg_isa){cvt_256, dots_256, softmax_scalar, accum_256};
+#else
+    (void)isa;
+#endif
+    if (nthreads < 1) nthreads = 1;
+    const int64_t R = a.E * a.G * Lq;                    /* rows per (b, kvh) */
+    const int64_t ntiles = (R + ROW_TILE - 1) / ROW_TILE;
+    const int64_t tile = (R + ntiles - 1) / ntiles;      /* balanced tiles */
+    const int64_t units = B * Hkv * ntiles;
+    int64_t nchunks = 1;                                 /* split the positions when units < 2 x threads */
+    if (units < 2 * nthreads) {
+        nchunks = (2 * nthreads + units - 1) / units;
+        const int64_t most = (a.L + MIN_CHUNK - 1) / MIN_CHUNK;
+        if (nchunks > most) nchunks = most;
+        if (nchunks < 1) nchunks = 1;
+    }
+    int64_t chunk = (a.L + nchunks - 1) / nchunks;
+    chunk = (chunk + KB - 1) / KB * KB;
+    nchunks = (a.L + chunk - 1) / chunk;
+
+    const int64_t part_stride = tile * (D + 2); /* per (unit, chunk): m[tile], s[tile], acc[tile][D] */
+    float *part = NULL;
+    if (nchunks > 1) {
+        part = malloc((size_t)(units * nchunks * part_stride) * sizeof(float));
+        if (!part) return S_ERR_NOMEM;
+    }
+    int status = S_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        seg_scratch w;
+        if (!scratch_alloc(&w, tile, D)) {
+#pragma omp atomic write
+            status = S_ERR_NOMEM;
+        }
+#pragma omp barrier
+        if (status == S_OK) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < units * nchunks; it++) {
+                const int64_t c = it % nchunks, u = it / nchunks;
+                const int64_t ti = u % ntiles, bk = u / ntiles, kvh = bk % Hkv, b = bk / Hkv;
+                const int64_t r0 = ti * tile, r1 = r0 + tile < R ? r0 + tile : R;
+                const int64_t j0 = c * chunk, j1 = j0 + chunk < a.L ? j0 + chunk : a.L;
+                run_item(&a, &w, b, kvh, r0, r1, j0, j1);
+                if (nchunks == 1) {
+                    for (int64_t r = r0; r < r1; r++) write_row(&a, out, b, kvh, r, w.acc + (r - r0) * D, w.s[r - r0]);
+                } else {
+                    float *pp = part + it * part_stride;
+                    memcpy(pp, w.m, (size_t)(r1 - r0) * sizeof(float));
+                    memcpy(pp + tile, w.s, (size_t)(r1 - r0) * sizeof(float));
+                    memcpy(pp + 2 * tile, w.acc, (size_t)((r1 - r0) * D) * sizeof(float));
+                }
+            }
+            if (nchunks > 1) {
+                /* merge the chunks' softmax states: one (unit, row) per iteration */
+#pragma omp for schedule(static)
+                for (int64_t ur = 0; ur < units * tile; ur++) {
+                    const int64_t u = ur / tile, rr = ur % tile;
+                    const int64_t ti = u % ntiles, bk = u / ntiles, kvh = bk % Hkv, b = bk / Hkv;
+                    const int64_t r = ti * tile + rr;
+                    if (r >= R || rr >= (ti * tile + tile < R ? tile : R - ti * tile)) continue;
+                    float M = -INFINITY;
+                    for (int64_t c = 0; c < nchunks; c++) {
+                        const float mc = part[(u * nchunks + c) * part_stride + rr];
+                        M = mc > M ? mc : M;
+                    }
+                    float S = 0.f;
+                    float *acc = w.acc; /* D floats of scratch */
+                    memset(acc, 0, (size_t)D * sizeof(float));
+                    if (M != -INFINITY) {
+                        for (int64_t c = 0; c < nchunks; c++) {
+                            const float *pp = part + (u * nchunks + c) * part_stride;
+                            if (pp[rr] == -INFINITY) continue;
+                            const float f = expf(pp[rr] - M);
+                            S += pp[tile + rr] * f;
+                            const float *ac = pp + 2 * tile + rr * D;
+                            for (int64_t d = 0; d < D; d++) acc[d] += ac[d] * f;
+                        }
+                    }
+                    write_row(&a, out, b, kvh, r, acc, S);
+                }
+            }
+        }
+        scratch_free(&w);
+    }
+    free(part);
+    return status;
+}

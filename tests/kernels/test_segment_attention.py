@@ -1,0 +1,201 @@
+"""``aipc::segment_sdpa`` against a float64 reference: random odd shapes, GQA, masks, causal queries,
+float32/bfloat16/float16, every CPU instruction set, the op's dispatch, its fake kernel, and Triton
+(interpreted on CPU) where installed. Outputs are poisoned with NaN before the kernel writes them."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from aipc_kernels import native
+from aipc_kernels import segment_attention as sa
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+# (B, E, Hq, Hkv, Lq, D, Np, Nr, cap)
+SHAPES = [
+    (1, 4, 12, 4, 1, 64, 77, 13, 16),  # beam search decode, GQA 3
+    (2, 3, 6, 2, 1, 40, 33, 5, 7),  # odd head dim, two prompts
+    (3, 2, 4, 4, 3, 33, 9, 21, 32),  # multi-token step, MHA, response longer than prompt
+    (1, 1, 8, 2, 5, 64, 300, 0, 0),  # prompt only, chunked across threads
+    (2, 1, 2, 1, 1, 16, 0, 11, 11),  # response only
+    (1, 8, 4, 1, 1, 128, 600, 40, 48),  # wide beam, long prompt (split into chunks)
+]
+
+
+def _case(B, E, Hq, Hkv, Lq, D, Np, Nr, cap, dtype, mask_kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = B * E
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q = r(N, Lq, Hq, D).transpose(1, 2)  # strided, as transformers passes it
+    pk, pv = r(B, Np, Hkv, D), r(B, Np, Hkv, D)
+    rk, rv = r(cap, N, Hkv, D), r(cap, N, Hkv, D)
+    # a resolved beam table: each row's token t comes from a row of its own prompt
+    path = (torch.arange(N) // E * E)[None, :] + torch.randint(0, E, (Nr, N), generator=g)
+    path = path.to(torch.int32)
+    mask = None
+    L = Np + Nr
+    if mask_kind == "bool":
+        mask = torch.rand(N, 1, Lq, L, generator=g) > 0.3
+        mask[..., -1] = True
+    elif mask_kind == "float-heads":
+        mask = torch.randn(1, Hq, Lq, L, generator=g)
+        mask[..., : L // 3] = float("-inf")  # a left-padding-like block
+    elif mask_kind == "left-pad":
+        keep = torch.ones(N, L, dtype=torch.bool)
+        keep[::2, : min(5, Np)] = False
+        mask = keep[:, None, None, :].expand(N, 1, Lq, L)
+    return q, pk, pv, rk, rv, path, mask
+
+
+def _reference(args, scale, causal):
+    return sa.reference_segment_sdpa(*args, scale=scale, is_causal=causal, compute_dtype=torch.float64)
+
+
+def _check(got, ref, dtype):
+    assert got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref.double(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512_vnni"])
+def isa(request):
+    if not sa.native_available():
+        pytest.skip("native library not built")
+    if native.ISAS[request.param] > native.ISAS[native.best_isa()]:
+        pytest.skip(f"{request.param} not supported by this CPU")
+    before = native.get_isa()
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(before)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float-heads", "left-pad"])
+def test_native_matches_reference(isa, shape, dtype, mask_kind):
+    args = _case(*shape, dtype, mask_kind, seed=hash((shape, mask_kind)) % 1000)
+    N, Hq, Lq, D = args[0].shape
+    for causal in (False, True):
+        out = torch.full((N, Lq, Hq, D), float("nan"))
+        got = sa.native_segment_sdpa(*args, scale=0.3, is_causal=causal, out=out)
+        assert got.dtype == dtype
+        _check(got, _reference(args, 0.3, causal), dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_thread_counts(threads):
+    if not sa.native_available():
+        pytest.skip("native library not built")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        args = _case(1, 2, 4, 2, 1, 32, 1000, 30, 32, torch.float32, "bool")  # several chunks per row
+        _check(sa.native_segment_sdpa(*args, scale=0.2), _reference(args, 0.2, False), torch.float32)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fully_masked_rows_are_zero():
+    args = list(_case(1, 2, 2, 1, 2, 16, 7, 3, 4, torch.float32, "bool"))
+    args[6] = torch.zeros_like(args[6])
+    args[6][0] = True
+    ref = _reference(args, 0.25, False)
+    assert (ref[1] == 0).all()
+    got = sa.segment_sdpa(*args, scale=0.25)
+    _check(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask_kind", [None, "left-pad"])
+def test_op_dispatch_matches_reference(shape, mask_kind):
+    """The custom op on CPU (native kernel, or PyTorch SDPA for the prompt-only prefill)."""
+    args = _case(*shape, torch.float32, mask_kind, seed=7)
+    for causal in (False, True):
+        got = torch.ops.aipc.segment_sdpa(*args, 0.125, causal)
+        _check(got, _reference(args, 0.125, causal), torch.float32)
+
+
+def test_prefill_with_padding_rows():
+    """Prompt-only prefill with left padding: pad queries see nothing (zeros, not NaN)."""
+    B, L, H, D = 2, 9, 4, 16
+    q = torch.randn(B, H, L, D)
+    pk, pv = torch.randn(B, L, 2, D), torch.randn(B, L, 2, D)
+    keep = torch.ones(B, L, dtype=torch.bool)
+    keep[1, :4] = False
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    mask = keep[:, None, None, :] & causal[None, None]
+    empty = pk.new_empty(0, B, 2, D)
+    args = (q, pk, pv, empty, empty, torch.empty(0, B, dtype=torch.int32), mask)
+    got = torch.ops.aipc.segment_sdpa(*args, 0.25, False)
+    _check(got, _reference(args, 0.25, False), torch.float32)
+    assert (got[1, :4] == 0).all()
+
+
+def test_fake_kernel_and_schema():
+    args = _case(1, 2, 4, 2, 1, 16, 5, 3, 4, torch.float32, "bool")
+    torch.library.opcheck(torch.ops.aipc.segment_sdpa.default, (*args, 0.25, False),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+def test_clear_errors():
+    q, pk, pv, rk, rv, path, _ = _case(1, 2, 4, 2, 1, 16, 5, 3, 4, torch.float32, None)
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        sa.segment_sdpa(q[:, :3], pk, pv, rk, rv, path)
+    with pytest.raises(ValueError, match="multiple of the prompts"):
+        sa.segment_sdpa(q[:1], pk.expand(2, -1, -1, -1), pv.expand(2, -1, -1, -1), rk, rv, path)
+    with pytest.raises(ValueError, match="int32"):
+        sa.segment_sdpa(q, pk, pv, rk, rv, path.long())
+    with pytest.raises(ValueError, match="dtype torch.float64 is not supported"):
+        sa.segment_sdpa(q.double(), pk, pv, rk, rv, path)
+    with pytest.raises(ValueError, match="prompt_key dtype"):
+        sa.segment_sdpa(q, pk.half(), pv, rk, rv, path)
+    with pytest.raises(ValueError, match="attn_mask must be 4-D"):
+        sa.segment_sdpa(q, pk, pv, rk, rv, path, torch.ones(2, 8, dtype=torch.bool))
+    if sa.native_available():
+        bad = path.clone()
+        bad[0, 0] = 99
+        with pytest.raises(RuntimeError, match="path entry out of range"):
+            sa.native_segment_sdpa(q, pk, pv, rk, rv, bad)
+
+
+@pytest.fixture(scope="module")
+def triton_kernel():
+    """The Triton kernel module: compiled on a CUDA machine, else imported under TRITON_INTERPRET=1
+    (read when the kernels are decorated, so set only around the import)."""
+    pytest.importorskip("triton")
+    import importlib
+    import sys
+
+    name = "aipc_kernels.triton.segment_sdpa"
+    if torch.cuda.is_available():
+        return importlib.import_module(name)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+# small: the interpreter runs every program in Python (the GPU run adds SHAPES)
+TRITON_SHAPES = [(1, 2, 6, 2, 1, 24, 19, 5, 8), (2, 2, 2, 1, 2, 16, 7, 3, 4), (1, 1, 4, 4, 1, 16, 0, 6, 8)]
+GPU_SHAPES = TRITON_SHAPES + (SHAPES if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton(triton_kernel, shape, dtype):
+    """The Triton kernel: interpreted on CPU tensors here, compiled on a GPU (same test)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = _case(*shape, dtype, "left-pad", seed=3)
+    dev_args = [None if a is None else a.to(device) for a in args]
+    for causal in (False, True):
+        got = triton_kernel.segment_sdpa(*dev_args, scale=0.3, is_causal=causal, out_poison=True)
+        _check(got.cpu(), _reference(args, 0.3, causal), dtype)
