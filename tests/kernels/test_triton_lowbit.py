@@ -30,6 +30,7 @@ if not ON_GPU:
 
 GEMV = {"BLOCK_N": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 FMA = {"KERNEL": "fma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+DP4A = {"KERNEL": "dp4a", "BLOCK_N": 16, "SPLIT_K": 1, "BLOCK_C": 2, "num_warps": 4, "num_stages": 2}
 GEMM = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}
 
 
@@ -93,6 +94,8 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     _close(y, ref, 2e-5)
     if M == 1:  # the dot-free GEMV kernel too
         _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=FMA), ref, 2e-5)
+    if M <= tlin.GEMV_MAX_M:  # and the integer-unit (dp4a) weight-streaming GEMV
+        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=DP4A), ref, 2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -114,13 +117,13 @@ def test_dtypes_against_float64_dequantized_weights(dtype, scale_dtype, M):
     assert rel < 0.02, rel
 
 
-@pytest.mark.parametrize("M, kernel", [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot")])
+@pytest.mark.parametrize("M, kernel", [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a")])
 @pytest.mark.parametrize("block_n, split_k", [(16, 2), (32, 3), (16, 8)])
 def test_split_k(M, kernel, block_n, split_k):
     N, K = 45, 1024  # 8 chunks: splits of 4, 3 (uneven), 1 chunk
     w, p = _case(N, K, "int2", 64, seed=M + split_k)
     x, bias = torch.randn(M, K), torch.randn(N)
-    cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
+    cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
     for _ in range(2):  # tickets are re-armed by the reducing program: a second call is right too
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
@@ -142,7 +145,7 @@ def test_every_output_written_and_nothing_past_it(M):
     x = torch.randn(M, K)
     for dtype in (torch.float32, torch.bfloat16):
         buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
-        cfg = GEMV if M <= tlin.GEMV_MAX_M else GEMM
+        cfg = (DP4A if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else GEMM
         tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])
         assert not torch.isnan(buf[: M * N]).any()
         assert torch.isnan(buf[M * N :]).all()
@@ -232,6 +235,7 @@ def test_autotune_writes_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tlin, "_mem_cache", {})
     monkeypatch.setattr(tlin, "GEMV_SPACE", [("dot", 16, 1, 4, 2), ("dot", 32, 2, 4, 3)])
     monkeypatch.setattr(tlin, "GEMV_FMA_SPACE", [("fma", 64, 2, 4, 3)])
+    monkeypatch.setattr(tlin, "GEMV_DP4A_SPACE", [("dp4a", 32, 2, 4, 3, 2)])
     w, p = _case(64, 512, "affine", 128, seed=3)
     x = torch.randn(1, 512, device="cuda")
     _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)

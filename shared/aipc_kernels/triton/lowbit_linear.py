@@ -10,7 +10,10 @@ activations are quantized to int8 (absmax per token, the rounding of
 Two paths, both computing ``y^T`` tiles ``[BLOCK_N, BLOCK_M]`` (weights are the dot's A operand, so
 a decode step pads M to 16 and not the weight tile):
 
-* GEMV (M <= 16): one kernel; each program finds its rows' absmax, quantizes activations in
+* GEMV (M <= 16), ``dp4a``: weight streaming on the integer units (int32 words of packed codes x int8
+  activations packed 4 per word, one ``dp4a`` per 4 codes, exact), one fp32 rescale per group; the
+  tuner picks it or the two kernels below.
+* GEMV (M <= 16), ``dot``: one kernel; each program finds its rows' absmax, quantizes activations in
   registers, streams its weight rows once. Split-K (``SPLIT_K`` programs per output tile) when
   there are too few tiles to fill the GPU; the last program of a tile (atomic ticket) sums the fp32
   partials, so it is still one launch with no zero-fill (CUDA-graph friendly).
@@ -274,21 +277,129 @@ def _lowbit_gemv_fma_kernel(
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
+@triton.jit
+def _dp4a(a, b, c, HW: tl.constexpr):
+    """c + sum of the 4 signed byte products of int32 words a and b: one ``dp4a`` on NVIDIA
+    (``HW``), a shift/multiply emulation elsewhere (the interpreter, XPU)."""
+    if HW:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        r = c
+        for i in tl.static_range(4):
+            r += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return r
+
+
+@triton.jit
+def _lowbit_gemv_dp4a_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, NG, KW, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_KX: tl.constexpr,
+):
+    """Weight-streaming GEMV (M <= 16) on the integer units: each program streams BLOCK_N rows x
+    BLOCK_C 32-byte chunks per step as int32 words (16-byte loads); a plane's 4 codes of a word
+    (``(w >> BITS*q) & 0x0303..``) meet 4 int8 activations packed the same way in one ``dp4a``
+    (exact int32), chained over the planes of a group; one fp32 rescale per group and row.
+    Activations: per-row absmax once per program over the whole row, codes packed per step."""
+    P: tl.constexpr = 8 // BITS  # bit-planes per byte
+    KC: tl.constexpr = 32 * P  # k per 32-byte chunk
+    GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)  # k of one rescale step
+    GPC: tl.constexpr = KC // GE  # rescale steps per chunk
+    PPG: tl.constexpr = P // GPC  # planes per rescale step
+    MASK: tl.constexpr = (1 << BITS) - 1
+    PMASK: tl.constexpr = MASK | (MASK << 8) | (MASK << 16) | (MASK << 24)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    oc = tl.arange(0, BLOCK_C)
+    ow = tl.arange(0, 8)
+    ob = tl.arange(0, 4)
+    inv, sx = _act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M, BLOCK_KX)
+    inv4 = inv[:, None, None, None]
+    bshift = (ob * 8)[None, None, None, :]
+
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * KW + ow[None, None, :]
+    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * K
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        c = c0 + oc
+        c_mask = c < c_end
+        wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & c_mask[None, :, None], other=0)
+        for gi in tl.static_range(GPC):
+            gd = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_C, 8], dtype=tl.int32)
+            gxs = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+            for qq in tl.static_range(PPG):
+                q = gi * PPG + qq
+                # activations of plane q: k = c*KC + 32q + 4w + b -> [BLOCK_M, BLOCK_C, 8, 4]
+                k = (c * KC + 32 * q)[None, :, None, None] + (ow * 4)[None, None, :, None] + ob[None, None, None, :]
+                xmask = m_mask[:, None, None, None] & c_mask[None, :, None, None] & (k < K)
+                xqf = _quantize(tl.load(x_rows + k, mask=xmask, other=0.0).to(tl.float32), inv4)
+                xw = tl.sum((xqf.to(tl.int32) & 0xFF) << bshift, axis=3)  # [BLOCK_M, BLOCK_C, 8] packed int8x4
+                gxs += tl.sum(tl.sum(xqf, axis=3), axis=2)
+                codes = (wv >> (BITS * q)) & PMASK  # [BLOCK_N, BLOCK_C, 8]: 4 codes per word
+                gd = _dp4a(codes[:, None, :, :], xw[None, :, :, :], gd, HW_DP4A)
+            dot = tl.sum(gd, axis=3).to(tl.float32)  # [BLOCK_N, BLOCK_M, BLOCK_C]
+            if WHOLE_ROW:
+                g = c * 0
+            else:
+                g = (c * KC + gi * GE) // G
+            gmask = n_mask[:, None] & c_mask[None, :] & (g < NG)[None, :]
+            sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                part = CMUL * dot - zp[:, None, :] * gxs[None, :, :]
+            else:
+                part = CMUL * dot - ZERO * gxs[None, :, :]
+            acc += tl.sum(sc[:, None, :] * part, axis=2)
+
+    acc = acc * sx[None, :]
+    out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    omask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=omask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + out_offs, tot.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
 # ----------------------------------------------------------------------------- configurations
 
-# GEMV: (KERNEL, BLOCK_N, SPLIT_K, num_warps, num_stages); GEMM: (BLOCK_N, BLOCK_M, num_warps, num_stages)
-GEMV_SPACE = [
+# GEMV: (KERNEL, BLOCK_N, SPLIT_K, num_warps, num_stages[, BLOCK_C]); GEMM: (BLOCK_N, BLOCK_M, num_warps, num_stages)
+GEMV_SPACE = [  # int8 matrix units, M padded to 16
     ("dot", bn, sk, nw, ns)
-    for bn in (32, 64, 128)
-    for sk in (1, 2, 4, 8)
-    for nw, ns in ((4, 3), (4, 5))
+    for bn in (64, 128)
+    for sk in (2, 4, 8)
+    for nw, ns in ((4, 3),)
 ]
-GEMV_FMA_SPACE = [  # M == 1 only
-    ("fma", bn, sk, nw, ns)
-    for bn in (64, 128, 256)
-    for sk in (1, 2, 4, 8)
-    for nw, ns in ((4, 3), (8, 3))
+GEMV_FMA_SPACE = [("fma", 128, 8, 4, 3), ("fma", 64, 8, 8, 3)]  # M == 1 only (the first H200 winners)
+GEMV_DP4A_SPACE = [  # integer-unit weight streaming; BLOCK_C 32-byte chunks per row and step
+    ("dp4a", bn, sk, 4 if bn <= 128 else 8, 3, bc)
+    for bn in (32, 64, 128, 256)
+    for sk in (1, 2, 4, 8, 16)
+    for bc in (2, 4)
 ]
+_DP4A_MAX_TILE = 8192  # BLOCK_N * BLOCK_M * BLOCK_C * 8 int32 words per step: larger tiles spill
 GEMM_SPACE = [
     (bn, bm, nw, ns)
     for bn, bm in ((128, 128), (128, 64), (64, 128), (256, 128), (128, 256))
@@ -380,12 +491,22 @@ def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) ->
     if _path(M) == "gemm":
         return {"BLOCK_N": 64, "BLOCK_M": 128 if M >= 128 else 64, "num_warps": 4, "num_stages": 3}
     sms = _sm_count(device)
-    bn = 128 if N >= 4096 else 64 if N >= 1024 else 32
+    if M <= 4:  # weight streaming on the integer units
+        bn = 64 if N >= 2048 else 32
+        bc = 4 if M == 1 else 2
+        while bn > 8 and bn * max(1, triton.next_power_of_2(M)) * bc * 8 > _DP4A_MAX_TILE:
+            bn //= 2
+        kernel = "dp4a"
+    else:
+        bn, bc, kernel = (128 if N >= 4096 else 64 if N >= 1024 else 32), 0, "dot"
     tiles = -(-N // bn)
     split = 1
     while split < 8 and tiles * split < 2 * sms and chunks >= 2 * split:
         split *= 2
-    return {"KERNEL": "dot", "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    cfg = {"KERNEL": kernel, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    if bc:
+        cfg["BLOCK_C"] = bc
+    return cfg
 
 
 def autotune_enabled(device: torch.device) -> bool:
@@ -476,6 +597,17 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
             else:
                 ws = torch.empty(split * M * N, dtype=torch.float32, device=x2.device)
                 locks = _lock_buffer(x2.device)
+        if cfg.get("KERNEL", "dot") == "dp4a":
+            bc = cfg.get("BLOCK_C", 4)
+            _lowbit_gemv_dp4a_kernel[(grid[0], split)](
+                x2, weight.qweight.view(torch.int32), s, z, b, y, ws, locks,
+                M, N, K, s.shape[0], weight.qweight.shape[1] // 4, per_split,
+                HW_DP4A=x2.device.type == "cuda" and not _INTERPRETED,
+                BLOCK_N=bn, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_C=bc, SPLIT_K=split,
+                BLOCK_KX=min(triton.next_power_of_2(K), 16384 // max(1, triton.next_power_of_2(M))),  # absmax: 1 load
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+            )  # fmt: skip
+            return
         if cfg.get("KERNEL", "dot") == "fma":
             if M != 1:
                 raise ValueError(f"config {cfg}: the fma GEMV kernel takes M == 1 only (M={M})")
@@ -511,8 +643,10 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
 def _space(path: str, M: int) -> list[dict]:
     if path == "gemm":
         return [dict(zip(_CONFIG_FIELDS[path], c)) for c in GEMM_SPACE]
-    fields = ("KERNEL",) + _CONFIG_FIELDS[path]
-    return [dict(zip(fields, c)) for c in GEMV_SPACE + (GEMV_FMA_SPACE if M == 1 else [])]
+    fields = ("KERNEL",) + _CONFIG_FIELDS[path] + ("BLOCK_C",)
+    bm = max(1, triton.next_power_of_2(M))
+    dp4a = [c for c in GEMV_DP4A_SPACE if c[1] * bm * c[5] * 8 <= _DP4A_MAX_TILE]
+    return [dict(zip(fields, c)) for c in dp4a + GEMV_SPACE + (GEMV_FMA_SPACE if M == 1 else [])]
 
 
 def _time(fn, device: torch.device) -> float:
