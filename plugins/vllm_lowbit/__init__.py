@@ -9,11 +9,8 @@ PLUGIN_NAME = "lowbit2"
 
 
 def register() -> bool:
-    """vLLM plugin hook. Registers the ``lowbit2`` quantization method once vLLM's integration
-    module exists (``vllm_lowbit.config``); returns whether anything was registered.
-
-    The quantization method itself is the subject of its own issue; until it lands this hook is
-    discoverable but registers nothing, so ``--quantization lowbit2`` fails in vLLM's own check.
+    """vLLM plugin hook: imports ``vllm_lowbit.config``, whose import registers the ``lowbit2``
+    quantization method with vLLM (``register_quantization_config``); returns True once registered.
     """
     from aipc_kernels.plugin_hooks import import_integration
 

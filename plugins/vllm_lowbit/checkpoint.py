@@ -1,0 +1,306 @@
+"""``lowbit2`` checkpoints: writing them from a Hugging Face model directory (no vLLM needed).
+
+:func:`convert_checkpoint` reads a bf16/fp16/fp32 safetensors checkpoint tensor by tensor, quantizes
+every ``nn.Linear`` weight of the model (except ``lm_head``, embeddings and
+``modules_to_not_convert``) with the shared quantizers, and writes ``X.qweight``/``X.scales``
+(/``X.zeros``) in the canonical ``lowbit2`` format (:mod:`aipc_kernels.formats`) beside the
+untouched tensors, plus ``quantization_config`` in config.json, so that ``vllm serve OUT`` loads it
+without flags. A BitNet b1.58 checkpoint (transformers' ``quant_method: bitnet``, packed ternary
+``bitlinear`` weights with a per-tensor ``weight_scale``) is imported losslessly into the
+``ternary`` code book; any other quantized checkpoint is refused.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from aipc_kernels.formats import FORMAT_NAME, FORMAT_VERSION, LowBitWeight, get_codebook, pack_codes, save_lowbit
+from aipc_kernels.modules import DEFAULT_SKIP
+from aipc_kernels.quantizers import quantize_weight
+
+QUANT_ROW_BLOCK = 4096  # rows quantized at once (bounds the quantizer's float32 temporaries)
+SHARD_BYTES = 2 << 30
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+BITNET_VALUES_PER_BYTE = 4
+
+
+def quantization_config_dict(
+    codebook: str,
+    group_size: int,
+    quantizer: str = "optimized",
+    scale_dtype: str = "float16",
+    act_group: int = 0,
+    modules_to_not_convert: Optional[list[str]] = None,
+    prequantized: bool = True,
+    source: Optional[str] = None,
+) -> dict[str, Any]:
+    """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json."""
+    d = {
+        "quant_method": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "codebook": codebook,
+        "group_size": group_size,
+        "quantizer": quantizer,
+        "scale_dtype": scale_dtype,
+        "act_group": act_group,
+        "modules_to_not_convert": list(modules_to_not_convert or []),
+        "prequantized": prequantized,
+    }
+    if source:
+        d["source"] = source
+    return d
+
+
+def quantize_rows(
+    w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype, name: str = "weight"
+) -> LowBitWeight:
+    """Quantizes ``w[N, K]`` with the shared quantizer ``method``, ``QUANT_ROW_BLOCK`` rows at a time.
+    Every group lies within one row, so the result equals quantizing the whole matrix at once."""
+    parts = [
+        quantize_weight(w[i : i + QUANT_ROW_BLOCK].float(), codebook, group_size, method=method, scale_dtype=scale_dtype)
+        for i in range(0, w.shape[0], QUANT_ROW_BLOCK)
+    ]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return LowBitWeight(
+        cat([p.qweight for p in parts]), cat([p.scales for p in parts]), cat([p.zeros for p in parts]),
+        codebook, parts[0].group_size, w.shape[1], name=name,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- reading a checkpoint
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return [model_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files; convert .bin checkpoints with transformers first")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def _linear_names(config: dict[str, Any], skip: tuple[str, ...]) -> set[str]:
+    """Names of the model's ``nn.Linear`` modules (from the architecture, built on the meta device)."""
+    import transformers
+    from aipc_kernels.modules import linear_names
+
+    cfg = dict(config)
+    cfg.pop("quantization_config", None)
+    hf_config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return set(linear_names(model, skip))
+
+
+def _progress(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="tensor")
+    except ImportError:  # pragma: no cover - tqdm comes with vLLM and transformers
+        return None
+
+
+class _ShardWriter:
+    """Writes tensors and low-bit weights to ``model-0000i-of-0000n.safetensors`` shards + index."""
+
+    def __init__(self, out: Path):
+        self.out, self.shards, self.weights, self.extra, self.size = out, [], {}, {}, 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.extra[name] = t.contiguous()
+        self._grow(t.numel() * t.element_size())
+
+    def add_lowbit(self, prefix: str, w: LowBitWeight) -> None:
+        self.weights[prefix] = w
+        self._grow(w.nbytes())
+
+    def _grow(self, n: int) -> None:
+        self.size += n
+        if self.size >= SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not (self.weights or self.extra):
+            return
+        path = self.out / f"part-{len(self.shards):05d}.safetensors"
+        save_lowbit(str(path), self.weights, self.extra)
+        names = list(self.extra) + [k for p, w in self.weights.items() for k in w.state_dict(p)]
+        self.shards.append((path, names))
+        self.weights, self.extra, self.size = {}, {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        n = len(self.shards)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.shards):
+            final = self.out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            path.rename(final)
+            weight_map.update({k: final.name for k in names})
+        if n > 1:
+            (self.out / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
+            )
+
+
+# ---------------------------------------------------------------------- BitNet import
+
+
+def unpack_bitnet(packed: torch.Tensor) -> torch.Tensor:
+    """BitNet b1.58 packed ternary weights (transformers' ``bitlinear`` layout: uint8 ``[N/4, K]``,
+    value ``i`` of row block ``i`` in bits ``2i..2i+1``, stored as ``v + 1``) -> codes ``v + 1`` ``[N, K]``."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"BitNet packed weight must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    shifts = torch.arange(BITNET_VALUES_PER_BYTE, dtype=torch.uint8) * 2
+    codes = (packed.unsqueeze(0) >> shifts.view(-1, 1, 1)) & 3  # [4, N/4, K]: block i holds rows i*N/4...
+    return codes.reshape(-1, packed.shape[1])
+
+
+def _bitnet_weight(name: str, packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                   scale_dtype: torch.dtype) -> LowBitWeight:  # fmt: skip
+    """One BitNet linear -> ``ternary`` lowbit2: ``W = (c - 1) / weight_scale`` exactly in the codes,
+    the scale ``1 / weight_scale`` rounded once to ``scale_dtype``."""
+    codes = unpack_bitnet(packed)
+    if (codes > 2).any():
+        raise ValueError(f"BitNet tensor {name}.weight holds the code 3, which is not ternary; the checkpoint is corrupt")
+    if weight_scale.numel() != 1:
+        raise ValueError(f"BitNet tensor {name}.weight_scale has {weight_scale.numel()} elements; expected one per tensor")
+    N, K = codes.shape
+    G = K if group_size == -1 else group_size
+    if K % G:
+        raise ValueError(f"group_size={group_size} does not divide in_features K={K} of {name}; pick one that does, or -1")
+    scale = (1.0 / weight_scale.double()).to(scale_dtype)
+    return LowBitWeight(pack_codes(codes, 2), scale.expand(N, K // G).contiguous(), None, "ternary", G, K, name=name)
+
+
+# ---------------------------------------------------------------------- conversion
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt")) and f.name not in (
+            "model.safetensors.index.json", "config.json", "aipc_tiny_model.json",
+        ):  # fmt: skip
+            shutil.copy2(f, out / f.name)
+
+
+def convert_checkpoint(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    codebook: str = "affine",
+    group_size: int = 64,
+    quantizer: str = "optimized",
+    scale_dtype: str = "float16",
+    modules_to_not_convert: Optional[list[str]] = None,
+    act_group: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Writes the ``lowbit2`` checkpoint of ``model_dir`` to ``out_dir`` and returns ``out_dir``.
+
+    Unquantized checkpoints are quantized with ``quantizer`` (``optimized`` or ``rtn``); a BitNet
+    b1.58 checkpoint is imported into the ``ternary`` code book (``codebook`` must then be
+    ``ternary``); any other ``quantization_config`` is refused. ``act_group`` is recorded for the
+    server (0: one int8 activation scale per token; else per that many K)."""
+    src, out = Path(model_dir), Path(out_dir)
+    cfg_path = src / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"{src} has no config.json; pass a Hugging Face model directory")
+    config = json.loads(cfg_path.read_text())
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale_dtype!r} is not supported; use one of {sorted(SCALE_DTYPES)}")
+    get_codebook(codebook)
+    qcfg = config.get("quantization_config")
+    source = None
+    if qcfg is not None:
+        method = qcfg.get("quant_method")
+        if method == "bitnet":
+            if qcfg.get("linear_class", "bitlinear") != "bitlinear" or qcfg.get("use_rms_norm", False):
+                raise ValueError(
+                    f"{src}: BitNet checkpoint with linear_class={qcfg.get('linear_class')!r}, "
+                    f"use_rms_norm={qcfg.get('use_rms_norm', False)} cannot be imported; only packed ternary "
+                    f"'bitlinear' weights without a per-linear RMSNorm map onto lowbit2"
+                )
+            if codebook != "ternary":
+                raise ValueError(f"{src} is a BitNet b1.58 (ternary) checkpoint: pass codebook='ternary' (--codebook ternary)")
+            source = "bitnet"
+        elif method == FORMAT_NAME:
+            raise ValueError(f"{src} is already a {FORMAT_NAME} checkpoint; serve it directly")
+        else:
+            raise ValueError(
+                f"{src}: quantization_config.quant_method={method!r} cannot be converted to {FORMAT_NAME}; "
+                f"supported inputs are unquantized (bf16/fp16/fp32) checkpoints and BitNet b1.58 ('bitnet') "
+                f"packed ternary checkpoints"
+            )
+    skip = tuple(DEFAULT_SKIP) + tuple(modules_to_not_convert or ())
+    linears = _linear_names(config, skip)
+    files = _weight_files(src)
+    sdtype = SCALE_DTYPES[scale_dtype]
+
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"out_dir={str(out)!r} is not empty; pass a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(out)
+    from safetensors import safe_open
+
+    names = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names += list(st.keys())
+    bar = _progress(len(names), f"lowbit2 {codebook} g{group_size}") if progress else None
+    pending_scale: dict[str, torch.Tensor] = {}
+    pending_packed: dict[str, torch.Tensor] = {}
+    n_quant = 0
+    for name, t in _iter_tensors(files):
+        prefix, _, leaf = name.rpartition(".")
+        if source == "bitnet" and prefix in linears and leaf in ("weight", "weight_scale"):
+            (pending_packed if leaf == "weight" else pending_scale)[prefix] = t
+            if prefix in pending_packed and prefix in pending_scale:
+                w = _bitnet_weight(prefix, pending_packed.pop(prefix), pending_scale.pop(prefix), group_size, sdtype)
+                writer.add_lowbit(prefix, w)
+                n_quant += 1
+        elif source is None and leaf == "weight" and prefix in linears:
+            if t.dim() != 2 or not t.is_floating_point():
+                raise ValueError(f"tensor {name} has dtype {t.dtype} and shape {tuple(t.shape)}; expected a float matrix")
+            try:
+                w = quantize_rows(t, codebook, group_size, quantizer, sdtype, name=prefix)
+            except ValueError as e:
+                raise ValueError(f"cannot quantize {name}: {e}; or pass it in modules_to_not_convert") from None
+            writer.add_lowbit(prefix, w)
+            n_quant += 1
+        else:
+            writer.add(name, t)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    leftover = sorted(set(pending_packed) | set(pending_scale))
+    if leftover:
+        raise ValueError(f"BitNet checkpoint: {leftover[0]} lacks its weight or weight_scale tensor")
+    if n_quant == 0:
+        raise ValueError(f"{src}: no linear weight was found to quantize (linear modules: {sorted(linears)[:5]}...)")
+    writer.close()
+
+    config["quantization_config"] = quantization_config_dict(
+        codebook, group_size, quantizer, scale_dtype, act_group,
+        modules_to_not_convert=list(modules_to_not_convert or []), source=source,
+    )  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _copy_side_files(src, out)
+    log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    return out

@@ -1,0 +1,339 @@
+"""vLLM linear methods for ``lowbit2``: weights in, ``aipc::lowbit_linear`` out.
+
+* :class:`LowBit2LinearMethod` loads a pre-quantized checkpoint: canonical ``qweight`` (uint8
+  ``[N, K*bits/8]``, codes packed along K), ``scales`` and, for the affine code book, ``zeros``
+  (``[N, K/G]``), with vLLM's packed / group-scale parameters, so merged QKV and gate-up shards and
+  tensor-parallel slices land where they belong. Every checkpoint tensor is checked (shape, dtype,
+  presence, code range) with an error that names it.
+* :class:`LowBit2OnlineLinearMethod` quantizes a bf16/fp16 checkpoint while it loads: vLLM's online
+  quantization base keeps the float weight on the meta device and materializes one layer at a time,
+  then ``process_weights_after_loading`` quantizes it with the shared quantizer.
+
+Both end in :func:`install_packed`: the canonical weight is repacked once into the layout of the
+device the layer lives on (``cpu_vnni16`` on CPU) and ``apply`` calls the op; the op's dispatch
+picks the kernel (native W2A8 on CPU).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
+    PackedvLLMParameter,
+)
+
+import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
+from aipc_kernels.formats import LowBitWeight, get_codebook, resolve_group_size
+from aipc_kernels import packing
+from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
+
+from .checkpoint import quantize_rows
+
+if TYPE_CHECKING:
+    from .config import LowBit2Config
+
+_QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+logger = init_logger(__name__)
+
+
+def pack_for_device(w: LowBitWeight, device: torch.device) -> PackedLowBit:
+    """The layout the op's kernel for ``device`` reads: ``cpu_vnni16`` on CPU, the Triton layout on
+    GPUs where aipc_kernels has it, else canonical (the op's reference path)."""
+    if device.type == "cpu":
+        return pack_for_cpu(w)
+    pack_for_triton = getattr(packing, "pack_for_triton", None)
+    return pack_for_triton(w) if pack_for_triton is not None else as_canonical_packed(w)
+
+
+def effective_group_size(config: "LowBit2Config", layer: torch.nn.Module, k_part: int) -> int:
+    """The group size of this layer's partition, with an error naming the layer when it does not fit."""
+    try:
+        return resolve_group_size(config.group_size, k_part)
+    except ValueError as e:
+        tp = "" if k_part == layer.input_size else f" (this tensor-parallel rank holds K={k_part} of {layer.input_size})"
+        raise ValueError(
+            f"lowbit2 cannot quantize layer {layer.prefix!r}{tp}: {e}; or list it in "
+            f"quantization_config.modules_to_not_convert"
+        ) from None
+
+
+_warned_tp_act = False
+
+
+def check_partition(config: "LowBit2Config", layer: torch.nn.Module, k_part: int) -> int:
+    """Validates this rank's slice of a layer and returns its group size. Warns once when a
+    row-parallel slice quantizes activations per token (act_group 0): its int8 scale then comes
+    from the rank's own K slice, so TP>1 is not bit-identical to TP=1 (a multiple of group_size
+    that divides K/tp as act_group is)."""
+    global _warned_tp_act
+    G = effective_group_size(config, layer, k_part)
+    if config.act_group and k_part % config.act_group:
+        raise ValueError(
+            f"lowbit2 act_group={config.act_group} does not divide this rank's K={k_part} of layer {layer.prefix!r}; "
+            f"pick an act_group that divides in_features / tensor_parallel_size"
+        )
+    if k_part != layer.input_size and config.act_group == 0 and not _warned_tp_act:
+        _warned_tp_act = True
+        logger.warning(
+            "lowbit2: tensor-parallel row-parallel layers quantize activations per token over their own K "
+            "slice (act_group=0), so greedy tokens can differ from TP=1 at near-ties; set "
+            "quantization_config.act_group to a multiple of group_size (e.g. %d) for TP-invariant results",
+            G,
+        )
+    return G
+
+
+def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int) -> None:
+    """Replaces the layer's weight parameters by ``w`` packed for the layer's device (once)."""
+    device = w.qweight.device
+    packed = pack_for_device(w, device)
+    for name in ("weight", "qweight", "scales", "zeros"):
+        if name in layer._parameters:
+            delattr(layer, name)
+    for name, t in (("qweight", packed.qweight), ("scales", packed.scales), ("zeros", packed.zeros)):
+        layer.register_parameter(name, None if t is None else torch.nn.Parameter(t, requires_grad=False))
+    layer.lowbit_layout = packed.layout
+    layer.lowbit_codebook = packed.codebook
+    layer.lowbit_group_size = packed.group_size
+    layer.lowbit_out_features = packed.out_features
+    layer.lowbit_act_group = act_group
+    layer._already_called_process_weights_after_loading = True
+
+
+def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able)."""
+    return torch.ops.aipc.lowbit_linear(
+        x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
+        layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_act_group,
+    )  # fmt: skip
+
+
+def _shards(layer: torch.nn.Module) -> list:
+    """The checkpoint shards a layer is loaded from (``None``: one unfused tensor)."""
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(range(len(layer.output_sizes)))
+    return [None]
+
+
+def _checkpoint_rows(layer: torch.nn.Module, shard) -> int:
+    """Rows (output features) of the full, unsharded checkpoint tensor for ``shard``."""
+    if isinstance(layer, QKVParallelLinear):
+        sizes = {
+            "q": layer.total_num_heads * layer.head_size,
+            "k": layer.total_num_kv_heads * layer.head_size,
+            "v": layer.total_num_kv_heads * layer.v_head_size,
+        }
+        return sum(sizes.values()) if shard is None else sizes[shard]
+    if isinstance(layer, MergedColumnParallelLinear):
+        if shard is None:
+            return sum(layer.output_sizes)
+        if isinstance(shard, tuple):
+            return sum(layer.output_sizes[i] for i in shard)
+        return layer.output_sizes[shard]
+    return layer.output_size
+
+
+@register_weight_loader_v2_supported_method
+class LowBit2LinearMethod(LinearMethodBase):
+    """Pre-quantized ``lowbit2`` checkpoint -> device layout -> ``aipc::lowbit_linear``."""
+
+    def __init__(self, config: "LowBit2Config"):
+        self.config = config
+        self.cb = get_codebook(config.codebook)
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        cfg, bits = self.config, self.cb.bits
+        K, N = input_size_per_partition, sum(output_partition_sizes)
+        G = check_partition(cfg, layer, K)
+        weight_loader = extra_weight_attrs["weight_loader"]
+        layer.lowbit_loaded = set()
+        layer.lowbit_k_partition = K
+
+        qweight = PackedvLLMParameter(
+            data=torch.empty(N, K * bits // 8, dtype=torch.uint8),
+            input_dim=1,
+            output_dim=0,
+            packed_dim=1,
+            packed_factor=8 // bits,
+            weight_loader=self._checked_loader(layer, "qweight", weight_loader),
+        )
+        layer.register_parameter("qweight", qweight)
+        names = ("scales", "zeros") if self.cb.zero is None else ("scales",)
+        for name in names:
+            loader = self._checked_loader(layer, name, weight_loader)
+            if cfg.group_size == -1:  # one scale per row: replicated across row-parallel ranks
+                p = ChannelQuantScaleParameter(
+                    data=torch.empty(N, 1, dtype=cfg.scale_dtype), output_dim=0, weight_loader=loader
+                )
+            else:
+                p = GroupQuantScaleParameter(
+                    data=torch.empty(N, K // G, dtype=cfg.scale_dtype), output_dim=0, input_dim=1, weight_loader=loader
+                )
+            layer.register_parameter(name, p)
+        if self.cb.zero is not None:
+            layer.register_parameter("zeros", None)
+
+    # ------------------------------------------------------------------ checkpoint checks
+
+    def _checkpoint_name(self, layer: torch.nn.Module, pname: str, shard) -> str:
+        if shard is None:
+            return f"{layer.prefix}.{pname}"
+        parent, _, last = layer.prefix.rpartition(".")
+        parts = self.config.packed_modules_mapping.get(last)
+        idx = _QKV_INDEX.get(shard, shard)
+        if parts and isinstance(idx, int) and idx < len(parts):
+            return f"{parent}.{parts[idx]}.{pname}" if parent else f"{parts[idx]}.{pname}"
+        return f"{layer.prefix}.{pname} (shard {shard})"
+
+    def _expected(self, layer: torch.nn.Module, pname: str, shard) -> tuple[tuple[int, int], torch.dtype]:
+        rows, K = _checkpoint_rows(layer, shard), layer.input_size
+        if pname == "qweight":
+            return (rows, K * self.cb.bits // 8), torch.uint8
+        groups = 1 if self.config.group_size == -1 else K // self.config.group_size
+        return (rows, groups), self.config.scale_dtype
+
+    def _checked_loader(self, layer: torch.nn.Module, pname: str, loader: Callable) -> Callable:
+        """vLLM's loader for ``pname``, after checking the checkpoint tensor's shape and dtype."""
+
+        def lowbit2_weight_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
+            name = self._checkpoint_name(layer, pname, loaded_shard_id)
+            shape, dtype = self._expected(layer, pname, loaded_shard_id)
+            if tuple(loaded_weight.shape) != shape:
+                raise ValueError(
+                    f"lowbit2 checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, expected {shape} "
+                    f"(codebook={self.config.codebook}, group_size={self.config.group_size}, in_features={layer.input_size})"
+                )
+            if loaded_weight.dtype != dtype:
+                raise ValueError(
+                    f"lowbit2 checkpoint tensor {name} has dtype {loaded_weight.dtype}, expected {dtype} "
+                    f"(quantization_config.scale_dtype={self.config.scale_dtype_name})"
+                )
+            if loaded_shard_id is None:
+                layer.lowbit_loaded.update((pname, s) for s in _shards(layer))
+                return loader(param, loaded_weight)
+            ids = loaded_shard_id if isinstance(loaded_shard_id, tuple) else (loaded_shard_id,)
+            layer.lowbit_loaded.update((pname, s) for s in ids)
+            return loader(param, loaded_weight, loaded_shard_id)
+
+        return lowbit2_weight_loader
+
+    def _check_loaded(self, layer: torch.nn.Module) -> LowBitWeight:
+        """The layer's canonical weight, after checking every tensor arrived and holds valid codes."""
+        pnames = ["qweight", "scales"] + (["zeros"] if self.cb.zero is None else [])
+        missing = [self._checkpoint_name(layer, p, s) for p in pnames for s in _shards(layer) if (p, s) not in layer.lowbit_loaded]
+        if missing:
+            raise ValueError(
+                f"lowbit2 checkpoint is missing tensor {missing[0]}"
+                + (f" (and {len(missing) - 1} more of layer {layer.prefix})" if len(missing) > 1 else "")
+                + f"; codebook={self.config.codebook} needs {', '.join(pnames)} for every quantized linear"
+            )
+        K = layer.lowbit_k_partition
+        G = effective_group_size(self.config, layer, K)
+        zeros = layer.zeros.data if self.cb.zero is None else None
+        w = LowBitWeight(layer.qweight.data, layer.scales.data, zeros, self.config.codebook, G, K, name=layer.prefix)
+        for pname, t in (("scales", w.scales), ("zeros", w.zeros)):
+            if t is not None and not torch.isfinite(t).all():
+                raise ValueError(f"lowbit2 checkpoint tensor {layer.prefix}.{pname} holds NaN or Inf")
+        if self.cb.max_code < (1 << self.cb.bits) - 1 and (w.codes() > self.cb.max_code).any():
+            raise ValueError(
+                f"lowbit2 checkpoint tensor {layer.prefix}.qweight holds codes above {self.cb.max_code}, "
+                f"invalid for codebook={self.config.codebook}"
+            )
+        return w
+
+    # ------------------------------------------------------------------ vLLM interface
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        install_packed(layer, self._check_loaded(layer), self.config.act_group)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return apply_lowbit(layer, x, bias)
+
+
+class LowBit2OnlineLinearMethod(OnlineLinearBase):
+    """bf16/fp16 checkpoint -> quantized while loading, one layer at a time -> ``aipc::lowbit_linear``."""
+
+    def __init__(self, config: "LowBit2Config"):
+        super().__init__()
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        check_partition(self.config, layer, input_size_per_partition)  # fail before loading anything
+        super().create_weights(
+            layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
+            **extra_weight_attrs,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        weight = self.get_weight_for_quantization(layer)
+        if weight.is_meta:
+            raise ValueError(f"lowbit2: layer {layer.prefix!r} received no weight from the checkpoint")
+        G = effective_group_size(self.config, layer, weight.shape[1])
+        cfg = self.config
+        w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=layer.prefix)
+        install_packed(layer, w, self.config.act_group)
+        if self.requantization_source is not None:
+            self.release_requantization_source_weights(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return apply_lowbit(layer, x, bias)
+
+
+class LowBit2LMHeadMethod(UnquantizedEmbeddingMethod):
+    """Opt-in (``quantize_lm_head: true``): the output projection quantized at load with the
+    configured quantizer and run through ``aipc::lowbit_linear``. Its float weight is loaded (or
+    tied to the input embedding) as usual; a tied embedding keeps it for the token lookup, an untied
+    head drops it after quantizing."""
+
+    def __init__(self, config: "LowBit2Config"):
+        self.config = config
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        cfg, weight = self.config, layer.weight
+        name = getattr(layer, "prefix", "") or "lm_head"
+        try:
+            G = resolve_group_size(cfg.group_size, weight.shape[1])
+        except ValueError as e:
+            raise ValueError(f"lowbit2 cannot quantize {name}: {e}; or set quantize_lm_head to false") from None
+        w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=name)
+        install_packed(layer, w, cfg.act_group)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return apply_lowbit(layer, x, bias)

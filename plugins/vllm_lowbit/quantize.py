@@ -1,0 +1,57 @@
+"""Converter CLI: a Hugging Face checkpoint -> a ``lowbit2`` checkpoint that ``vllm serve`` loads
+without flags.
+
+    python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --group-size 64 --codebook affine
+    python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary   # BitNet b1.58 import
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from aipc_kernels.formats import CODEBOOKS, GROUP_SIZES
+from aipc_kernels.quantizers import QUANTIZERS
+
+from .checkpoint import SCALE_DTYPES, convert_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vllm_lowbit.quantize", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", help="Hugging Face model directory (safetensors; bf16/fp16/fp32, or BitNet b1.58)")
+    ap.add_argument("out_dir", help="new or empty output directory")
+    ap.add_argument("--codebook", default="affine", choices=sorted(CODEBOOKS))
+    ap.add_argument("--group-size", type=int, default=64, choices=list(GROUP_SIZES) + [-1],
+                    help="weights per scale along K (-1: one group per row)")
+    ap.add_argument("--quantizer", default="optimized", choices=QUANTIZERS,
+                    help="optimized: least-squares scale/zero fit (default); rtn: min-max round to nearest")
+    ap.add_argument("--scale-dtype", default="float16", choices=sorted(SCALE_DTYPES))
+    ap.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
+                    help="name fragments of linear layers to keep unquantized (lm_head and embeddings always are)")
+    ap.add_argument("--act-group", type=int, default=0,
+                    help="int8 activation scale per token (0, default) or per this many K: a multiple of the "
+                         "group size that divides K/tp makes tensor-parallel results identical to TP=1")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    try:
+        convert_checkpoint(
+            args.model_dir, args.out_dir, codebook=args.codebook, group_size=args.group_size,
+            quantizer=args.quantizer, scale_dtype=args.scale_dtype,
+            modules_to_not_convert=args.modules_to_not_convert, act_group=args.act_group,
+            progress=not args.no_progress,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"done in {time.time() - t0:.1f} s; serve with: vllm serve {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

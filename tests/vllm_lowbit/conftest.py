@@ -1,0 +1,78 @@
+"""Fixtures of the vLLM lowbit2 tests: tiny models, converted checkpoints, prompts. Servers are
+module-scoped fixtures of the test modules (a start costs 20-90 s on two cores)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_serving import TINY  # noqa: E402
+
+
+# ---------------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model) -> Path:
+    return tiny_model("llama", **TINY)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_model, tmp_path_factory) -> Path:
+    """Tiny Qwen2 with non-zero q/k/v biases (the builder writes zero biases, which would make it
+    compute exactly what the Llama does) and its own seed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model("qwen2", seed=1, **TINY)
+    out = tmp_path_factory.mktemp("qwen2-bias")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    for name, t in tensors.items():
+        if name.endswith("_proj.bias"):
+            tensors[name] = (0.5 * torch.randn(t.shape, generator=g)).to(t.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_prequantized(llama_dir, tmp_path_factory) -> Path:
+    """The converter's output for the tiny Llama (affine, group 64, the optimised quantizer), with
+    per-group int8 activation scales (act_group 64): tensor-parallel slices then compute exactly
+    what TP=1 computes."""
+    out = tmp_path_factory.mktemp("llama-lowbit2") / "model"
+    res = subprocess.run(
+        [sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--group-size", "64",
+         "--codebook", "affine", "--act-group", "64", "--threads", "1", "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def prompts(llama_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    texts = ["Hello, my name is", "The capital of France", "def forward(self, x):", "Once upon a time there",
+             "import torch\nfor i in range(10):"]  # fmt: skip
+    return [tok(t)["input_ids"] for t in texts]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread_torch() -> Iterator[None]:
+    """The references run in this process: one thread, the other core is the server's."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,212 @@
+"""The converter (``python -m vllm_lowbit.quantize``), the BitNet b1.58 import, the config, and
+checkpoints that must fail at load with an error naming the tensor (real vLLM engine loads)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aipc_kernels.formats import load_lowbit
+from aipc_kernels.quantizers import quantize_weight
+from vllm_serving import TINY, run_vllm_script
+
+LINEAR = "model.layers.0.self_attn.k_proj"
+
+
+def _generate_script(model: Path, n: int = 8, **llm_kw) -> str:
+    """An in-process vLLM engine that loads ``model`` and prints the greedy tokens of two prompts."""
+    return textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        if __name__ == "__main__":
+            llm = LLM({str(model)!r}, enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **{llm_kw!r})
+            ps = [TokensPrompt(prompt_token_ids=p) for p in ([1, 45, 541, 84], [1, 298, 272, 452, 282])]
+            out = llm.generate(ps, SamplingParams(max_tokens={n}, temperature=0.0, ignore_eos=True))
+            print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in out]))
+    """)
+
+
+def _tokens(res: subprocess.CompletedProcess) -> list[list[int]]:
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS=")]
+    assert res.returncode == 0 and lines, res.stderr[-4000:]
+    return json.loads(lines[-1][len("TOKENS=") :])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(model: Path, **qcfg) -> None:
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"].update(qcfg)
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(model: Path, fn) -> None:
+    path = model / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------- converter
+
+
+def test_converter_output_is_the_shared_quantizer(llama_dir, llama_prequantized):
+    """Every quantized linear equals quantize_weight of the bf16 weight (same quantizer, bit for bit);
+    lm_head and embeddings stay as they were; config.json carries quantization_config."""
+    src = load_file(str(llama_dir / "model.safetensors"))
+    weights, rest = load_lowbit(str(llama_prequantized / "model.safetensors"))
+    assert len(weights) == 2 * 7
+    for name, w in weights.items():
+        ref = quantize_weight(src[f"{name}.weight"].float(), "affine", 64)
+        assert torch.equal(w.qweight, ref.qweight) and torch.equal(w.scales, ref.scales) and torch.equal(w.zeros, ref.zeros)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert torch.equal(rest[name], src[name])
+    qcfg = json.loads((llama_prequantized / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "lowbit2" and qcfg["prequantized"] and qcfg["group_size"] == 64
+    assert (llama_prequantized / "tokenizer.json").exists()
+    lowbit = sum(w.nbytes() for w in weights.values())
+    assert lowbit <= 0.16 * sum(src[f"{n}.weight"].numel() * 2 for n in weights)
+
+
+def test_converter_refuses_other_quantized_checkpoints(llama_dir, tmp_path):
+    model = _copy(llama_dir, tmp_path / "gptq")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (model / "config.json").write_text(json.dumps(cfg))
+    res = subprocess.run([sys.executable, "-m", "vllm_lowbit.quantize", str(model), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2
+    assert "quant_method='gptq' cannot be converted to lowbit2" in res.stderr
+    assert "BitNet" in res.stderr
+
+
+# ---------------------------------------------------------------------- BitNet b1.58 import
+
+
+@pytest.fixture(scope="module")
+def bitnet_dir(llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with BitNet b1.58 linears in transformers' packed ``bitlinear`` format (absmean
+    ternarization, uint8 [N/4, K] + per-tensor ``weight_scale``), written with transformers' packer."""
+    from transformers.integrations.bitnet import pack_weights
+
+    out = _copy(llama_dir, tmp_path_factory.mktemp("bitnet") / "model")
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors.pop(name).float()
+        s = 1.0 / w.abs().mean().clamp(min=1e-5)
+        q = (w * s).round().clamp(-1, 1)
+        tensors[name] = pack_weights(q.clone())
+        tensors[name.replace(".weight", ".weight_scale")] = s.reshape(1).to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bitnet_lowbit2(bitnet_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bitnet-lowbit2") / "model"
+    res = subprocess.run([sys.executable, "-m", "vllm_lowbit.quantize", str(bitnet_dir), str(out), "--codebook",
+                          "ternary", "--group-size", "-1", "--no-progress"], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_bitnet_import_is_lossless(bitnet_dir, bitnet_lowbit2):
+    """Codes equal transformers' own unpacking; values equal ``unpack / weight_scale`` up to the one
+    rounding of ``1 / weight_scale`` to the fp16 scale."""
+    from transformers.integrations.bitnet import unpack_weights
+
+    unpack = getattr(unpack_weights, "_torchdynamo_orig_callable", unpack_weights)  # skip its torch.compile
+    src = load_file(str(bitnet_dir / "model.safetensors"))
+    weights, _ = load_lowbit(str(bitnet_lowbit2 / "model.safetensors"))
+    assert len(weights) == 14 and all(w.codebook == "ternary" for w in weights.values())
+    for name, w in weights.items():
+        ternary = unpack(src[f"{name}.weight"], dtype=torch.float32)
+        assert torch.equal(w.values(), ternary)
+        ref = ternary / src[f"{name}.weight_scale"].float()
+        torch.testing.assert_close(w.dequantize(), ref, rtol=1e-3, atol=0)
+    qcfg = json.loads((bitnet_lowbit2 / "config.json").read_text())["quantization_config"]
+    assert qcfg["codebook"] == "ternary" and qcfg["source"] == "bitnet"
+
+
+def test_bitnet_import_served_by_vllm(bitnet_lowbit2, llama_dir):
+    """vLLM loads the imported ternary checkpoint without flags; its greedy tokens equal transformers
+    with LowBitLinear on the imported weights (the same op), both float32."""
+    from transformers import AutoModelForCausalLM
+
+    from aipc_kernels.modules import LowBitLinear
+
+    got = _tokens(run_vllm_script(_generate_script(bitnet_lowbit2)))
+    weights, _ = load_lowbit(str(bitnet_lowbit2 / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    for name, w in weights.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, LowBitLinear(w))
+    with torch.inference_mode():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(p):].tolist()
+               for p in ([1, 45, 541, 84], [1, 298, 272, 452, 282])]  # fmt: skip
+    assert got == ref
+
+
+# ---------------------------------------------------------------------- checkpoints that must fail at load
+
+
+def _expect_load_error(model: Path, *needles: str, **llm_kw) -> None:
+    res = run_vllm_script(_generate_script(model, n=1, **llm_kw), timeout=300)
+    assert res.returncode != 0, "the engine loaded a corrupt checkpoint"
+    for needle in needles:
+        assert re.search(needle, res.stderr), f"{needle!r} not in the error:\n{res.stderr[-3000:]}"
+
+
+def test_wrong_shape_names_the_tensor(llama_prequantized, tmp_path):
+    model = _copy(llama_prequantized, tmp_path / "m")
+    _edit_tensors(model, lambda t: t.update({f"{LINEAR}.qweight": t[f"{LINEAR}.qweight"][:, :-1].contiguous()}))
+    _expect_load_error(model, re.escape(f"lowbit2 checkpoint tensor {LINEAR}.qweight has shape (128, 63), expected (128, 64)"))
+
+
+def test_missing_scales_names_the_tensor(llama_prequantized, tmp_path):
+    model = _copy(llama_prequantized, tmp_path / "m")
+    _edit_tensors(model, lambda t: t.pop("model.layers.1.mlp.up_proj.scales"))
+    _expect_load_error(model, re.escape("lowbit2 checkpoint is missing tensor model.layers.1.mlp.up_proj.scales"))
+
+
+def test_wrong_scale_dtype_names_the_tensor(llama_prequantized, tmp_path):
+    model = _copy(llama_prequantized, tmp_path / "m")
+    _edit_tensors(model, lambda t: t.update({f"{LINEAR}.zeros": t[f"{LINEAR}.zeros"].float()}))
+    _expect_load_error(model, re.escape(f"lowbit2 checkpoint tensor {LINEAR}.zeros has dtype torch.float32, expected torch.float16"))
+
+
+def test_mismatched_group_size_names_the_tensor(llama_prequantized, tmp_path):
+    model = _copy(llama_prequantized, tmp_path / "m")
+    _edit_config(model, group_size=128, act_group=0)  # the tensors hold group-64 scales
+    # whichever layer loads first: its scales have 2x the groups that group_size=128 allows
+    _expect_load_error(model, r"lowbit2 checkpoint tensor model\.layers\.\d\.\w+\.\w+_proj\.scales has shape "
+                              r"\((\d+), (\d+)\), expected \(\1, \d+\) \(codebook=affine, group_size=128")
+
+
+def test_unknown_codebook_fails(llama_prequantized, tmp_path):
+    model = _copy(llama_prequantized, tmp_path / "m")
+    _edit_config(model, codebook="int3")
+    _expect_load_error(model, re.escape("codebook='int3' is unknown; use one of"))
+
+
+def test_group_size_not_dividing_k_names_the_layer(tiny_model):
+    model = tiny_model("llama", **dict(TINY, intermediate=480))  # down_proj K=480 is not a multiple of 64
+    _expect_load_error(model, re.escape("lowbit2 cannot quantize layer 'model.layers.0.mlp.down_proj'"),
+                       re.escape("group_size=64 does not divide in_features K=480"), quantization="lowbit2")  # fmt: skip
