@@ -9,7 +9,8 @@ per channel for both exports (optimum-intel's own default for >1B models is INT8
 1. Export peak anonymous memory (RssAnon of the exporting process, polled every 50 ms):
    ``export_npu_model`` (per-chunk) vs stock ``OVModelForCausalLM.from_pretrained(export=True)``.
 2. Decode ms/token at contexts 128/512/1024 (max_seq_len 2048): this export (KV buckets) vs stock
-   optimum-intel dynamic stateful vs transformers eager (bf16), each in its own process.
+   optimum-intel dynamic stateful, in one process, measured alternately (the machine is shared:
+   both see the same load); transformers eager (bf16) in its own process.
 3. Time to first token for a 512-token prompt: prefill blocks vs the same chunks token by token.
 
 The NPU is not available here: every figure is CPU. Each phase runs in a subprocess so that the
@@ -33,6 +34,8 @@ CONTEXTS = (128, 512, 1024)
 MAX_SEQ_LEN = 2048
 DECODE_TOKENS = 16
 TTFT_PROMPT = 512
+LAYERS_PER_CHUNK = 2  # decoder layers per IR: bounds the export's peak memory
+ROUNDS = 3  # alternating rounds of ours / stock per context
 
 
 def _rss_anon_kb(pid: int) -> int:
@@ -89,7 +92,7 @@ def phase_export_ours(work: Path) -> dict:
 
     t = time.perf_counter()
     export_npu_model(_source(work), work / "ours", max_seq_len=MAX_SEQ_LEN, prefill_block=64,
-                     layers_per_chunk=4, weight_format="int8")
+                     layers_per_chunk=LAYERS_PER_CHUNK, weight_format="int8")
     size = sum(p.stat().st_size for p in (work / "ours").glob("npu_*.bin"))
     return dict(seconds=round(time.perf_counter() - t, 1), bin_mib=round(size / 2**20))
 
@@ -162,6 +165,48 @@ def phase_decode(work: Path, system: str) -> dict:
     return res
 
 
+def phase_decode_pair(work: Path) -> dict:
+    """This export and stock optimum-intel in one process, measured alternately (ROUNDS rounds
+    per context, median over all steps of a system): on a shared machine both see the same load,
+    so their ratio is fair even when the absolute figures move."""
+    import torch
+    from optimum.intel import OVModelForCausalLM
+
+    from optimum_npu import OVNPUModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    models = dict(ours=OVNPUModelForCausalLM(work / "ours", device="CPU", max_compiled_buckets=1),
+                  stock=OVModelForCausalLM.from_pretrained(work / "stock", device="CPU"))
+    for model in models.values():
+        _decode_ms(model, _prompt(16))  # warm-up (compilation, first-call allocations)
+    res: dict = {name: {} for name in models}
+    for ctx in CONTEXTS:
+        steps: dict[str, list[float]] = {name: [] for name in models}
+        ttft: dict[str, list[float]] = {name: [] for name in models}
+        for name, model in models.items():
+            _decode_ms(model, _prompt(ctx))  # warms this context's KV bucket
+        for _ in range(ROUNDS):
+            for name, model in models.items():
+                first, per_step = _decode_steps(model, _prompt(ctx))
+                ttft[name].append(first)
+                steps[name].extend(per_step)
+        for name in models:
+            ms = sorted(steps[name])[len(steps[name]) // 2]
+            res[name][str(ctx)] = dict(ms_per_token=round(ms, 1),
+                                       first_token_ms=round(min(ttft[name]), 1))
+    return res
+
+
+def _decode_steps(model, ids) -> tuple[float, list[float]]:
+    """(ms to first token, ms of each of the following DECODE_TOKENS steps) from generate()."""
+    clock = _Clock()
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=DECODE_TOKENS + 1, min_new_tokens=DECODE_TOKENS + 1,
+                   do_sample=False, streamer=clock)
+    stamps = clock.times[1:]
+    return (stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+
+
 def phase_ttft(work: Path) -> dict:
     import torch
 
@@ -208,7 +253,8 @@ def write_results(res: dict) -> None:
         f"{m['loadavg_start']} at start, {res['loadavg_end']} at end. {m['note']}.",
         "Command: `flock /tmp/aipc-bench.lock .venvs/openvino/bin/python bench/npu_export.py`",
         "",
-        "## Decode ms/token (median of 16 steps; max_seq_len 2048)",
+        f"## Decode ms/token (median of {ROUNDS} x {DECODE_TOKENS} steps; this export and stock "
+        "measured alternately in one process; max_seq_len 2048)",
         "",
         "| context | this export (KV bucket) | stock optimum-intel dynamic | transformers eager bf16 "
         "| ours / stock | ours / eager | weight-read bound |",
@@ -235,15 +281,16 @@ def write_results(res: dict) -> None:
         "",
         "| exporter | peak RssAnon MiB | seconds |",
         "|---|---|---|",
-        f"| export_npu_model (4 layers per chunk) | {e_o['peak_rss_anon_mib']} | {e_o['seconds']} |",
+        f"| export_npu_model ({LAYERS_PER_CHUNK} layers per chunk) | {e_o['peak_rss_anon_mib']} | {e_o['seconds']} |",
         f"| stock from_pretrained(export=True) | {e_s['peak_rss_anon_mib']} | {e_s['seconds']} |",
         f"| ratio | {e_o['peak_rss_anon_mib'] / e_s['peak_rss_anon_mib']:.0%} | |",
         "",
         "## Anchor: NITRO on an Intel NPU (not measured here)",
         "",
-        "NITRO (Fei & Abdelfattah) reports its chunked static Llama models on a Core Ultra NPU;",
-        "see the paper's NPU table (per-token latency growing with the maximum sequence length,",
-        "its Figure 6). Intel NPU: not measured on this machine (no NPU device).",
+        "NITRO (Fei & Abdelfattah, arXiv 2412.11053) reports its chunked static Llama models on a",
+        "Core Ultra (Meteor Lake) NPU; its NPU figures (per-token latency growing with the maximum",
+        "sequence length, Figure 6) are not quoted here because the paper text could not be checked",
+        "from this machine: read them there. Intel NPU: not measured on this machine (no NPU device).",
     ]
     (RESULTS / "npu_export.md").write_text("\n".join(lines) + "\n")
 
@@ -265,6 +312,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase")
     p.add_argument("--system")
+    p.add_argument("--reuse-exports", action="store_true",
+                   help="keep the exports and export figures of the last run (decode/TTFT only)")
     p.add_argument("--work", default=str(Path(os.environ.get(
         "AIPC_CACHE_DIR", Path.home() / ".cache" / "aipc-plugins")) / "bench-npu-export"))
     a = p.parse_args()
@@ -272,16 +321,20 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if a.phase:
         fn = {"build": phase_build, "export-ours": phase_export_ours,
-              "export-stock": phase_export_stock, "ttft": phase_ttft}.get(a.phase)
+              "export-stock": phase_export_stock, "decode-pair": phase_decode_pair,
+              "ttft": phase_ttft}.get(a.phase)
         result = fn(work) if fn else phase_decode(work, a.system)
         print(json.dumps(result))
         return
     res = dict(machine=machine())
     run_phase("build", [], work)
-    res["export"] = dict(ours=run_phase("export-ours", [], work),
-                         stock=run_phase("export-stock", [], work))
-    res["decode"] = {name: run_phase("decode", ["--system", name], work)
-                     for name in ("ours", "stock", "eager")}
+    if a.reuse_exports:  # decode/TTFT again on the exports (and export figures) of the last run
+        res["export"] = json.loads((RESULTS / "npu_export.json").read_text())["export"]
+    else:
+        res["export"] = dict(ours=run_phase("export-ours", [], work),
+                             stock=run_phase("export-stock", [], work))
+    res["decode"] = run_phase("decode-pair", [], work)
+    res["decode"]["eager"] = run_phase("decode", ["--system", "eager"], work)
     res["ttft"] = run_phase("ttft", [], work)
     manifest = json.loads((work / "ours" / "npu_export.json").read_text())
     res["kv_buckets"] = manifest["kv_buckets"]

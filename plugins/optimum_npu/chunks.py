@@ -1,12 +1,15 @@
 """PyTorch chunks of a decoder LM with static shapes, ready for ``openvino.convert_model``.
 
 The model is built as a skeleton on the meta device; each chunk materialises only its own weights
-from the checkpoint's safetensors, so peak memory follows a chunk, not the model. The chunks reuse
+from the checkpoint's safetensors in the dtype the IR will store (:func:`weight_dtype`: the
+checkpoint's bf16/f16 for NNCF-compressed exports, never an f32 copy of them), so peak memory
+follows a chunk, not the model; activations stay float32 (:func:`cast_linears`). The chunks reuse
 the architecture's own transformers modules (decoder layers, norms, rotary embedding) and replace
 the cache by :class:`StaticKV`, a fixed-capacity buffer written with ``index_copy`` at positions
 computed from the ``position`` input; the rotary angles and the -inf attention mask are computed
 in the graph from that same input. Nothing depends on a Python value of the position, so tracing
-cannot freeze it into a constant.
+cannot freeze it into a constant; the token count and KV capacity are read from the input shapes,
+so one trace serves every static variant (reshaped afterwards).
 """
 from __future__ import annotations
 
@@ -34,6 +37,33 @@ def check_architecture(config) -> None:
         raise UnsupportedArchitectureError(
             f"model_type={model_type!r} is not supported by export_npu; supported: "
             f"{', '.join(SUPPORTED_ARCHS)}")
+
+
+GROUPED_ATTENTION = "npu_grouped_sdpa"
+
+
+def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: torch.Tensor | None,
+                           dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention for grouped K/V heads without repeating K/V: the ``g = heads // kv_heads`` query
+    heads that share a K/V head become ``g * T`` query rows of that head (a view), the mask rows
+    are tiled to match. Exact, and each step reads the KV cache once instead of ``g`` copies of it
+    (transformers' ``sdpa`` repeats K/V whenever a mask is given)."""
+    b, heads, tokens, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    q = query.reshape(b, kv_heads, groups * tokens, dim)
+    mask = attention_mask.repeat(1, 1, groups, 1) if attention_mask is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask,
+                                                           scale=scaling)
+    return out.reshape(b, heads, tokens, dim).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa_attention)
 
 
 class StaticKV:
@@ -83,7 +113,7 @@ def attention_mask(position: torch.Tensor, tokens: int, capacity: int,
     q = position + torch.arange(tokens, dtype=torch.int64)
     k = torch.arange(capacity, dtype=torch.int64)
     allowed = k[None, :] <= q[:, None]
-    if window is not None and window < capacity:
+    if window is not None:  # not decided on ``capacity``: the traced graph serves every capacity
         allowed = allowed & (k[None, :] > q[:, None] - window)
     zero = torch.zeros((), dtype=torch.float32)
     ninf = torch.full((), float("-inf"), dtype=torch.float32)
@@ -134,6 +164,18 @@ class LayersChunk(nn.Module):
         return tuple(outs)
 
 
+class NormChunk(nn.Module):
+    """``x [1, 1, H] -> final-norm(x)``: the head without its LM matrix (appended in OpenVINO
+    from streamed, quantized rows by :mod:`optimum_npu.vocab`)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x).to(torch.float32)
+
+
 class HeadChunk(nn.Module):
     """``x [1, 1, H] -> logits [1, 1, vocab]``: final norm and LM head (and any logit soft cap)."""
 
@@ -174,40 +216,94 @@ class CheckpointReader:
         with self._open(self.directory / self.weight_map[name], "pt") as f:
             return f.get_tensor(name)
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a 2-D tensor, read without loading the rest."""
+        with self._open(self.directory / self.weight_map[name], "pt") as f:
+            return f.get_slice(name)[start:stop]
+
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
 
-def build_skeleton(config) -> nn.Module:
-    """The ``AutoModelForCausalLM`` for ``config`` on the meta device (no memory), in float32,
-    with SDPA attention (converted by OpenVINO to its ScaledDotProductAttention op)."""
+    def dtype(self) -> torch.dtype:
+        """The floating-point dtype of the checkpoint's tensors (float32 if none is 16-bit)."""
+        from safetensors import safe_open
+
+        names = {"BF16": torch.bfloat16, "F16": torch.float16}
+        for name, file in self.weight_map.items():
+            with safe_open(self.directory / file, "pt") as f:
+                kind = f.get_slice(name).get_dtype()
+            if kind in names:
+                return names[kind]
+            if kind.startswith("F"):
+                return torch.float32
+        return torch.float32
+
+
+def weight_dtype(weight_format: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a chunk's weights are materialised and traced: float32 for ``fp32``,
+    float16 for ``fp16``; for NNCF formats the checkpoint's own (16-bit) dtype, which NNCF
+    quantizes from without an f32 copy of the chunk."""
+    if weight_format == "fp32":
+        return torch.float32
+    if weight_format == "fp16":
+        return torch.float16
+    return checkpoint_dtype
+
+
+def build_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The ``AutoModelForCausalLM`` for ``config`` on the meta device (no memory), parameters in
+    ``dtype``, with :func:`grouped_sdpa_attention` (converted by OpenVINO to its
+    ScaledDotProductAttention op over the un-repeated KV cache)."""
     from transformers import AutoModelForCausalLM
 
+    _register_attention()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=GROUPED_ATTENTION)
     return model.eval()
+
+
+def cast_linears(module: nn.Module) -> nn.Module:
+    """Makes every ``nn.Linear`` in ``module`` cast its (16-bit) weight to the input's dtype, so
+    float32 activations meet 16-bit weights as ``Constant -> Convert -> MatMul`` in the IR (the
+    decompression pattern NNCF and the OpenVINO plugins expect) instead of f32 weight copies."""
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) and sub.weight.dtype != torch.float32:
+            sub.forward = forward.__get__(sub)
+    return module
+
+
+def checkpoint_key(model: nn.Module, module: nn.Module, name: str,
+                   reader: CheckpointReader) -> str:
+    """The checkpoint tensor holding ``module``'s (a submodule of ``model``) tensor ``name``;
+    tied output embeddings read the input embedding."""
+    names = {id(m): n for n, m in model.named_modules()}
+    prefix = names[id(module)]
+    full = f"{prefix}.{name}" if prefix else name
+    if full in reader:
+        return full
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out_emb is not None and in_emb is not None and full == f"{names[id(out_emb)]}.weight":
+        tied = f"{names[id(in_emb)]}.weight"
+        if tied in reader:
+            return tied
+    raise KeyError(f"checkpoint has no tensor {full!r}; cannot export this model")
 
 
 def materialize(model: nn.Module, module: nn.Module, reader: CheckpointReader) -> None:
     """Allocates ``module`` (a submodule of the meta ``model``) on the CPU and fills its parameters
     and persistent buffers from the checkpoint; tied output embeddings read the input embedding."""
-    prefix = {id(m): n for n, m in model.named_modules()}[id(module)]
-    prefix = prefix + "." if prefix else ""
-    tied = {}
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if out_emb is not None and in_emb is not None:
-        in_name = {id(m): n for n, m in model.named_modules()}[id(in_emb)]
-        out_name = {id(m): n for n, m in model.named_modules()}[id(out_emb)]
-        tied[f"{out_name}.weight"] = f"{in_name}.weight"
+    keys = {name: checkpoint_key(model, module, name, reader)
+            for name in module.state_dict(keep_vars=True)}
     module.to_empty(device="cpu")
     with torch.no_grad():
         for name, tensor in module.state_dict(keep_vars=True).items():
-            full = prefix + name
-            key = full if full in reader else tied.get(full)
-            if key is None or key not in reader:
-                raise KeyError(f"checkpoint has no tensor {full!r}; cannot export this model")
-            tensor.copy_(reader.get(key).to(tensor.dtype))
+            tensor.copy_(reader.get(keys[name]).to(tensor.dtype))
         for sub in module.modules():  # non-persistent buffers that have no checkpoint entry
             if hasattr(sub, "scalar_embed_scale"):
                 sub.embed_scale.fill_(sub.scalar_embed_scale)
@@ -216,6 +312,14 @@ def materialize(model: nn.Module, module: nn.Module, reader: CheckpointReader) -
 def release(module: nn.Module) -> None:
     """Frees a materialised chunk's storage (back to the meta device)."""
     module.to("meta")
+
+
+def release_linears(module: nn.Module) -> None:
+    """Frees the weights of every ``nn.Linear`` in ``module`` (once NNCF has replaced them in the
+    converted graph, which otherwise shares their memory); norms and other tensors stay."""
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            sub.to("meta")
 
 
 def rotary_module(model: nn.Module, config) -> nn.Module:

@@ -24,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="prompt tokens per prefill call (default 64)")
     opt.add_argument("--kv-buckets", type=lambda s: [int(v) for v in s.split(",") if v],
                      default=None, help="comma-separated decode KV capacities "
-                     "(default 256,512,... up to --max-seq-len)")
-    opt.add_argument("--layers-per-chunk", type=int, default=4,
-                     help="decoder layers per IR chunk (default 4)")
+                     "(default 256,384,512,640,896,... up to --max-seq-len)")
+    opt.add_argument("--layers-per-chunk", type=int, default=2,
+                     help="decoder layers per IR chunk (default 2; bounds export memory)")
     opt.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="fp16",
                      help="weight storage / NNCF compression (default fp16)")
     opt.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,

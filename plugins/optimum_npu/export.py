@@ -79,15 +79,16 @@ class WeightCompression:
 
 
 def default_buckets(max_seq_len: int, prefill_block: int) -> list[int]:
-    """KV capacities 256, 512, 1024, ... (multiples of the prefill block) below ``max_seq_len``,
-    then ``max_seq_len`` itself."""
-    start = max(256, prefill_block)
-    start = math.ceil(start / prefill_block) * prefill_block
+    """KV capacities from 256, each about 1.25x the previous, rounded up to a multiple of
+    ``max(128, prefill_block)`` (256, 384, 512, 640, 896, 1152, 1536, 1920 for block 64), below
+    ``max_seq_len``, then ``max_seq_len`` itself: a decode step attends over at most ~1.25x the
+    context (plus one step) at a logarithmic number of variants."""
+    step = max(128, prefill_block)
     buckets = []
-    c = start
+    c = math.ceil(max(256, prefill_block) / step) * step
     while c < max_seq_len:
         buckets.append(c)
-        c *= 2
+        c = math.ceil(c * 1.25 / step) * step
     return buckets + [max_seq_len]
 
 
@@ -193,33 +194,62 @@ def _compress(ov_model, quant: dict[str, Any] | None):
 
 
 class _Writer:
-    """Converts torch chunks to named, static (optionally stateful, compressed) IRs on disk."""
+    """Converts torch chunks to named, static (optionally stateful, compressed) IRs on disk.
+
+    The OpenVINO model shares the torch chunk's weight memory (``convert_model`` does not copy
+    them), so a chunk's torch weights may be released only after its IRs are written."""
 
     def __init__(self, out: Path, quant: dict[str, Any] | None, fp16: bool):
         self.out, self.quant, self.fp16 = out, quant, fp16
 
-    def write(self, module, example: tuple, inputs: list[str], outputs: list[str],
-              stem: str, states: dict[str, str] | None = None,
-              share_with: ChunkFile | None = None) -> ChunkFile:
+    def convert(self, module, example: tuple, shapes: list[tuple[int, ...]], inputs: list[str],
+                outputs: list[str], compress: bool = True):
+        """``module`` traced once (``shapes``: -1 marks a dimension read from the input shape),
+        ports named, weights compressed by NNCF when asked."""
         import openvino as ov
         import torch
 
-        spec = [(tuple(t.shape), {torch.int64: ov.Type.i64, torch.float32: ov.Type.f32}[t.dtype])
-                for t in example]
+        spec = [(ov.PartialShape(list(shape)),
+                 {torch.int64: ov.Type.i64, torch.float32: ov.Type.f32}[t.dtype])
+                for t, shape in zip(example, shapes, strict=True)]
         with torch.no_grad():
             ov_model = ov.convert_model(module, example_input=example, input=spec)
         _name_ports(ov_model, inputs, outputs)
-        if states:
-            make_stateful(ov_model, states)
-        ov_model = _compress(ov_model, self.quant)
+        return _compress(ov_model, self.quant) if compress else ov_model
+
+    def save(self, ov_model, stem: str, share_with: ChunkFile | None = None) -> ChunkFile:
+        import openvino as ov
+
         xml = self.out / f"{stem}.xml"
         ov.save_model(ov_model, xml, compress_to_fp16=self.fp16)
-        del ov_model
         chunk = ChunkFile(xml=xml.name, weights=xml.with_suffix(".bin").name)
         if share_with is not None:
             merge_weights(xml, self.out / chunk.weights, self.out / share_with.weights)
             chunk.weights = share_with.weights
         return chunk
+
+    def write(self, module, example: tuple, inputs: list[str], outputs: list[str],
+              stem: str) -> ChunkFile:
+        """A static, stateless chunk with the example's shapes."""
+        ov_model = self.convert(module, example, [tuple(t.shape) for t in example], inputs, outputs)
+        chunk = self.save(ov_model, stem)
+        del ov_model
+        return chunk
+
+    def write_variants(self, ov_model, variants: dict[str, dict[str, list[int]]],
+                       states: dict[str, str]) -> dict[str, ChunkFile]:
+        """One static, stateful IR per ``variants`` entry (stem -> input shapes), each a reshaped
+        clone of the converted and compressed ``ov_model``; all read the first one's ``.bin``."""
+        files: dict[str, ChunkFile] = {}
+        first = None
+        for stem, shapes in variants.items():
+            variant = ov_model.clone()
+            variant.reshape(shapes)
+            make_stateful(variant, states)
+            files[stem] = self.save(variant, stem, share_with=first)
+            first = first or files[stem]
+            del variant
+        return files
 
 
 _CONST_DATA = re.compile(rb'(<data\b[^>]*?\boffset=")(\d+)("\s+size=")(\d+)(")')
@@ -265,7 +295,7 @@ def export_npu_model(
     max_seq_len: int = 2048,
     prefill_block: int = 64,
     kv_buckets: list[int] | None = None,
-    layers_per_chunk: int = 4,
+    layers_per_chunk: int = 2,
     weight_format: str = "fp16",
     sym: bool | None = None,
     group_size: int | None = None,
@@ -281,8 +311,9 @@ def export_npu_model(
     ``output_dir`` as static, stateful OpenVINO chunks; returns the directory.
 
     ``max_seq_len``: tokens a sequence may hold (prompt + generated); ``prefill_block``: prompt
-    tokens per prefill call; ``kv_buckets``: decode KV capacities (default 256, 512, ... up to
-    ``max_seq_len``); ``layers_per_chunk``: decoder layers per IR (bounds export memory);
+    tokens per prefill call; ``kv_buckets``: decode KV capacities (default 256, 384, 512, 640,
+    896, ..., each ~1.25x the last, up to ``max_seq_len``); ``layers_per_chunk``: decoder layers
+    per IR (bounds export memory: 2 keeps a 1B model's export near 1 GiB);
     ``weight_format``: fp32 / fp16 (storage only) / int8 / int4 through NNCF (int4 defaults to
     symmetric, group 128, ratio 1.0, all layers; INT4 asymmetric is refused for ``target="NPU"``).
     """
@@ -310,8 +341,8 @@ def export_npu_model(
     for p in stale:
         p.unlink()
 
-    model = ch.build_skeleton(config)
     reader = ch.CheckpointReader(src)
+    model = ch.build_skeleton(config, ch.weight_dtype(weight_format, reader.dtype()))
     blocks = ch.parts(model)
     rotary = ch.rotary_module(model, config)
     windows = ch.sliding_windows(config)
@@ -323,11 +354,26 @@ def export_npu_model(
     writer = _Writer(out, quant, fp16=(weight_format == "fp16"))
 
     # Embedding: one IR with the prefill block's width (decode uses its first row: a gather).
-    ch.materialize(model, blocks["embed"], reader)
-    embed = writer.write(ch.EmbeddingChunk(blocks["embed"]).eval(),
-                         (torch.zeros(1, prefill_block, dtype=torch.int64),),
-                         [TOKEN], [X], "npu_embed")
-    ch.release(blocks["embed"])
+    # Quantized formats stream the vocabulary matrix through NNCF's quantizer a block of rows at
+    # a time (optimum_npu.vocab) instead of materialising it.
+    vocab_shape = (config.vocab_size, hidden)
+    if quant is not None:
+        from . import vocab
+
+        key = ch.checkpoint_key(model, blocks["embed"], "weight", reader)
+        q = vocab.quantize_rows(lambda a, b: reader.rows(key, a, b), vocab_shape, quant)
+        emb = vocab.embedding_model(q, quant, vocab_shape, prefill_block,
+                                    getattr(blocks["embed"], "scalar_embed_scale", None),
+                                    (TOKEN, X))
+        _name_ports(emb, [TOKEN], [X])
+        embed = writer.save(emb, "npu_embed")
+        del emb, q
+    else:
+        ch.materialize(model, blocks["embed"], reader)
+        embed = writer.write(ch.EmbeddingChunk(blocks["embed"]).eval(),
+                             (torch.zeros(1, prefill_block, dtype=torch.int64),),
+                             [TOKEN], [X], "npu_embed")
+        ch.release(blocks["embed"])
 
     groups = []
     for first in range(0, n_layers, layers_per_chunk):
@@ -335,37 +381,58 @@ def export_npu_model(
         layers = blocks["layers"][first:last]
         for layer in layers:
             ch.materialize(model, layer, reader)
-        chunk = ch.LayersChunk(layers, first, rotary, windows).eval()
+        chunk = ch.cast_linears(ch.LayersChunk(layers, first, rotary, windows).eval())
         in_names, out_names, states = [X, POSITION], [X_OUT], {}
         for i in range(first, last):
             for kind in ("k", "v"):
                 in_names.append(cache_name(kind, i))
                 out_names.append(cache_out_name(kind, i))
                 states[cache_name(kind, i)] = cache_out_name(kind, i)
+        n_caches = 2 * (last - first)
 
-        def example(tokens: int, capacity: int) -> tuple:
-            caches = [torch.zeros(1, kv_heads, capacity, head_dim)
-                      for _ in range(2 * (last - first))]
-            return (torch.zeros(1, tokens, hidden), torch.zeros(1, dtype=torch.int64), *caches)
+        def shapes(tokens: int, capacity: int) -> list[tuple[int, ...]]:
+            return [(1, tokens, hidden), (1,)] + [(1, kv_heads, capacity, head_dim)] * n_caches
 
+        # traced once with the token count and KV capacity read from the input shapes, compressed
+        # once; the prefill and every decode bucket are static reshapes of that one graph
+        example = (torch.zeros(1, 2, hidden), torch.zeros(1, dtype=torch.int64),
+                   *(torch.zeros(1, kv_heads, 4, head_dim) for _ in range(n_caches)))
+        ov_model = writer.convert(chunk, example, shapes(-1, -1), in_names, out_names)
+        if quant is not None:  # the graph now holds NNCF's copies of every linear weight
+            ch.release_linears(chunk)
         stem = f"npu_layers_{first:02d}_{last - 1:02d}"
-        prefill = writer.write(chunk, example(prefill_block, prefill_capacity), in_names,
-                               out_names, f"{stem}_prefill", states)
-        decode = {}
-        for capacity in buckets:
-            decode[str(capacity)] = writer.write(chunk, example(1, capacity), in_names, out_names,
-                                                 f"{stem}_kv{capacity}", states, share_with=prefill)
-        groups.append(LayerGroup(first, last, prefill, decode))
+        variants = {f"{stem}_prefill": shapes(prefill_block, prefill_capacity)}
+        variants.update({f"{stem}_kv{c}": shapes(1, c) for c in buckets})
+        files = writer.write_variants(
+            ov_model, {k: dict(zip(in_names, map(list, v), strict=True))
+                       for k, v in variants.items()}, states)
+        del ov_model
+        groups.append(LayerGroup(first, last, files[f"{stem}_prefill"],
+                                 {str(c): files[f"{stem}_kv{c}"] for c in buckets}))
         for layer in layers:
             ch.release(layer)
         logger.info("exported layers %d..%d", first, last - 1)
 
     ch.materialize(model, blocks["norm"], reader)
-    ch.materialize(model, blocks["lm_head"], reader)
-    head = writer.write(ch.HeadChunk(blocks["norm"], blocks["lm_head"], blocks["softcap"]).eval(),
-                        (torch.zeros(1, 1, hidden),), [X], [LOGITS], "npu_head")
+    if quant is not None:
+        from . import vocab
+
+        key = ch.checkpoint_key(model, blocks["lm_head"], "weight", reader)
+        q = vocab.quantize_rows(lambda a, b: reader.rows(key, a, b), vocab_shape, quant)
+        normed = writer.convert(ch.NormChunk(blocks["norm"]).eval(), (torch.zeros(1, 1, hidden),),
+                                [(1, 1, hidden)], [X], ["normed"], compress=False)
+        head_model = vocab.append_lm_head(normed, q, quant, vocab_shape, blocks["softcap"])
+        _name_ports(head_model, [X], [LOGITS])
+        head = writer.save(head_model, "npu_head")
+        del normed, head_model, q
+    else:
+        ch.materialize(model, blocks["lm_head"], reader)
+        head = writer.write(
+            ch.cast_linears(ch.HeadChunk(blocks["norm"], blocks["lm_head"],
+                                         blocks["softcap"]).eval()),
+            (torch.zeros(1, 1, hidden),), [X], [LOGITS], "npu_head")
+        ch.release(blocks["lm_head"])
     ch.release(blocks["norm"])
-    ch.release(blocks["lm_head"])
 
     config.save_pretrained(out)
     try:

@@ -97,3 +97,66 @@ def test_position_is_not_frozen_into_the_graph(exported):
         k = {s.name: np.array(s.state.data) for s in req.query_state()}["cache_k_0"]
         written = np.flatnonzero(np.abs(k[0, 0]).sum(-1))
         assert written.tolist() == [position]
+
+
+@pytest.mark.parametrize("mode", ["int8_sym", "int8_asym", "int4_sym"])
+def test_streamed_vocab_quantization_equals_nncf(mode, source_model, monkeypatch):
+    """The embedding quantized block by block from the checkpoint (several blocks) gives exactly
+    what nncf.compress_weights gives on the whole table."""
+    import nncf
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from optimum_npu import vocab
+    from optimum_npu.chunks import CheckpointReader
+
+    monkeypatch.setattr(vocab, "ROWS", 100)  # the tiny vocabulary spans several blocks
+    reader = CheckpointReader(source_model("llama"))
+    table = reader.get("model.embed_tokens.weight")
+    shape = tuple(table.shape)
+    int4 = mode.startswith("int4")
+    quant = dict(weight_format="int4" if int4 else "int8", mode=mode,
+                 group_size=32 if int4 else -1, ratio=1.0, all_layers=True)
+    q = vocab.quantize_rows(lambda a, b: reader.rows("model.embed_tokens.weight", a, b), shape,
+                            quant)
+    ours = vocab.embedding_model(q, quant, shape, shape[0], None, ("token", "x"))
+
+    token = ops.parameter([1, shape[0]], ov.Type.i64, name="token")
+    ref = ov.Model([ops.result(ops.gather(ops.constant(table.float().numpy()), token,
+                                          ops.constant(np.int64(0))))], [token])
+    kw = dict(group_size=32, ratio=1.0, all_layers=True) if int4 else {}
+    ref = nncf.compress_weights(ref, mode=nncf.CompressWeightsMode(mode), **kw)
+    ids = np.arange(shape[0], dtype=np.int64)[None]
+    core = ov.Core()
+    a = core.compile_model(ours, "CPU", F32)(ids)[0]
+    b = core.compile_model(ref, "CPU", F32)(ids)[0]
+    assert np.array_equal(a, b)
+    assert np.abs(a[0] - table.float().numpy()).max() < 0.2 * np.abs(table.float().numpy()).max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_int8_export_tracks_eager(arch, source_model, tmp_path):
+    """INT8 export (16-bit tracing, streamed vocabulary, linear weights freed after NNCF): the
+    logits of a two-block prompt and of the next decode steps stay close to float32 eager."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_npu import OVNPUModelForCausalLM, export_npu_model
+
+    src = source_model(arch)
+    out = export_npu_model(src, tmp_path / "int8", max_seq_len=64, prefill_block=16,
+                           kv_buckets=[32], layers_per_chunk=1, weight_format="int8")
+    model = OVNPUModelForCausalLM(out, device="CPU", ov_config=F32)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                               attn_implementation="eager")
+    ids = AutoTokenizer.from_pretrained(src)(PROMPT, return_tensors="pt").input_ids
+    out = model(ids)
+    for step in range(3):
+        with torch.no_grad():
+            want = ref(ids).logits[0, -1]
+        got = out.logits[0, -1]
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=0)
+        assert cos > 0.99, (step, float(cos))
+        nxt = want.argmax().view(1, 1)
+        ids = torch.cat([ids, nxt], dim=1)
+        out = model(nxt, past_key_values=out.past_key_values)
