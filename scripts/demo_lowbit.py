@@ -67,8 +67,8 @@ def main() -> None:
     print(f"transformers, same lowbit2 weights and op: {tok.decode(ref_ids)!r}")
     print(f"identical greedy tokens: {same}/{len(ref_ids)}")
     print("serve it: VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 vllm serve MODEL --quantization lowbit2")
-    print("OVModelForCausalLM(..., export_npu=True): see issue 6")
-    print("segment KV cache beam search: see issue 7")
+    print("static NPU export: OVModelForCausalLM.from_pretrained(MODEL, export_npu=True)  (docs/optimum_npu.md)")
+    print('segment KV beam search: AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="segment_kv")  (docs/ipex_segment_kv.md)')
 
 
 if __name__ == "__main__":
