@@ -22,8 +22,9 @@ from aipc_kernels import native
 from aipc_kernels.ops import lowbit_linear
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
+from llama_shapes import SHAPES as LLAMA_SHAPES  # bench/ is on sys.path when run as a script
 
-SHAPES = {"8B q/o 4096x4096": (4096, 4096), "8B gate/up 14336x4096": (14336, 4096), "8B down 4096x14336": (4096, 14336)}
+SHAPES = {k: v for k, v in LLAMA_SHAPES.items() if k in ("8B q/o 4096x4096", "8B gate/up 14336x4096", "8B down 4096x14336")}
 
 
 def cpu_time(fn, reps: int = 5) -> float:

@@ -29,17 +29,8 @@ from aipc_kernels import native
 from aipc_kernels.ops import lowbit_linear
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
+from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
-SHAPES = {  # (N = out_features, K = in_features)
-    "1B qkv/o 2048x2048": (2048, 2048),
-    "1B gate/up 8192x2048": (8192, 2048),
-    "1B down 2048x8192": (2048, 8192),
-    "1B kv 512x2048": (512, 2048),
-    "8B q/o 4096x4096": (4096, 4096),
-    "8B kv 1024x4096": (1024, 4096),
-    "8B gate/up 14336x4096": (14336, 4096),
-    "8B down 4096x14336": (4096, 14336),
-}
 PEERS = ("fp32", "bf16", "int8", "int4")
 OURS = ("int2", "int2_g128", "int2_vnni", "int1")
 # ours: code book, group size, forced ISA (None: the best this CPU has)

@@ -32,17 +32,8 @@ import torch.nn.functional as F
 from aipc_kernels.ops import lowbit_linear
 from aipc_kernels.packing import PackedLowBit, pack_for_triton
 from aipc_kernels.quantizers import quantize_rtn
+from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
-SHAPES = {  # (N = out_features, K = in_features)
-    "1B qkv/o 2048x2048": (2048, 2048),
-    "1B gate/up 8192x2048": (8192, 2048),
-    "1B down 2048x8192": (2048, 8192),
-    "1B kv 512x2048": (512, 2048),
-    "8B q/o 4096x4096": (4096, 4096),
-    "8B kv 1024x4096": (1024, 4096),
-    "8B gate/up 14336x4096": (14336, 4096),
-    "8B down 4096x14336": (4096, 14336),
-}
 EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
 ROWS = ("bf16", "ours_w2a8", "ours_v1", "gemlite_a16w2", "gemlite_a8w8")
 # the first (correct but slow) version's tuned H200 configs, kept as a row to compare against

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_float.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #define SEG_X86 1
 #include <immintrin.h>
@@ -41,43 +43,13 @@ enum { S_OK = 0, S_ERR_SHAPE = -2, S_ERR_DTYPE = -4, S_ERR_NOMEM = -6, S_ERR_PAT
 
 /* ------------------------------------------------------------------ scalar helpers */
 
-static inline float s_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float s_f16(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) {
-                man <<= 1;
-                exp--;
-            }
-            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000 | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static void cvt_scalar(float *dst, const void *src, int dt, int64_t D) {
     if (dt == S_F32) {
         memcpy(dst, src, (size_t)D * 4);
     } else if (dt == S_BF16) {
-        for (int64_t d = 0; d < D; d++) dst[d] = s_bf16(((const uint16_t *)src)[d]);
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(((const uint16_t *)src)[d]);
     } else {
-        for (int64_t d = 0; d < D; d++) dst[d] = s_f16(((const uint16_t *)src)[d]);
+        for (int64_t d = 0; d < D; d++) dst[d] = f16_to_f32(((const uint16_t *)src)[d]);
     }
 }
 
