@@ -3,7 +3,8 @@
     python bench/gemv_gpu.py [--quick] [--out bench/results/gemv_gpu] [--m 1,16,1024]
 
 Rows per shape and M: torch bf16 ``F.linear`` (cuBLAS), ours (``aipc::lowbit_linear``, Triton W2A8:
-int2 code book, group 64, fp16 scales, activations quantized to int8 inside), and the public Triton
+int2 code book, group 64, fp16 scales, activations quantized to int8 per token inside the op: at
+M = 1 by a small pre-pass kernel chained to the GEMV by programmatic dependent launch), and the public Triton
 peer gemlite (``pip install gemlite``) in its A16W2 (weight-only, HQQ-style affine 2-bit, group 64) and
 A8W8 int8 dynamic modes. A peer that does not import or fails is reported as skipped, with the reason.
 

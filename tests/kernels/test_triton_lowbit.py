@@ -32,6 +32,10 @@ GEMV = {"BLOCK_N": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 FMA = {"KERNEL": "fma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 DP4A = {"KERNEL": "dp4a", "BLOCK_N": 16, "SPLIT_K": 1, "BLOCK_C": 2, "num_warps": 4, "num_stages": 2}
 GEMM = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}
+# M == 1 weight streaming: with the packed-activation pre-pass (+ PDL on sm_90), and fused
+STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+STREAM_FUSED = {"KERNEL": "stream", "BLOCK_N": 16, "BLOCK_C": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+MMA = {"KERNEL": "mma", "BLOCK_N": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # M <= 16, pre-pass + int8 dot
 
 
 @pytest.fixture(autouse=True)
@@ -92,10 +96,12 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     assert y.shape == (M, N) and y.dtype == x.dtype and y.device.type == DEVICE
     ref = ops.reference_linear_w8(x, w, bias)
     _close(y, ref, 2e-5)
-    if M == 1:  # the dot-free GEMV kernel too
-        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=FMA), ref, 2e-5)
-    if M <= tlin.GEMV_MAX_M:  # and the integer-unit (dp4a) weight-streaming GEMV
-        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=DP4A), ref, 2e-5)
+    if M == 1:  # the dot-free GEMV kernels too
+        for cfg in (FMA, STREAM, STREAM_FUSED):
+            _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
+    if M <= tlin.GEMV_MAX_M:  # and the integer-unit (dp4a) and pre-quantized int8-dot GEMVs
+        for cfg in (DP4A, MMA):
+            _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -117,13 +123,18 @@ def test_dtypes_against_float64_dequantized_weights(dtype, scale_dtype, M):
     assert rel < 0.02, rel
 
 
-@pytest.mark.parametrize("M, kernel", [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a")])
+@pytest.mark.parametrize(
+    "M, kernel",
+    [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a"), (1, "stream"), (1, "stream_fused"), (7, "mma"), (16, "mma")],
+)
 @pytest.mark.parametrize("block_n, split_k", [(16, 2), (32, 3), (16, 8)])
 def test_split_k(M, kernel, block_n, split_k):
     N, K = 45, 1024  # 8 chunks: splits of 4, 3 (uneven), 1 chunk
     w, p = _case(N, K, "int2", 64, seed=M + split_k)
     x, bias = torch.randn(M, K), torch.randn(N)
     cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
+    if kernel.startswith("stream"):
+        cfg.update(KERNEL="stream", XPACK=int(kernel == "stream"), PDL=1)
     for _ in range(2):  # tickets are re-armed by the reducing program: a second call is right too
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
@@ -145,7 +156,10 @@ def test_every_output_written_and_nothing_past_it(M):
     x = torch.randn(M, K)
     for dtype in (torch.float32, torch.bfloat16):
         buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
-        cfg = (DP4A if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else GEMM
+        if M == 1:
+            cfg = STREAM if dtype == torch.bfloat16 else STREAM_FUSED
+        else:
+            cfg = (MMA if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else GEMM
         tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])
         assert not torch.isnan(buf[: M * N]).any()
         assert torch.isnan(buf[M * N :]).all()
@@ -196,18 +210,19 @@ def test_op_dispatch_fake_kernel_and_torch_compile():
 def test_cuda_graph_replay():
     w, p = _case(300, 1024, "int2", 64, seed=4)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    cfg = {"BLOCK_N": 16, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
     out = torch.empty(1, 300, device="cuda", dtype=torch.bfloat16)
-    tlin.lowbit_linear_triton(x, p, config=cfg, out=out)  # compile and allocate before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tlin.lowbit_linear_triton(x, p, config=cfg, out=out)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _close(out, ops.reference_linear_w8(x.cpu(), w), 8e-3)
+    for cfg in ({"BLOCK_N": 16, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}, dict(STREAM, SPLIT_K=2)):
+        tlin.lowbit_linear_triton(x, p, config=cfg, out=out)  # compile and allocate before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the stream config: pre-pass + GEMV chained by PDL, twice
+            for _ in range(2):
+                tlin.lowbit_linear_triton(x, p, config=cfg, out=out)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _close(out, ops.reference_linear_w8(x.cpu(), w), 8e-3)
 
 
 def test_config_cache_per_device(tmp_path, monkeypatch):
@@ -236,6 +251,8 @@ def test_autotune_writes_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tlin, "GEMV_SPACE", [("dot", 16, 1, 4, 2), ("dot", 32, 2, 4, 3)])
     monkeypatch.setattr(tlin, "GEMV_FMA_SPACE", [("fma", 64, 2, 4, 3)])
     monkeypatch.setattr(tlin, "GEMV_DP4A_SPACE", [("dp4a", 32, 2, 4, 3, 2)])
+    monkeypatch.setattr(tlin, "GEMV_STREAM_SPACE", [("stream", 16, 1, 4, 1, 2)])
+    monkeypatch.setattr(tlin, "GEMV_MMA_SPACE", [("mma", 32, 2, 4, 3)])
     w, p = _case(64, 512, "affine", 128, seed=3)
     x = torch.randn(1, 512, device="cuda")
     _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)

@@ -10,6 +10,10 @@ activations are quantized to int8 (absmax per token, the rounding of
 Two paths, both computing ``y^T`` tiles ``[BLOCK_N, BLOCK_M]`` (weights are the dot's A operand, so
 a decode step pads M to 16 and not the weight tile):
 
+* GEMV (M == 1), ``stream`` (the H200 default): an activation pre-pass writes int8 codes once (read
+  as int32 words they are the ``dp4a`` partners of the weight words), chained to the weight-streaming
+  GEMV by programmatic dependent launch on sm_90+ (``XPACK=0``: quantization fused instead).
+* GEMV (M <= 16), ``mma``: activation pre-pass + one int8 ``tl.dot`` per weight group.
 * GEMV (M <= 16), ``dp4a``: weight streaming on the integer units (int32 words of packed codes x int8
   activations packed 4 per word, one ``dp4a`` per 4 codes, exact), one fp32 rescale per group; the
   tuner picks it or the two kernels below.
@@ -383,6 +387,241 @@ def _lowbit_gemv_dp4a_kernel(
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
+@triton.jit
+def _lowbit_gemv_stream_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    N, K, NG, KW, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_KX: tl.constexpr,
+    XPACK: tl.constexpr, xw_ptr, xs_ptr, sx_ptr,
+):
+    """M == 1 weight streaming on the integer units. Each program owns BLOCK_N rows and (a split of)
+    K; per step it holds [BLOCK_N, BLOCK_C chunks, 8 words] of packed codes (16-byte loads) and
+    prefetches the next step's tile before using this one, the first tile before the activation
+    absmax, so the weight stream never waits on the activation chain. A plane's 4 codes of a word
+    meet 4 int8 activations packed the same way in one ``dp4a`` (exact int32); the packed
+    activation words are built from x (L1-resident) once per program and step, shared by all rows.
+    With ``PDL`` (programmatic dependent launch) the weight prefetch is issued before waiting for
+    the previous kernel, which is what writes x."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
+    GPC: tl.constexpr = KC // GE
+    PPG: tl.constexpr = P // GPC
+    MASK: tl.constexpr = (1 << BITS) - 1
+    PMASK: tl.constexpr = MASK | (MASK << 8) | (MASK << 16) | (MASK << 24)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    oc = tl.arange(0, BLOCK_C)
+    ow = tl.arange(0, 8)
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
+    w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * KW + ow[None, None, :]
+    c = c_begin + oc
+    wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if XPACK:  # activations from _quant_act_pack_kernel: int8 codes read as int32 words (k = 4 * word + byte)
+        sx = tl.load(sx_ptr)
+        inv = sx  # unused
+    else:
+        ox = tl.arange(0, BLOCK_KX)
+        amax = tl.zeros([BLOCK_KX], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_KX):
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + ox, mask=k0 + ox < K, other=0.0).to(tl.float32)))
+        a = tl.max(amax, axis=0)
+        inv = tl.where(a > 0, tl.math.div_rn(127.0, tl.where(a > 0, a, 1.0)), 0.0)
+        sx = tl.math.div_rn(a, 127.0)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        c = c0 + oc
+        c_mask = c < c_end
+        cn = c + BLOCK_C
+        wn = tl.load(w_rows + cn[None, :, None] * 8, mask=n_mask[:, None, None] & (cn < c_end)[None, :, None], other=0)
+        for gi in tl.static_range(GPC):
+            d = tl.zeros([BLOCK_N, BLOCK_C, 8], dtype=tl.int32)
+            xs = tl.zeros([BLOCK_C, 8], dtype=tl.float32)
+            for qq in tl.static_range(PPG):
+                q = gi * PPG + qq
+                if XPACK:
+                    xw = tl.load(xw_ptr + (c * P + q)[:, None] * 8 + ow[None, :], mask=c_mask[:, None], other=0)
+                    xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
+                else:
+                    kb = (c * KC + 32 * q)[:, None] + (ow * 4)[None, :]  # [BLOCK_C, 8]: first k of each word
+                    xw = tl.zeros([BLOCK_C, 8], dtype=tl.int32)
+                    for b in tl.static_range(4):
+                        xv = tl.load(x_ptr + kb + b, mask=c_mask[:, None] & (kb + b < K), other=0.0).to(tl.float32)
+                        xq = _quantize(xv, inv)
+                        xs += xq
+                        xw = xw | ((xq.to(tl.int32) & 0xFF) << (8 * b))
+                codes = (wv >> (BITS * q)) & PMASK
+                d = _dp4a(codes, xw[None, :, :], d, HW_DP4A)
+            dot = tl.sum(d, axis=2).to(tl.float32)  # [BLOCK_N, BLOCK_C]
+            gx = tl.sum(xs, axis=1)  # [BLOCK_C]
+            if WHOLE_ROW:
+                g = c * 0
+            else:
+                g = (c * KC + gi * GE) // G
+            gmask = n_mask[:, None] & (c_mask & (g < NG))[None, :]
+            sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                acc += sc * (CMUL * dot - zp * gx[None, :])
+            else:
+                acc += sc * (CMUL * dot - ZERO * gx[None, :])
+        wv = wn
+    res = tl.sum(acc, axis=1) * sx
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, res.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(ws_ptr + pid_k * N + offs_n, res, mask=n_mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_n, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
+def _quant_act_pack_kernel(x_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KX: tl.constexpr):
+    """M == 1 activation pre-pass, many programs: each finds the row absmax (one whole-row load, L2)
+    and writes its BLOCK_Q slice of the int8 codes ``xq[Kp]`` (zero past K) and 32-k sums
+    ``xs[Kp/32]``; program 0 writes the scale. With ``PDL`` it lets the GEMV launch at once (the
+    GEMV prefetches weights, then waits for this grid) and waits itself before reading x."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    row = tl.full([1], 0, tl.int32)
+    inv, sx = _act_scales(x_ptr, row, row == 0, K, 1, BLOCK_KX)
+    if pid == 0:
+        tl.store(sx_ptr + row, sx)
+    k = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    xqf = _quantize(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), inv)
+    tl.store(xq_ptr + k, xqf.to(tl.int8), mask=k < Kp)
+    sums = tl.sum(tl.reshape(xqf, [BLOCK_Q // 32, 32]), axis=1).to(tl.int32)
+    kk = pid * (BLOCK_Q // 32) + tl.arange(0, BLOCK_Q // 32)
+    tl.store(xs_ptr + kk, sums, mask=kk < Kp // 32)
+
+
+@triton.jit
+def _quant_act_t_kernel(x_ptr, xq_ptr, xs_ptr, sx_ptr, M, K, Kp, BM: tl.constexpr, BLOCK_KX: tl.constexpr):
+    """Activation pre-pass of the matrix-unit GEMV: program m writes column m of the int8 codes
+    ``xq[Kp, BM]`` (k-major, zero past K and for m >= M), of the 32-k sums ``xs[Kp/32, BM]`` and its
+    scale ``sx[m]``, so each GEMV program reads whole [k, BM] tiles."""
+    m = tl.program_id(0)
+    row = tl.full([1], 0, tl.int32) + m
+    valid = row < M
+    inv, sx = _act_scales(x_ptr, row, valid, K, 1, BLOCK_KX)
+    tl.store(sx_ptr + row, sx)
+    offs = tl.arange(0, BLOCK_KX)
+    offs32 = tl.arange(0, BLOCK_KX // 32)
+    for k0 in range(0, Kp, BLOCK_KX):
+        k = k0 + offs
+        xv = tl.load(x_ptr + m * K + k, mask=(k < K) & ((k * 0 + m) < M), other=0.0).to(tl.float32)
+        xqf = _quantize(xv, inv)
+        tl.store(xq_ptr + k * BM + m, xqf.to(tl.int8), mask=k < Kp)
+        sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
+        kk = k0 // 32 + offs32
+        tl.store(xs_ptr + kk * BM + m, sums, mask=kk < Kp // 32)
+
+
+@triton.jit
+def _lowbit_gemv_mma_kernel(
+    xq_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, NG, KB, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BM: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """GEMV for 1 < M <= 16 on the int8 matrix units, activations from :func:`_quant_act_t_kernel`.
+    Per 32-byte chunk of BLOCK_N rows: the planes of one group are unpacked in registers into an
+    int8 [BLOCK_N, group] operand in natural k order (one ``tl.dot`` of K = group, not one per
+    32-k plane) against the pre-quantized [group, BM] activation tile."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
+    GPC: tl.constexpr = KC // GE
+    PPG: tl.constexpr = P // GPC
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    om = tl.arange(0, BM)
+    m_mask = om < M
+    j = tl.arange(0, 32)
+    og = tl.arange(0, GE)
+    op = tl.arange(0, PPG)
+    sx = tl.load(sx_ptr + om)
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KB // 32)
+    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    row_dot = tl.zeros([BLOCK_N, BM], dtype=tl.int32)
+    row_xs = tl.zeros([BM], dtype=tl.int32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KB + j[None, :]
+    for c in range(c_begin, c_end):
+        wb = tl.load(w_rows + c * 32, mask=n_mask[:, None], other=0)  # [BLOCK_N, 32] bytes
+        for gi in tl.static_range(GPC):
+            sh = (BITS * (gi * PPG + op))[None, :, None]
+            codes = tl.reshape(((wb[:, None, :] >> sh) & MASK).to(tl.int8), [BLOCK_N, GE])
+            k0 = c * KC + gi * GE
+            xt = tl.load(xq_ptr + (k0 + og)[:, None] * BM + om[None, :])  # [GE, BM] int8
+            d = tl.dot(codes, xt, out_dtype=tl.int32)
+            gxs = tl.sum(tl.load(xs_ptr + (k0 // 32 + op)[:, None] * BM + om[None, :]), axis=0)  # [BM]
+            if WHOLE_ROW:
+                row_dot += d
+                row_xs += gxs
+            else:
+                g = k0 // G
+                gmask = n_mask & ((offs_n * 0 + g) < NG)
+                sc = tl.load(s_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    zp = tl.load(z_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                    corr = zp[:, None] * gxs[None, :].to(tl.float32)
+                else:
+                    corr = ZERO * gxs[None, :].to(tl.float32)
+                acc += sc[:, None] * (CMUL * d.to(tl.float32) - corr)
+    if WHOLE_ROW:
+        sc = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zp = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            corr = zp[:, None] * row_xs[None, :].to(tl.float32)
+        else:
+            corr = ZERO * row_xs[None, :].to(tl.float32)
+        acc = sc[:, None] * (CMUL * row_dot.to(tl.float32) - corr)
+    acc = acc * sx[None, :]
+    out_offs = om[None, :].to(tl.int64) * N + offs_n[:, None]
+    omask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=omask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + out_offs, tot.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
 # ----------------------------------------------------------------------------- configurations
 
 # GEMV: (KERNEL, BLOCK_N, SPLIT_K, num_warps, num_stages[, BLOCK_C]); GEMM: (BLOCK_N, BLOCK_M, num_warps, num_stages)
@@ -398,6 +637,17 @@ GEMV_DP4A_SPACE = [  # integer-unit weight streaming; BLOCK_C 32-byte chunks per
     for bn in (32, 64, 128, 256)
     for sk in (1, 2, 4, 8, 16)
     for bc in (2, 4)
+]
+GEMV_STREAM_SPACE = [  # M == 1: packed-activation pre-pass + weight streaming (PDL on sm_90+)
+    ("stream", bn, sk, nw, 1, bc)
+    for bn in (8, 16, 32)
+    for sk in (1, 2, 4)
+    for bc in (4, 8, 16, 32)
+    for nw in (2, 4, 8)
+    if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
+]
+GEMV_MMA_SPACE = [  # 1 < M <= 16: activation pre-pass + one int8 tl.dot per group
+    ("mma", bn, sk, nw, ns) for bn in (32, 64, 128) for sk in (4, 8) for nw, ns in ((4, 3), (8, 3)) if nw == 4 or bn >= 64
 ]
 _DP4A_MAX_TILE = 8192  # BLOCK_N * BLOCK_M * BLOCK_C * 8 int32 words per step: larger tiles spill
 GEMM_SPACE = [
@@ -491,6 +741,12 @@ def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) ->
     if _path(M) == "gemm":
         return {"BLOCK_N": 64, "BLOCK_M": 128 if M >= 128 else 64, "num_warps": 4, "num_stages": 3}
     sms = _sm_count(device)
+    if M == 1:  # packed-activation pre-pass + weight streaming (the H200 winners: 8 rows, wide K tiles)
+        bn, bc = 8, min(32, max(1, chunks))
+        split = 1
+        while split < 4 and -(-N // bn) * split < 2 * sms and chunks >= 2 * split * bc:
+            split *= 2
+        return {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
     if M <= 4:  # weight streaming on the integer units
         bn = 64 if N >= 2048 else 32
         bc = 4 if M == 1 else 2
@@ -567,6 +823,11 @@ def _launch(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
         _launch_kernels(x2, weight, bias, y, cfg)
 
 
+def _pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): compiled CUDA on sm_90+ only."""
+    return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     M, K = x2.shape
     N = weight.out_features
@@ -597,7 +858,49 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
             else:
                 ws = torch.empty(split * M * N, dtype=torch.float32, device=x2.device)
                 locks = _lock_buffer(x2.device)
-        if cfg.get("KERNEL", "dot") == "dp4a":
+        kernel = cfg.get("KERNEL", "dot")
+        if kernel == "stream":
+            if M != 1:
+                raise ValueError(f"config {cfg}: the stream GEMV kernel takes M == 1 only (M={M})")
+            bc = cfg.get("BLOCK_C", 8)
+            pdl = bool(cfg.get("PDL", 0)) and _pdl_ok(x2.device)
+            xpack = bool(cfg.get("XPACK", 0))
+            xw, xs, sx = dummy, dummy, dummy
+            if xpack:
+                bq = 1024
+                xq = torch.empty(Kp, dtype=torch.int8, device=x2.device)
+                xs = torch.empty(Kp // 32, dtype=torch.int32, device=x2.device)
+                sx = torch.empty(1, dtype=torch.float32, device=x2.device)
+                _quant_act_pack_kernel[(triton.cdiv(Kp, bq),)](
+                    x2, xq, xs, sx, K, Kp, PDL=pdl, BLOCK_Q=bq, BLOCK_KX=min(triton.next_power_of_2(K), 16384),
+                    num_warps=4, **({"launch_pdl": True} if pdl else {}),
+                )  # fmt: skip
+                xw = xq.view(torch.int32)
+            _lowbit_gemv_stream_kernel[(grid[0], split)](
+                x2, weight.qweight.view(torch.int32), s, z, b, y, ws, locks,
+                N, K, s.shape[0], weight.qweight.shape[1] // 4, per_split,
+                HW_DP4A=x2.device.type == "cuda" and not _INTERPRETED, PDL=pdl,
+                BLOCK_N=bn, BLOCK_C=bc, SPLIT_K=split, BLOCK_KX=min(triton.next_power_of_2(K), 16384),
+                XPACK=xpack, xw_ptr=xw, xs_ptr=xs, sx_ptr=sx,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                **({"launch_pdl": True} if pdl else {}), **common,
+            )  # fmt: skip
+            return
+        if kernel == "mma":
+            xq = torch.empty(Kp, GEMV_MAX_M, dtype=torch.int8, device=x2.device)
+            xs = torch.empty(Kp // 32, GEMV_MAX_M, dtype=torch.int32, device=x2.device)
+            sx = torch.empty(GEMV_MAX_M, dtype=torch.float32, device=x2.device)
+            _quant_act_t_kernel[(GEMV_MAX_M,)](
+                x2, xq, xs, sx, M, K, Kp, BM=GEMV_MAX_M, BLOCK_KX=min(triton.next_power_of_2(Kp), 4096), num_warps=4
+            )  # fmt: skip
+            _lowbit_gemv_mma_kernel[(grid[0], split)](
+                xq, xs, sx, weight.qweight, s, z, b, y, ws, locks,
+                M, N, s.shape[0], weight.qweight.shape[1], per_split,
+                BLOCK_N=bn, BM=GEMV_MAX_M, SPLIT_K=split,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+            )  # fmt: skip
+            return
+        if kernel == "dp4a":
             bc = cfg.get("BLOCK_C", 4)
             _lowbit_gemv_dp4a_kernel[(grid[0], split)](
                 x2, weight.qweight.view(torch.int32), s, z, b, y, ws, locks,
@@ -646,7 +949,10 @@ def _space(path: str, M: int) -> list[dict]:
     fields = ("KERNEL",) + _CONFIG_FIELDS[path] + ("BLOCK_C",)
     bm = max(1, triton.next_power_of_2(M))
     dp4a = [c for c in GEMV_DP4A_SPACE if c[1] * bm * c[5] * 8 <= _DP4A_MAX_TILE]
-    return [dict(zip(fields, c)) for c in dp4a + GEMV_SPACE + (GEMV_FMA_SPACE if M == 1 else [])]
+    if M == 1:
+        stream = [dict(zip(fields, c), XPACK=1, PDL=1) for c in GEMV_STREAM_SPACE]
+        return stream + [dict(zip(fields, c)) for c in dp4a]
+    return [dict(zip(fields, c)) for c in GEMV_MMA_SPACE + GEMV_SPACE + dp4a]
 
 
 def _time(fn, device: torch.device) -> float:
