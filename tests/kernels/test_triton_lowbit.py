@@ -31,7 +31,10 @@ if not ON_GPU:
 GEMV = {"BLOCK_N": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 FMA = {"KERNEL": "fma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 DP4A = {"KERNEL": "dp4a", "BLOCK_N": 16, "SPLIT_K": 1, "BLOCK_C": 2, "num_warps": 4, "num_stages": 2}
-GEMM = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}
+GEMM = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}  # the older GEMM kernel
+# the 'group' GEMM: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
+GROUP = {"KERNEL": "group", "BLOCK_N": 32, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "WA": 1}
+GROUP_B = dict(GROUP, BLOCK_N=16, BLOCK_M=32, WA=0)
 # M == 1 weight streaming: with the packed-activation pre-pass (+ PDL on sm_90), and fused
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FUSED = {"KERNEL": "stream", "BLOCK_N": 16, "BLOCK_C": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
@@ -102,6 +105,9 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     if M <= tlin.GEMV_MAX_M:  # and the integer-unit (dp4a) and pre-quantized int8-dot GEMVs
         for cfg in (DP4A, MMA):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
+    else:  # and the group GEMM, weights as either dot operand
+        for cfg in (GROUP, GROUP_B):
+            _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -140,12 +146,15 @@ def test_split_k(M, kernel, block_n, split_k):
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
 
 
+@pytest.mark.parametrize("kernel", ["dot", "group", "group_b"])
 @pytest.mark.parametrize("block_n, block_m", [(16, 16), (32, 64), (64, 32)])
-def test_gemm_tiles(block_n, block_m):
+def test_gemm_tiles(block_n, block_m, kernel):
     M, N, K = 67, 83, 384
     w, p = _case(N, K, "sym", 32, seed=block_n + block_m)
     x = torch.randn(M, K) * 3
     cfg = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": 4, "num_stages": 2}
+    if kernel != "dot":
+        cfg.update(KERNEL="group", WA=int(kernel == "group"))
     _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg), ops.reference_linear_w8(x, w), 2e-5)
 
 
@@ -159,7 +168,7 @@ def test_every_output_written_and_nothing_past_it(M):
         if M == 1:
             cfg = STREAM if dtype == torch.bfloat16 else STREAM_FUSED
         else:
-            cfg = (MMA if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else GEMM
+            cfg = (MMA if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else (GROUP if dtype == torch.bfloat16 else GEMM)
         tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])
         assert not torch.isnan(buf[: M * N]).any()
         assert torch.isnan(buf[M * N :]).all()

@@ -21,8 +21,11 @@ a decode step pads M to 16 and not the weight tile):
   registers, streams its weight rows once. Split-K (``SPLIT_K`` programs per output tile) when
   there are too few tiles to fill the GPU; the last program of a tile (atomic ticket) sums the fp32
   partials, so it is still one launch with no zero-fill (CUDA-graph friendly).
-* GEMM (M > 16): a quantization pass writes int8 activations, per-token scales and 32-k sums
-  (the zero-point correction), then int8 tiles re-use each activation block across BLOCK_N rows.
+* GEMM (M > 16), ``group`` (the default): a quantization pass writes int8 activations and per-token
+  scales (32-k sums only for the affine zero-point correction); int8 tiles chain one K=32 dot per
+  bit-plane in int32 over a weight group (fixed zero points folded into the int8 weight operand) and
+  rescale once per group in fp32 (the int32 -> fp32 conversion is a subtract: see the kernel). A
+  config without ``KERNEL`` runs the older per-plane-rescale GEMM.
 
 Tile configurations are autotuned per (path, M bucket, N, K, group, bits) and cached per device
 name under ``$AIPC_CACHE_DIR/triton/``; ``lowbit_linear_configs.json`` next to this file ships the
@@ -81,8 +84,9 @@ def _act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_KX: tl.co
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.constexpr):
-    """One row per program: int8 codes [M, Kp] (zero past K), scale [M], 32-k sums [M, Kp/32]."""
+def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.constexpr, WRITE_SUMS: tl.constexpr):
+    """One row per program: int8 codes [M, Kp] (zero past K), scale [M], 32-k sums [M, Kp/32]
+    (``WRITE_SUMS``: only zero-point corrections need them)."""
     m = tl.program_id(0).to(tl.int64)
     row = tl.full([1], 0, tl.int64) + m
     inv, sx = _act_scales(x_ptr, row, row >= 0, K, 1, BLOCK_KX)
@@ -94,8 +98,9 @@ def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.const
         xv = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
         xqf = _quantize(xv, inv)
         tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
-        sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
-        tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
+        if WRITE_SUMS:
+            sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
+            tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
 
 
 @triton.jit
@@ -622,6 +627,181 @@ def _lowbit_gemv_mma_kernel(
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
+@triton.jit
+def _plane_codes(wb, q: tl.constexpr, BITS: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr, HW_ASM: tl.constexpr, ASM: tl.constexpr):
+    """int8 weight operand of bit-plane ``q`` of the bytes ``wb``: ``CA * c - CB`` (an integer form of
+    the code book's ``cmul * c - zero``). With ``HW_ASM`` four codes per 32-bit register (shift, mask,
+    byte-wise bias and sign flip: 3-4 instructions per 4 codes); else one code per element."""
+    if HW_ASM:
+        return tl.inline_asm_elementwise(ASM, "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (((wb >> (BITS * q)) & ((1 << BITS) - 1)).to(tl.int32) * CA - CB).to(tl.int8)
+
+
+@triton.jit
+def _lowbit_gemm_kernel(
+    xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
+    M, N, Kp, NG, KB,
+    BITS: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr, FMUL: tl.constexpr, G: tl.constexpr,
+    WHOLE_ROW: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WA: tl.constexpr, HW_ASM: tl.constexpr,
+    ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
+    ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
+):
+    """GEMM (M > 16) on the int8 matrix units (wgmma on Hopper), activations from
+    :func:`_quant_act_kernel`. Per 32-byte weight chunk: one [BLOCK_N, 32] byte load, each bit-plane
+    unpacked in registers to the int8 operand ``CA * c - CB`` (the fixed zero point folded in: no
+    zero-point correction for fixed code books), one K=32 ``tl.dot`` per plane chained in int32 over
+    the group, then one fp32 rescale per group. The int32 accumulator starts at 0x4B400000 (the bits
+    of 1.5 * 2**23), so its bits read as fp32 are exactly 12582912 + dot (|dot| < 2**22): the group's
+    int32 -> fp32 conversion is one fp32 subtract instead of a slow I2F. ``WA``: weights are the dot's
+    A operand ([BLOCK_N, BLOCK_M] tiles) instead of B."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    RP: tl.constexpr = P if WHOLE_ROW else G // 32  # planes per rescale (the whole row: per chunk)
+    MAGIC: tl.constexpr = 0x4B400000
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsz = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsz
+    pid_n = (pid % width) // gsz
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rm = tl.where(m_mask, offs_m, 0)  # clamped rows: unmasked (vector) loads, results dropped at the store
+    rn = tl.where(n_mask, offs_n, 0)
+    j = tl.arange(0, 32)
+    x_rows = xq_ptr + rm[:, None].to(tl.int64) * Kp + j[None, :]
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * KB + j[None, :]
+    if WA:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        d0 = tl.full([BLOCK_N, BLOCK_M], MAGIC, tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        d0 = tl.full([BLOCK_M, BLOCK_N], MAGIC, tl.int32)
+    # The group scales (zeros, activation sums) of chunk c + 1 are loaded during chunk c: a load's
+    # latency is only paid where its value is first used. [BLOCK_N, NGC] / [BLOCK_M, P] tiles.
+    NGC: tl.constexpr = P // RP  # rescales per chunk
+    og = tl.arange(0, NGC)
+    op = tl.arange(0, P)
+    last_g = NG - 1
+    s_tile = s_ptr + rn[:, None]
+    z_tile = z_ptr + rn[:, None]
+    xs_tile = xsum_ptr + rm[:, None] * (Kp // 32) + op[None, :]
+    if WHOLE_ROW:
+        sc_row = tl.load(s_ptr + rn).to(tl.float32) * FMUL
+        if HAS_ZEROS:
+            zs_row = sc_row * tl.load(z_ptr + rn).to(tl.float32)
+    else:
+        sc_nxt = tl.load(s_tile + tl.minimum(og, last_g)[None, :] * N)
+        if HAS_ZEROS:
+            z_nxt = tl.load(z_tile + tl.minimum(og, last_g)[None, :] * N)
+    if HAS_ZEROS:
+        xs_nxt = tl.load(xs_tile)
+    n_chunks = Kp // KC
+    for c in range(0, n_chunks):
+        wb = tl.load(w_rows + c * 32)  # [BLOCK_N, 32] bytes, P planes
+        cn = tl.minimum(c + 1, n_chunks - 1)
+        if not WHOLE_ROW:
+            sc_cur = sc_nxt.to(tl.float32) * FMUL
+            sc_nxt = tl.load(s_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
+            if HAS_ZEROS:
+                z_cur = z_nxt.to(tl.float32)
+                z_nxt = tl.load(z_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
+        if HAS_ZEROS:
+            xs_cur = xs_nxt.to(tl.float32)
+            xs_nxt = tl.load(xs_tile + cn * P)
+        d = d0
+        for q in tl.static_range(P):
+            if q == 0:
+                code = _plane_codes(wb, 0, BITS, CA, CB, HW_ASM, ASM0)
+            elif q == 1:
+                code = _plane_codes(wb, 1, BITS, CA, CB, HW_ASM, ASM1)
+            elif q == 2:
+                code = _plane_codes(wb, 2, BITS, CA, CB, HW_ASM, ASM2)
+            elif q == 3:
+                code = _plane_codes(wb, 3, BITS, CA, CB, HW_ASM, ASM3)
+            elif q == 4:
+                code = _plane_codes(wb, 4, BITS, CA, CB, HW_ASM, ASM4)
+            elif q == 5:
+                code = _plane_codes(wb, 5, BITS, CA, CB, HW_ASM, ASM5)
+            elif q == 6:
+                code = _plane_codes(wb, 6, BITS, CA, CB, HW_ASM, ASM6)
+            else:
+                code = _plane_codes(wb, 7, BITS, CA, CB, HW_ASM, ASM7)
+            xt = tl.load(x_rows + (c * KC + q * 32))  # [BLOCK_M, 32] int8
+            if WA:
+                d = tl.dot(code, tl.trans(xt), d, out_dtype=tl.int32)
+            else:
+                d = tl.dot(xt, tl.trans(code), d, out_dtype=tl.int32)
+            if (q + 1) % RP == 0:  # end of a group (whole row: of a chunk)
+                gi = q // RP
+                df = d.to(tl.float32, bitcast=True) - 12582912.0  # exact: the int32 dot as fp32
+                if WHOLE_ROW:
+                    sc = sc_row
+                else:
+                    sc = tl.sum(tl.where(og[None, :] == gi, sc_cur, 0.0), axis=1)
+                if WA:
+                    acc += df * sc[:, None]
+                else:
+                    acc += df * sc[None, :]
+                if HAS_ZEROS:  # affine: - s * z * (sum of the group's int8 activations)
+                    gxs = tl.sum(tl.where((op[None, :] // RP) == gi, xs_cur, 0.0), axis=1)
+                    if WHOLE_ROW:
+                        zs = zs_row
+                    else:
+                        zs = sc * tl.sum(tl.where(og[None, :] == gi, z_cur, 0.0), axis=1)
+                    if WA:
+                        acc -= zs[:, None] * gxs[None, :]
+                    else:
+                        acc -= gxs[:, None] * zs[None, :]
+                d = d0
+    sx = tl.load(sx_ptr + rm)
+    if WA:
+        acc = acc * sx[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        omask = n_mask[:, None] & m_mask[None, :]
+    else:
+        acc = acc * sx[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        omask = m_mask[:, None] & n_mask[None, :]
+    tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+def _int_codebook(cb) -> tuple[int, int, float]:
+    """(CA, CB, FMUL) with ``cmul * c - zero == FMUL * (CA * c - CB)`` and integer CA, CB (affine: the
+    raw codes, the zero point corrected in fp32)."""
+    if cb.zero is None:
+        return 1, 0, float(cb.cmul)
+    for k in (1, 2, 4):
+        a, b = cb.cmul * k, cb.zero * k
+        if a == int(a) and b == int(b):
+            return int(a), int(b), 1.0 / k
+    raise ValueError(f"code book {cb.name}: no small integer form of cmul * c - zero")
+
+
+def _plane_asm(bits: int, q: int, ca: int, cb: int) -> str:
+    """PTX of :func:`_plane_codes` for four packed bytes: ((b >> bits*q) & mask) * CA - CB per byte.
+    The bias add cannot carry across bytes (CA * c + 128 - CB stays in [125, 134])."""
+    mask = 0x01010101 * ((1 << bits) - 1)
+    s = [f"shr.u32 t, $1, {bits * q};" if q else "mov.b32 t, $1;", f"and.b32 t, t, {mask:#010x};"]
+    if ca != 1:
+        s.append(f"mul.lo.u32 t, t, {ca};")
+    if cb:
+        s += [f"add.u32 t, t, {0x01010101 * (128 - cb):#010x};", "xor.b32 $0, t, 0x80808080;"]
+    else:
+        s.append("mov.b32 $0, t;")
+    return "{ .reg .b32 t; " + " ".join(s) + " }"
+
+
 # ----------------------------------------------------------------------------- configurations
 
 # GEMV: (KERNEL, BLOCK_N, SPLIT_K, num_warps, num_stages[, BLOCK_C]); GEMM: (BLOCK_N, BLOCK_M, num_warps, num_stages)
@@ -650,11 +830,10 @@ GEMV_MMA_SPACE = [  # 1 < M <= 16: activation pre-pass + one int8 tl.dot per gro
     ("mma", bn, sk, nw, ns) for bn in (32, 64, 128) for sk in (4, 8) for nw, ns in ((4, 3), (8, 3)) if nw == 4 or bn >= 64
 ]
 _DP4A_MAX_TILE = 8192  # BLOCK_N * BLOCK_M * BLOCK_C * 8 int32 words per step: larger tiles spill
-GEMM_SPACE = [
-    (bn, bm, nw, ns)
-    for bn, bm in ((128, 128), (128, 64), (64, 128), (256, 128), (128, 256))
-    for nw, ns in ((4, 3), (8, 3), (8, 4))
-]
+GEMM_SPACE = [  # the 'group' kernel (int8 dot per plane, one rescale per group): (BLOCK_N, BLOCK_M, warps, stages, WA)
+    (128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 128, 8, 3, 1),
+    (128, 64, 8, 3, 1), (128, 64, 4, 3, 0),
+]  # the older kernel (a config without KERNEL) stays selectable explicitly
 _CONFIG_FIELDS = {"gemv": ("BLOCK_N", "SPLIT_K", "num_warps", "num_stages"), "gemm": ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")}
 # GEMV configs also name their kernel: "dot" (int8 matrix units, M padded to 16) or "fma" (M == 1)
 SHIPPED_CONFIGS = Path(__file__).with_name("lowbit_linear_configs.json")
@@ -739,7 +918,7 @@ def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) ->
     """The untuned default: enough programs to fill the device, then the largest tiles."""
     chunks = -(-K // triton_chunk(bits))
     if _path(M) == "gemm":
-        return {"BLOCK_N": 64, "BLOCK_M": 128 if M >= 128 else 64, "num_warps": 4, "num_stages": 3}
+        return {"KERNEL": "group", "BLOCK_N": 128, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "WA": 1}
     sms = _sm_count(device)
     if M == 1:  # packed-activation pre-pass + weight streaming (the H200 winners: 8 rows, wide K tiles)
         bn, bc = 8, min(32, max(1, chunks))
@@ -929,11 +1108,27 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
         )  # fmt: skip
         return
     _check_config(cfg, "gemm")
+    group = cfg.get("KERNEL") == "group"
+    sums = weight.zeros is not None or not group
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
-    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device)
-    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=512, num_warps=4)
+    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device) if sums else sx
+    bkx = min(triton.next_power_of_2(Kp), 4096) if group else 512
+    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=bkx, WRITE_SUMS=sums, num_warps=8 if bkx >= 2048 else 4)
     bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
+    if group:
+        ca, cbias, fmul = _int_codebook(cb)
+        hw = x2.device.type == "cuda" and not _INTERPRETED
+        asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
+        _lowbit_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            xq, sx, xsum, weight.qweight, s, z, b, y,
+            M, N, Kp, s.shape[0], weight.qweight.shape[1],
+            BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else G, WHOLE_ROW=whole,
+            HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+            BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
+        )  # fmt: skip
+        return
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), 1)
     _lowbit_dot_kernel[grid](
         dummy, xq, sx, xsum, weight.qweight, s, z, b, y, dummy, dummy,
@@ -945,7 +1140,7 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
 
 def _space(path: str, M: int) -> list[dict]:
     if path == "gemm":
-        return [dict(zip(_CONFIG_FIELDS[path], c)) for c in GEMM_SPACE]
+        return [dict(zip(_CONFIG_FIELDS[path], c[:4]), KERNEL="group", WA=c[4]) for c in GEMM_SPACE]
     fields = ("KERNEL",) + _CONFIG_FIELDS[path] + ("BLOCK_C",)
     bm = max(1, triton.next_power_of_2(M))
     dp4a = [c for c in GEMV_DP4A_SPACE if c[1] * bm * c[5] * 8 <= _DP4A_MAX_TILE]
