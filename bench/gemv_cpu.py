@@ -7,8 +7,9 @@ Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16)
 and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in.
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
-call streams them from DRAM. The read bandwidth is measured with all threads next to each shape
-(the machine is shared: it moves), and each kernel's GB/s (weight bytes incl. scales / time) is given
+call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
+read bandwidth probe in every round (best of): the host's bandwidth moves, and this way every row and
+the probe see the same conditions. Each kernel's GB/s (weight bytes incl. scales / time) is given
 as a share of it. Writes a markdown table and a roofline plot (M=1).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from aipc_kernels import native
+from aipc_kernels.formats import get_codebook
 from aipc_kernels.ops import lowbit_linear
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
@@ -47,6 +49,15 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor()
+
+
+def llc_mib() -> int:
+    """Size of the last-level cache in MiB (0 when sysfs does not say)."""
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        v = f.read_text().strip()
+        best = max(best, int(v[:-1]) // (1024 if v.endswith("K") else 1) if v[-1] in "KM" else int(v) // 2**20)
+    return best
 
 
 def read_bandwidth(gb: float = 1.0, reps: int = 3) -> float:
@@ -98,6 +109,32 @@ def make_weights(kind: str, w: torch.Tensor):
     return forced, (p.qweight, p.scales, p.zeros), p.nbytes()
 
 
+def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list[tuple]:
+    """Pre-built argument tuples of the C entry point for each weight set of one of our kinds (times the
+    kernel alone: no dispatcher, no Python body; the op's own cost is the difference to the op row)."""
+    codebook, group, _ = OUR_CONFIGS[kind]
+    cb = get_codebook(codebook)
+    y = torch.empty(x.shape[0], N, dtype=x.dtype)
+    code = native.DTYPE_CODES
+    return [(x.data_ptr(), code[x.dtype], x.shape[0], x.shape[1], q.data_ptr(), cb.bits, N, s.data_ptr(),
+             None if z is None else z.data_ptr(), code[s.dtype], group, cb.cmul, cb.zero or 0.0, None, y.data_ptr(),
+             x.shape[1], torch.get_num_threads()) for q, s, z in sets] + [y]  # y last: kept alive
+
+
+def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:
+    """Seconds per call of the C kernel alone (same rotation and best-pass rule as time_rotating)."""
+    *args, y = kernel_args(kind, sets, x, N)  # y stays referenced while the kernel writes it
+    f = native._lib().aipc_lowbit_linear
+    isa = OUR_CONFIGS[kind][2]
+    if isa is not None and native.ISAS[isa] < native.ISAS[native.best_isa()]:
+        native.set_isa(isa)
+    try:
+        return time_rotating(lambda _x, a: f(*a), args, x, min_calls)
+    finally:
+        del y
+        native.set_isa(native.best_isa())
+
+
 def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:
     """Mean seconds per call over passes through the rotating weight sets (best pass)."""
     for ws in sets[:2]:
@@ -132,6 +169,9 @@ def plot(rows: list[dict], out: Path, threads: int) -> None:
     for kind, marker in (("bf16", "x"), ("int8", "s"), ("int4", "^"), ("int2", "o"), ("int1", "D")):
         got = {r["shape"]: r["gbs"] for r in m1 if r["kind"] == kind}
         ax.plot(labels, [got[l] for l in labels], marker=marker, linestyle="-", label=kind)
+    kern = {r["shape"]: r["gbs"] * r["us"] / r["kernel_us"] for r in m1 if r["kind"] == "int2" and r.get("kernel_us")}
+    if len(kern) == len(labels):
+        ax.plot(labels, [kern[l] for l in labels], marker="o", linestyle=":", color="tab:red", label="int2, kernel alone")
     ax.set_ylabel("attained GB/s of weight bytes (M=1)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"GEMV weight streaming, {cpu_name()}, {threads} threads")
@@ -144,12 +184,19 @@ def plot(rows: list[dict], out: Path, threads: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,4,16,128")
-    ap.add_argument("--rotate-gb", type=float, default=2.0)
+    ap.add_argument("--rotate-gb", type=float, default=1.2, help="weight copies per kind (all kinds held at once)")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over all kinds; best of them")
     ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only, small rotation")
     ap.add_argument("--out", default="bench/results/gemv_cpu")
     ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's JSON")
+    ap.add_argument("--shapes", default="", help="only shapes whose label starts with one of these (comma list, e.g. 8B)")
+    ap.add_argument("--update", action="store_true",
+                    help="replace only these shapes' rows in --out's JSON (a re-measure), keep the others")
     args = ap.parse_args()
     shapes = dict(list(SHAPES.items())[4:6]) if args.quick else SHAPES
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if k.startswith(tuple(args.shapes.split(",")))}
+    load_before = os.getloadavg()
     ms = [1] if args.quick else [int(m) for m in args.ms.split(",")]
     rotate = 0.5 if args.quick else args.rotate_gb
     threads = torch.get_num_threads()
@@ -160,44 +207,78 @@ def main() -> None:
         return
     rows = []
     for label, (N, K) in shapes.items():
-        bw = read_bandwidth()
         w = torch.randn(N, K) * 0.02
-        results = {}
+        kinds = {}  # kind -> (fn, rotating weight sets, bytes of one set); all held at once
         for kind in PEERS + OURS:
             fn, one, nbytes = make_weights(kind, w)
             copies = max(2, int(rotate * 1e9 // nbytes))
-            sets = [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)]
-            for M in ms:
-                x = torch.randn(M, K, dtype=torch.float32 if kind == "fp32" else torch.bfloat16)
-                s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
-                results[(kind, M)] = (s, nbytes)
-            del sets
+            kinds[kind] = (fn, [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], nbytes)
+        results, bw = {}, 0.0
+        for M in ms:
+            xs = {dt: torch.randn(M, K, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+            # rounds: every kind (and the bandwidth probe) once per round, best of the rounds, so slow
+            # drifts of the shared host's memory bandwidth hit all rows alike
+            for _ in range(args.rounds):
+                bw = max(bw, read_bandwidth(reps=1))
+                for kind, (fn, sets, nbytes) in kinds.items():
+                    x = xs[torch.float32 if kind == "fp32" else torch.bfloat16]
+                    s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
+                    sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OURS else None
+                    old = results.get((kind, M))
+                    if old:
+                        s, sk = min(s, old[0]), (min(sk, old[2]) if sk else None)
+                    results[(kind, M)] = (s, nbytes, sk)
+        del kinds
         for M in ms:
             base = {k: results[(k, M)][0] for k in PEERS}
             for kind in PEERS + OURS:
-                s, nbytes = results[(kind, M)]
+                s, nbytes, sk = results[(kind, M)]
                 gbs = nbytes / s / 1e9
                 rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
+                                 kernel_us=sk * 1e6 if sk else None,
+                                 kernel_pct_bw=100 * nbytes / sk / 1e9 / bw if sk else None,
                                  **{f"x_{k}": base[k] / s for k in PEERS}))
         print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    for r in rows:
+        r["run"] = f"{stamp}, load {load_before[0]:.2f}"
+    if args.update and out.with_suffix(".json").exists():
+        kept = [r for r in json.loads(out.with_suffix(".json").read_text()) if r["shape"] not in shapes]
+        order = list(SHAPES)
+        rows = sorted(kept + rows, key=lambda r: order.index(r["shape"]) if r["shape"] in order else len(order))
+    cmd = "`python bench/gemv_cpu.py" + (" --quick" if args.quick else "") + "`"
+    if args.update:
+        cmd += f", then `python bench/gemv_cpu.py --update --shapes '{args.shapes}'` (shapes re-measured)"
+    elif args.shapes:
+        cmd = f"`python bench/gemv_cpu.py --shapes '{args.shapes}'`"
     head = (f"# Low-bit GEMV/GEMM on CPU\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, {threads} threads, "
-            f"ISA {native.get_isa()}, torch {torch.__version__}. Weights rotated over {rotate:.1f} GB of copies "
-            f"(DRAM-resident). GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
-            f"measured next to each shape. x_<peer> = peer time / this row's time (>1: this row is faster).\n"
-            f"Command: `python bench/gemv_cpu.py{' --quick' if args.quick else ''}`\n\n")
-    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "x_bf16", "x_fp32", "x_int8", "x_int4"]
+            f"ISA {native.get_isa()}, torch {torch.__version__}; load average {load_before} before, "
+            f"{os.getloadavg()} after. Weights rotated over {rotate:.1f} GB of copies "
+            f"per kind (DRAM-resident: the last-level cache is {llc_mib()} MiB), all kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
+            f"measured next to each shape (all threads). us = one call of the op as users call it "
+            f"(`torch.ops.aipc.lowbit_linear` / torch's own ops); kernel_us = our C kernel alone, called through "
+            f"ctypes with pre-built arguments (the difference is the op's dispatcher and Python body, which run "
+            f"with the caches full of weights). x_<peer> = peer time / this row's time (>1: this row is faster).\n"
+            f"Command: {cmd}\n\n")
+    runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
+    head += "Runs (shape: when, load average at its start): " + "; ".join(
+        f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
+    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "x_bf16", "x_fp32", "x_int8", "x_int4"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else ("" if r[c] is None else str(r[c]))
+                                        for c in cols) + " |")
     summary = []
     for kind in OURS:
         for M in ms:
             sel = [r for r in rows if r["kind"] == kind and r["M"] == M and r["shape"].startswith("8B")]
             if sel:
-                summary.append(f"- {kind} M={M}, Llama-3-8B shapes: {statistics.mean(r['pct_bw'] for r in sel):.0f}% of read BW, "
+                summary.append(f"- {kind} M={M}, Llama-3-8B shapes: op {min(r['pct_bw'] for r in sel):.0f}-"
+                               f"{max(r['pct_bw'] for r in sel):.0f}% of read BW (kernel alone "
+                               f"{min(r['kernel_pct_bw'] for r in sel):.0f}-{max(r['kernel_pct_bw'] for r in sel):.0f}%), "
                                f"x_bf16 {min(r['x_bf16'] for r in sel):.2f}-{max(r['x_bf16'] for r in sel):.2f}, "
                                f"x_int8 {min(r['x_int8'] for r in sel):.2f}-{max(r['x_int8'] for r in sel):.2f}, "
                                f"x_int4 {min(r['x_int4'] for r in sel):.2f}-{max(r['x_int4'] for r in sel):.2f}")

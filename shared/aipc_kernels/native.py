@@ -106,9 +106,11 @@ def lowbit_linear_into(
     zero: float,
     act_group: int,
 ) -> None:
-    """Runs the native kernel: ``y[M, N] = x[M, K] @ W^T + bias`` with W in the ``cpu_vnni16`` layout."""
-    M, K = x.shape
-    N = y.shape[1]
+    """Runs the native kernel: ``y[..., N] = x[..., K] @ W^T + bias`` with W in the ``cpu_vnni16`` layout
+    (x and y dense, their leading dimensions flattened to M rows)."""
+    K = x.shape[-1]
+    N = y.shape[-1]
+    M = x.numel() // K if K else 0
     status = _lib().aipc_lowbit_linear(
         _ptr(x), DTYPE_CODES[x.dtype], M, K, _ptr(qweight), bits, N,
         _ptr(scales), _ptr(zeros), DTYPE_CODES[scales.dtype], group_size, cmul, zero,

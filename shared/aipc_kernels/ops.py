@@ -92,20 +92,27 @@ def _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, 
 
 
 def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
-    """CPU: the native kernel for the ``cpu_vnni16`` layout, else the reference."""
+    """CPU: the native kernel for the ``cpu_vnni16`` layout, else the reference.
+
+    Decode calls this once per linear layer per token, so the body stays lean (every torch call here
+    costs ~1 us, more once the weight stream has evicted the interpreter's data from the caches)."""
     if layout != CPU_LAYOUT or x.dtype not in NATIVE_DTYPES or not native.available():
         return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
     K = _check(x, qweight, layout, codebook, group_size, out_features)
     cb = get_codebook(codebook)
-    x2 = x.reshape(-1, K).contiguous()
-    y = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
-    # the kernel reads raw pointers; .contiguous() / .to() return the tensor itself when already dense
-    dense = [None if t is None else t.contiguous() for t in (qweight, scales, zeros)]
-    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    if not x.is_contiguous():  # the kernel reads x as dense [M, K] rows
+        x = x.contiguous()
+    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)  # written densely as [M, N]
+    # weights are module parameters, dense already; .contiguous() is the identity then
+    if not (qweight.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
+        qweight, scales = qweight.contiguous(), scales.contiguous()
+        zeros = None if zeros is None else zeros.contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
     native.lowbit_linear_into(
-        y, x2, *dense, bias, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
+        y, x, qweight, scales, zeros, bias, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
     )
-    return y.view(*x.shape[:-1], out_features)
+    return y
 
 
 def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
