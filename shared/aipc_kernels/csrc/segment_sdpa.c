@@ -175,6 +175,55 @@ static T512 void accum_512(float *acc, float alpha, const float *p, const float 
     }
 }
 
+/* 16 x 16 floats transposed in registers: r[i] = row i in, column i out (unpack, then 128-bit lanes). */
+static inline T512 void transpose16_512(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c], 128-bit lane l: column 4l + c of rows 4i..4i+3 */
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+        const __m512 v0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_f32x4(u0, v0, 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(u0, v0, 0xDD);
+        t[8 + c] = _mm512_shuffle_f32x4(u1, v1, 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(u1, v1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* kT[d][KB] = key row j's element d (fp32) for j < nk, 0 for nk <= j < KB: converted and transposed
+ * 16 x 16 at a time (the scalar transpose was half of the decode kernel's work). */
+static T512 void keys_transposed_512(float *kT, const char *const *krow, int nk, int dt, int64_t D) {
+    for (int h = 0; h < KB; h += 16) {
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            const __mmask16 m = tail16(D - d0);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                if (h + i >= nk) {
+                    r[i] = _mm512_setzero_ps();
+                } else if (dt == S_F32) {
+                    r[i] = _mm512_maskz_loadu_ps(m, (const float *)krow[h + i] + d0);
+                } else {
+                    const __m256i x = _mm256_maskz_loadu_epi16(m, (const uint16_t *)krow[h + i] + d0);
+                    r[i] = dt == S_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)) : _mm512_cvtph_ps(x);
+                }
+            }
+            transpose16_512(r);
+            for (int i = 0; i < 16 && d0 + i < D; i++) _mm512_storeu_ps(kT + (d0 + i) * KB + h, r[i]);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ AVX2 */
 
 static T256 void cvt_256(float *dst, const void *src, int dt, int64_t D) {
@@ -247,12 +296,14 @@ typedef void (*cvt_fn)(float *, const void *, int, int64_t);
 typedef void (*dots_fn)(float *, const float *, const float *, int, int64_t);
 typedef float (*softmax_fn)(float *, const float *, float, int);
 typedef void (*accum_fn)(float *, float, const float *, const float *const *, int, int64_t);
+typedef void (*keys_fn)(float *, const char *const *, int, int, int64_t);
 
 typedef struct {
     cvt_fn cvt;
     dots_fn dots;
     softmax_fn softmax;
     accum_fn accum;
+    keys_fn keys_transposed; /* NULL: the portable per-key loop of load_block */
 } seg_isa;
 
 typedef struct {
@@ -289,13 +340,16 @@ static inline void row_coords(const seg_args *a, int64_t r, int64_t *e, int64_t 
  * values as fp32 rows (in place when already fp32). Lanes past nk are zero. */
 static void load_block(const seg_args *a, seg_scratch *w, const char *const *krow, const char *const *vrow, int nk) {
     const int64_t D = a->D;
+    if (a->isa.keys_transposed) a->isa.keys_transposed(w->kT, krow, nk, a->dt, D);
     for (int j = 0; j < nk; j++) {
-        const float *k = (const float *)krow[j];
-        if (a->dt != S_F32) {
-            a->isa.cvt(w->kbuf, krow[j], a->dt, D);
-            k = w->kbuf;
+        if (!a->isa.keys_transposed) {
+            const float *k = (const float *)krow[j];
+            if (a->dt != S_F32) {
+                a->isa.cvt(w->kbuf, krow[j], a->dt, D);
+                k = w->kbuf;
+            }
+            for (int64_t d = 0; d < D; d++) w->kT[d * KB + j] = k[d];
         }
-        for (int64_t d = 0; d < D; d++) w->kT[d * KB + j] = k[d];
         if (a->dt == S_F32) {
             w->vp[j] = (const float *)vrow[j];
         } else {
@@ -303,7 +357,7 @@ static void load_block(const seg_args *a, seg_scratch *w, const char *const *kro
             w->vp[j] = w->vbuf + (int64_t)j * D;
         }
     }
-    if (nk < KB)
+    if (nk < KB && !a->isa.keys_transposed)
         for (int64_t d = 0; d < D; d++)
             for (int j = nk; j < KB; j++) w->kT[d * KB + j] = 0.f;
 }
@@ -440,8 +494,8 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
         .isa = {cvt_scalar, dots_scalar, softmax_scalar, accum_scalar},
     };
 #ifdef SEG_X86
-    if (isa >= 3) a.isa = (seg_isa){cvt_512, dots_512, softmax_512, accum_512};
-    else if (isa >= 1) a.isa = (seg_isa){cvt_256, dots_256, softmax_scalar, accum_256};
+    if (isa >= 3) a.isa = (seg_isa){cvt_512, dots_512, softmax_512, accum_512, keys_transposed_512};
+    else if (isa >= 1) a.isa = (seg_isa){cvt_256, dots_256, softmax_scalar, accum_256, NULL};
 #else
     (void)isa;
 #endif
