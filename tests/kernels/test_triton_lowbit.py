@@ -146,6 +146,30 @@ def test_split_k(M, kernel, block_n, split_k):
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="large K: compiled on the GPU only (too slow for the interpreter)")
+@pytest.mark.parametrize("codebook, group", [("int2", 64), ("affine", 128)])
+def test_large_k_every_path(codebook, group):
+    """The Llama-3-8B down projection (K = 14336: 224 groups of 64, split-K partials, the int32 ->
+    fp32 magic-number conversion, int64 row offsets): every kernel family, shipped/heuristic configs
+    included (config None), against the float64 int8-activation reference."""
+    N, K = 4096, 14336
+    w, p = _case(N, K, codebook, group, seed=5)
+    stream = dict(STREAM, BLOCK_N=16, BLOCK_C=8)
+    mma = dict(MMA, num_stages=3)
+    per_m = {
+        1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(STREAM_FUSED, SPLIT_K=2),
+            dict(DP4A, SPLIT_K=4), dict(FMA, SPLIT_K=8)],
+        16: [dict(mma, BLOCK_N=128, SPLIT_K=8, num_warps=8), dict(mma, BLOCK_N=64, SPLIT_K=16), dict(GEMV, BLOCK_N=128, SPLIT_K=4)],
+        17: [dict(GROUP, BLOCK_N=128, BLOCK_M=64), dict(GROUP_B, BLOCK_N=128, BLOCK_M=64), dict(GEMM, BLOCK_N=64, BLOCK_M=64)],
+    }
+    for M, cfgs in per_m.items():
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
+        ref = ops.reference_linear_w8(x, w)
+        for cfg in cfgs + [None]:
+            for _ in range(2):  # split-K tickets re-armed
+                _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg), ref, 2e-5)
+
+
 @pytest.mark.parametrize("kernel", ["dot", "group", "group_b"])
 @pytest.mark.parametrize("block_n, block_m", [(16, 16), (32, 64), (64, 32)])
 def test_gemm_tiles(block_n, block_m, kernel):
