@@ -66,6 +66,13 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+@lru_cache(maxsize=1)
+def lowbit_linear_fn() -> Optional[ctypes._CFuncPtr]:
+    """The C entry point ``aipc_lowbit_linear`` (argument types set), or None when the library is not built."""
+    lib = library()
+    return None if lib is None else lib.aipc_lowbit_linear
+
+
 def best_isa() -> str:
     """Best instruction set the CPU offers the kernels."""
     return ISA_NAMES[_lib().aipc_best_isa()]

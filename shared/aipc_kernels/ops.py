@@ -16,27 +16,28 @@ from typing import Optional
 import torch
 
 from . import native
-from .formats import LowBitWeight, get_codebook
+from .formats import CODEBOOKS, LowBitWeight, get_codebook
 from .packing import CPU_LAYOUT, TRITON_LAYOUT, PackedLowBit, to_canonical, triton_chunk
 from .quantizers import quantize_activations
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# code book name -> (bits, cmul, zero constant) as the native kernel takes them
+_CPU_CODEBOOK = {name: (cb.bits, float(cb.cmul), float(cb.zero or 0.0)) for name, cb in CODEBOOKS.items()}
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, layout: str, codebook: str, group_size: int, out_features: int) -> int:
-    get_codebook(codebook)
+    bits = get_codebook(codebook).bits
     if x.dim() < 1:
         raise ValueError("lowbit_linear: x must have a feature dimension")
     K = x.shape[-1]
     if layout == CPU_LAYOUT:
-        bits = get_codebook(codebook).bits
         if qweight.dim() != 4 or qweight.shape[0] * 16 < out_features or qweight.shape[1] * (32 // bits) != K:
             raise ValueError(
                 f"lowbit_linear: qweight of shape {tuple(qweight.shape)} ({layout}) does not match "
                 f"x's K={K} and out_features={out_features}"
             )
     elif layout == TRITON_LAYOUT:
-        bits, kc = get_codebook(codebook).bits, triton_chunk(get_codebook(codebook).bits)
+        kc = triton_chunk(bits)
         if tuple(qweight.shape) != (out_features, -(-K // kc) * kc * bits // 8):
             raise ValueError(
                 f"lowbit_linear: qweight of shape {tuple(qweight.shape)} ({layout}) does not match "
@@ -94,24 +95,34 @@ def _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, 
 def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
     """CPU: the native kernel for the ``cpu_vnni16`` layout, else the reference.
 
-    Decode calls this once per linear layer per token, so the body stays lean (every torch call here
-    costs ~1 us, more once the weight stream has evicted the interpreter's data from the caches)."""
-    if layout != CPU_LAYOUT or x.dtype not in NATIVE_DTYPES or not native.available():
+    Decode calls this once per linear layer per token, and it runs right after a kernel that streamed
+    megabytes of weights through the caches, so every Python step here costs several times its hot
+    price: the body calls the C entry point directly (no per-operand helper), with the contiguity the
+    kernel needs ensured on the way."""
+    fn = native.lowbit_linear_fn()
+    if layout != CPU_LAYOUT or fn is None or x.dtype not in NATIVE_DTYPES:
         return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
     K = _check(x, qweight, layout, codebook, group_size, out_features)
-    cb = get_codebook(codebook)
+    bits, cmul, zero = _CPU_CODEBOOK[codebook]
     if not x.is_contiguous():  # the kernel reads x as dense [M, K] rows
         x = x.contiguous()
     y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)  # written densely as [M, N]
-    # weights are module parameters, dense already; .contiguous() is the identity then
+    # weights are module parameters, dense already
     if not (qweight.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
         qweight, scales = qweight.contiguous(), scales.contiguous()
         zeros = None if zeros is None else zeros.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
-    native.lowbit_linear_into(
-        y, x, qweight, scales, zeros, bias, cb.bits, group_size, cb.cmul, cb.zero or 0.0, act_group if act_group > 0 else K
-    )
+    codes = native.DTYPE_CODES
+    status = fn(
+        x.data_ptr(), codes[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, out_features,
+        scales.data_ptr(), None if zeros is None else zeros.data_ptr(), codes[scales.dtype], group_size, cmul, zero,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), act_group if act_group > 0 else K,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"aipc_lowbit_linear failed: {native.ERRORS.get(status, status)} (x {tuple(x.shape)}, "
+                           f"N={out_features}, group_size={group_size}, act_group={act_group})")  # fmt: skip
     return y
 
 
