@@ -38,6 +38,7 @@ GROUP_B = dict(GROUP, BLOCK_N=16, BLOCK_M=32, WA=0)
 # M == 1 weight streaming: with the packed-activation pre-pass (+ PDL on sm_90), and fused
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FUSED = {"KERNEL": "stream", "BLOCK_N": 16, "BLOCK_C": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
 MMA = {"KERNEL": "mma", "BLOCK_N": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # M <= 16, pre-pass + int8 dot
 
 
@@ -100,7 +101,7 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     ref = ops.reference_linear_w8(x, w, bias)
     _close(y, ref, 2e-5)
     if M == 1:  # the dot-free GEMV kernels too
-        for cfg in (FMA, STREAM, STREAM_FUSED):
+        for cfg in (FMA, STREAM, STREAM_FUSED, STREAM_FULLX):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     if M <= tlin.GEMV_MAX_M:  # and the integer-unit (dp4a) and pre-quantized int8-dot GEMVs
         for cfg in (DP4A, MMA):
@@ -131,7 +132,7 @@ def test_dtypes_against_float64_dequantized_weights(dtype, scale_dtype, M):
 
 @pytest.mark.parametrize(
     "M, kernel",
-    [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a"), (1, "stream"), (1, "stream_fused"), (7, "mma"), (16, "mma")],
+    [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a"), (1, "stream"), (1, "stream_fused"), (1, "stream_fullx"), (7, "mma"), (16, "mma")],
 )
 @pytest.mark.parametrize("block_n, split_k", [(16, 2), (32, 3), (16, 8)])
 def test_split_k(M, kernel, block_n, split_k):
@@ -140,7 +141,7 @@ def test_split_k(M, kernel, block_n, split_k):
     x, bias = torch.randn(M, K), torch.randn(N)
     cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
     if kernel.startswith("stream"):
-        cfg.update(KERNEL="stream", XPACK=int(kernel == "stream"), PDL=1)
+        cfg.update(KERNEL="stream", XPACK=int(kernel != "stream_fused"), PDL=1, FULLX=int(kernel == "stream_fullx"))
     for _ in range(2):  # tickets are re-armed by the reducing program: a second call is right too
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
@@ -157,7 +158,8 @@ def test_large_k_every_path(codebook, group):
     stream = dict(STREAM, BLOCK_N=16, BLOCK_C=8)
     mma = dict(MMA, num_stages=3)
     per_m = {
-        1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(STREAM_FUSED, SPLIT_K=2),
+        1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
+            dict(STREAM_FUSED, SPLIT_K=2),
             dict(DP4A, SPLIT_K=4), dict(FMA, SPLIT_K=8)],
         16: [dict(mma, BLOCK_N=128, SPLIT_K=8, num_warps=8), dict(mma, BLOCK_N=64, SPLIT_K=16), dict(GEMV, BLOCK_N=128, SPLIT_K=4)],
         17: [dict(GROUP, BLOCK_N=128, BLOCK_M=64), dict(GROUP_B, BLOCK_N=128, BLOCK_M=64), dict(GEMM, BLOCK_N=64, BLOCK_M=64)],
@@ -190,7 +192,7 @@ def test_every_output_written_and_nothing_past_it(M):
     for dtype in (torch.float32, torch.bfloat16):
         buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
         if M == 1:
-            cfg = STREAM if dtype == torch.bfloat16 else STREAM_FUSED
+            cfg = STREAM_FULLX if dtype == torch.bfloat16 else STREAM_FUSED
         else:
             cfg = (MMA if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else (GROUP if dtype == torch.bfloat16 else GEMM)
         tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])

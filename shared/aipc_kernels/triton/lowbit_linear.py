@@ -399,7 +399,7 @@ def _lowbit_gemv_stream_kernel(
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_KX: tl.constexpr,
-    XPACK: tl.constexpr, xw_ptr, xs_ptr, sx_ptr,
+    XPACK: tl.constexpr, xw_ptr, xs_ptr, sx_ptr, FULLX: tl.constexpr = False,
 ):
     """M == 1 weight streaming on the integer units. Each program owns BLOCK_N rows and (a split of)
     K; per step it holds [BLOCK_N, BLOCK_C chunks, 8 words] of packed codes (16-byte loads) and
@@ -452,7 +452,12 @@ def _lowbit_gemv_stream_kernel(
             xs = tl.zeros([BLOCK_C, 8], dtype=tl.float32)
             for qq in tl.static_range(PPG):
                 q = gi * PPG + qq
-                if XPACK:
+                if FULLX:  # activation words loaded as [BLOCK_N, BLOCK_C, 8] like the weights: no layout conversion
+                    xoff = (c * P + q)[None, :, None] * 8 + ow[None, None, :] + (offs_n * 0)[:, None, None]
+                    xwf = tl.load(xw_ptr + xoff, mask=c_mask[None, :, None], other=0)
+                    d = _dp4a((wv >> (BITS * q)) & PMASK, xwf, d, HW_DP4A)
+                    xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
+                elif XPACK:
                     xw = tl.load(xw_ptr + (c * P + q)[:, None] * 8 + ow[None, :], mask=c_mask[:, None], other=0)
                     xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
                 else:
@@ -463,8 +468,9 @@ def _lowbit_gemv_stream_kernel(
                         xq = _quantize(xv, inv)
                         xs += xq
                         xw = xw | ((xq.to(tl.int32) & 0xFF) << (8 * b))
-                codes = (wv >> (BITS * q)) & PMASK
-                d = _dp4a(codes, xw[None, :, :], d, HW_DP4A)
+                if not FULLX:
+                    codes = (wv >> (BITS * q)) & PMASK
+                    d = _dp4a(codes, xw[None, :, :], d, HW_DP4A)
             dot = tl.sum(d, axis=2).to(tl.float32)  # [BLOCK_N, BLOCK_C]
             gx = tl.sum(xs, axis=1)  # [BLOCK_C]
             if WHOLE_ROW:
@@ -1060,7 +1066,7 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
                 N, K, s.shape[0], weight.qweight.shape[1] // 4, per_split,
                 HW_DP4A=x2.device.type == "cuda" and not _INTERPRETED, PDL=pdl,
                 BLOCK_N=bn, BLOCK_C=bc, SPLIT_K=split, BLOCK_KX=min(triton.next_power_of_2(K), 16384),
-                XPACK=xpack, xw_ptr=xw, xs_ptr=xs, sx_ptr=sx,
+                XPACK=xpack, xw_ptr=xw, xs_ptr=xs, sx_ptr=sx, FULLX=xpack and bool(cfg.get("FULLX", 0)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 **({"launch_pdl": True} if pdl else {}), **common,
             )  # fmt: skip
