@@ -104,6 +104,31 @@ def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.const
 
 
 @triton.jit
+def _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs, mask, split_stride, pid_k, lock_idx,
+                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Writes the fp32 tile ``acc`` (+ ``bias``, broadcast like ``acc``) to ``y[offs]``. With split-K:
+    this program's partial goes to the workspace (``ws[pid_k * split_stride + offs]``) and the last
+    program of the tile (atomic ticket ``lock[lock_idx]``) sums the partials, adds the bias, stores y and
+    re-arms the ticket (one launch, no zero-fill: CUDA-graph safe)."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += bias
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k * split_stride + offs, acc, mask=mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + lock_idx, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += bias
+            tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + lock_idx, 0)
+
+
+@triton.jit
 def _lowbit_dot_kernel(
     x_ptr, xq_ptr, sx_ptr, xsum_ptr,  # FUSED: x [M, K] float; else xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32]
     w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
@@ -182,24 +207,9 @@ def _lowbit_dot_kernel(
     acc = acc * sx[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     omask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
-    else:
-        # fp32 partial to the workspace; the last program of this tile (ticket) reduces and stores
-        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=omask)
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(ws_ptr + s * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + out_offs, tot.to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(lock_ptr + tile, 0)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
+    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, tile, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -268,22 +278,8 @@ def _lowbit_gemv_fma_kernel(
         else:
             acc = sc * (CMUL * row_dot - ZERO * row_xs)
     acc = acc * sx
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(ws_ptr + pid_k * N + offs_n, acc, mask=n_mask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(ws_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + offs_n, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -374,22 +370,8 @@ def _lowbit_gemv_dp4a_kernel(
     acc = acc * sx[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     omask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
-    else:
-        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=omask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(ws_ptr + s * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + out_offs, tot.to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
+    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -486,22 +468,8 @@ def _lowbit_gemv_stream_kernel(
                 acc += sc * (CMUL * dot - ZERO * gx[None, :])
         wv = wn
     res = tl.sum(acc, axis=1) * sx
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            res += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, res.to(y_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(ws_ptr + pid_k * N + offs_n, res, mask=n_mask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(ws_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + offs_n, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    _store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -615,22 +583,8 @@ def _lowbit_gemv_mma_kernel(
     acc = acc * sx[None, :]
     out_offs = om[None, :].to(tl.int64) * N + offs_n[:, None]
     omask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
-    else:
-        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=omask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            tot = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(ws_ptr + s * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + out_offs, tot.to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
+    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
