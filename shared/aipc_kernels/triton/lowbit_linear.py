@@ -104,6 +104,21 @@ def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.const
 
 
 @triton.jit
+def _group_scaled(dot, xsum, s_ptr, z_ptr, row_off, offs_n, n_mask, CMUL: tl.constexpr, ZERO: tl.constexpr,
+                  HAS_ZEROS: tl.constexpr):
+    """[BLOCK_N, BM] fp32 contribution of one weight group: ``s * (cmul * dot - z * xsum)`` per row, from
+    the int32 dot products ``dot`` [BLOCK_N, BM] and the activation code sums ``xsum`` [BM]; the group's
+    scales (and zeros) are ``s_ptr[row_off + offs_n]`` (``row_off`` = g * N, 0 for a whole-row group)."""
+    sc = tl.load(s_ptr + row_off + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zp = tl.load(z_ptr + row_off + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        corr = zp[:, None] * xsum[None, :].to(tl.float32)
+    else:
+        corr = ZERO * xsum[None, :].to(tl.float32)
+    return sc[:, None] * (CMUL * dot.to(tl.float32) - corr)
+
+
+@triton.jit
 def _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs, mask, split_stride, pid_k, lock_idx,
                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Writes the fp32 tile ``acc`` (+ ``bias``, broadcast like ``acc``) to ``y[offs]``. With split-K:
@@ -183,26 +198,14 @@ def _lowbit_dot_kernel(
                 if ((q + 1) * 32) % G == 0 or q == P - 1:  # end of a group (or of a chunk inside one)
                     g = (c * KC + q * 32) // G
                     gmask = n_mask & ((offs_n * 0 + g) < NG)
-                    sc = tl.load(s_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
-                    if HAS_ZEROS:
-                        zp = tl.load(z_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
-                        corr = zp[:, None] * gxs[None, :].to(tl.float32)
-                    else:
-                        corr = ZERO * gxs[None, :].to(tl.float32)
-                    acc += sc[:, None] * (CMUL * gdot.to(tl.float32) - corr)
+                    acc += _group_scaled(gdot, gxs, s_ptr, z_ptr, g * N, offs_n, gmask, CMUL, ZERO, HAS_ZEROS)
                     gdot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
                     gxs = tl.zeros([BLOCK_M], dtype=tl.int32)
         if WHOLE_ROW:
             row_dot += gdot
             row_xs += gxs
     if WHOLE_ROW:
-        sc = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zp = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            corr = zp[:, None] * row_xs[None, :].to(tl.float32)
-        else:
-            corr = ZERO * row_xs[None, :].to(tl.float32)
-        acc = sc[:, None] * (CMUL * row_dot.to(tl.float32) - corr)
+        acc = _group_scaled(row_dot, row_xs, s_ptr, z_ptr, 0, offs_n, n_mask, CMUL, ZERO, HAS_ZEROS)
 
     acc = acc * sx[None, :]
     out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
@@ -565,21 +568,9 @@ def _lowbit_gemv_mma_kernel(
             else:
                 g = k0 // G
                 gmask = n_mask & ((offs_n * 0 + g) < NG)
-                sc = tl.load(s_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    zp = tl.load(z_ptr + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
-                    corr = zp[:, None] * gxs[None, :].to(tl.float32)
-                else:
-                    corr = ZERO * gxs[None, :].to(tl.float32)
-                acc += sc[:, None] * (CMUL * d.to(tl.float32) - corr)
+                acc += _group_scaled(d, gxs, s_ptr, z_ptr, g * N, offs_n, gmask, CMUL, ZERO, HAS_ZEROS)
     if WHOLE_ROW:
-        sc = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zp = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            corr = zp[:, None] * row_xs[None, :].to(tl.float32)
-        else:
-            corr = ZERO * row_xs[None, :].to(tl.float32)
-        acc = sc[:, None] * (CMUL * row_dot.to(tl.float32) - corr)
+        acc = _group_scaled(row_dot, row_xs, s_ptr, z_ptr, 0, offs_n, n_mask, CMUL, ZERO, HAS_ZEROS)
     acc = acc * sx[None, :]
     out_offs = om[None, :].to(tl.int64) * N + offs_n[:, None]
     omask = n_mask[:, None] & m_mask[None, :]
