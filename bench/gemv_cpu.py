@@ -17,9 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -28,10 +25,11 @@ import torch.nn.functional as F
 
 from aipc_kernels import native
 from aipc_kernels.formats import get_codebook
-from aipc_kernels.ops import lowbit_linear
+import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
+from machine import cpu_name, llc_mib, read_bandwidth
 
 PEERS = ("fp32", "bf16", "int8", "int4")
 OURS = ("int2", "int2_g128", "int2_vnni", "int1")
@@ -42,33 +40,6 @@ OUR_CONFIGS = {
     "int2_vnni": ("affine", 64, "avx512_vnni"),  # the AVX-512 VNNI kernels even where AMX exists
     "int1": ("binary", 64, None),
 }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def llc_mib() -> int:
-    """Size of the last-level cache in MiB (0 when sysfs does not say)."""
-    best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        v = f.read_text().strip()
-        best = max(best, int(v[:-1]) // (1024 if v.endswith("K") else 1) if v[-1] in "KM" else int(v) // 2**20)
-    return best
-
-
-def read_bandwidth(gb: float = 1.0, reps: int = 3) -> float:
-    """Best-of read bandwidth (GB/s) of a ``gb`` buffer with all threads."""
-    buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        native.stream_read(buf)
-        best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def make_weights(kind: str, w: torch.Tensor):
@@ -115,10 +86,8 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list[tuple]:
     codebook, group, _ = OUR_CONFIGS[kind]
     cb = get_codebook(codebook)
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
-    code = native.DTYPE_CODES
-    return [(x.data_ptr(), code[x.dtype], x.shape[0], x.shape[1], q.data_ptr(), cb.bits, N, s.data_ptr(),
-             None if z is None else z.data_ptr(), code[s.dtype], group, cb.cmul, cb.zero or 0.0, None, y.data_ptr(),
-             x.shape[1], torch.get_num_threads()) for q, s, z in sets] + [y]  # y last: kept alive
+    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, group, cb.cmul, cb.zero or 0.0, x.shape[1])
+            for q, s, z in sets] + [y]  # y last: kept alive
 
 
 def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:

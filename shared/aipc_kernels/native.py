@@ -66,13 +66,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=1)
-def lowbit_linear_fn() -> Optional[ctypes._CFuncPtr]:
-    """The C entry point ``aipc_lowbit_linear`` (argument types set), or None when the library is not built."""
-    lib = library()
-    return None if lib is None else lib.aipc_lowbit_linear
-
-
 def best_isa() -> str:
     """Best instruction set the CPU offers the kernels."""
     return ISA_NAMES[_lib().aipc_best_isa()]
@@ -91,13 +84,33 @@ def set_isa(name: str, lib: Optional[ctypes.CDLL] = None) -> None:
         raise ValueError(f"isa={name!r} is not supported by this CPU (best: {best_isa()})")
 
 
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    """Address of a tensor the C code reads densely: refuses strided views instead of misreading them."""
-    if t is None:
-        return None
-    if not t.is_contiguous():
+def _require_dense(t: Optional[torch.Tensor]) -> None:
+    """Refuses a strided view the C code would misread as dense."""
+    if t is not None and not t.is_contiguous():
         raise ValueError(f"native kernel operand of shape {tuple(t.shape)} must be contiguous (call .contiguous())")
-    return t.data_ptr()
+
+
+def lowbit_linear_args(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    bits: int,
+    group_size: int,
+    cmul: float,
+    zero: float,
+    act_group: int,
+) -> tuple:
+    """The arguments of the C entry point ``aipc_lowbit_linear`` for dense operands (x and y with their
+    leading dimensions flattened to M rows). The caller keeps the tensors alive while the kernel runs."""
+    K = x.shape[-1]
+    return (
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, y.shape[-1],
+        scales.data_ptr(), None if zeros is None else zeros.data_ptr(), DTYPE_CODES[scales.dtype], group_size,
+        cmul, zero, None if bias is None else bias.data_ptr(), y.data_ptr(), act_group, torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def lowbit_linear_into(
@@ -112,19 +125,21 @@ def lowbit_linear_into(
     cmul: float,
     zero: float,
     act_group: int,
+    check_dense: bool = True,
 ) -> None:
     """Runs the native kernel: ``y[..., N] = x[..., K] @ W^T + bias`` with W in the ``cpu_vnni16`` layout
-    (x and y dense, their leading dimensions flattened to M rows)."""
-    K = x.shape[-1]
-    N = y.shape[-1]
-    M = x.numel() // K if K else 0
-    status = _lib().aipc_lowbit_linear(
-        _ptr(x), DTYPE_CODES[x.dtype], M, K, _ptr(qweight), bits, N,
-        _ptr(scales), _ptr(zeros), DTYPE_CODES[scales.dtype], group_size, cmul, zero,
-        _ptr(bias), _ptr(y), act_group, torch.get_num_threads(),
-    )  # fmt: skip
+    (x and y dense, their leading dimensions flattened to M rows). ``check_dense=False`` skips the
+    contiguity checks, for a caller (the op) that has made every operand dense itself."""
+    if check_dense:
+        for t in (y, x, qweight, scales, zeros, bias):
+            _require_dense(t)
+    args = lowbit_linear_args(y, x, qweight, scales, zeros, bias, bits, group_size, cmul, zero, act_group)
+    status = _lib().aipc_lowbit_linear(*args)
     if status != 0:
-        raise RuntimeError(f"aipc_lowbit_linear failed: {ERRORS.get(status, status)} (M={M}, K={K}, N={N})")
+        raise RuntimeError(
+            f"aipc_lowbit_linear failed: {ERRORS.get(status, status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
+            f"group_size={group_size}, act_group={act_group})"
+        )
 
 
 def stream_read(buf: torch.Tensor, threads: Optional[int] = None) -> int:

@@ -97,10 +97,9 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
 
     Decode calls this once per linear layer per token, and it runs right after a kernel that streamed
     megabytes of weights through the caches, so every Python step here costs several times its hot
-    price: the body calls the C entry point directly (no per-operand helper), with the contiguity the
-    kernel needs ensured on the way."""
-    fn = native.lowbit_linear_fn()
-    if layout != CPU_LAYOUT or fn is None or x.dtype not in NATIVE_DTYPES:
+    price: the body makes every operand dense itself and skips the per-operand checks of
+    ``native.lowbit_linear_into``."""
+    if layout != CPU_LAYOUT or x.dtype not in NATIVE_DTYPES or not native.available():
         return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
     K = _check(x, qweight, layout, codebook, group_size, out_features)
     bits, cmul, zero = _CPU_CODEBOOK[codebook]
@@ -113,16 +112,10 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
         zeros = None if zeros is None else zeros.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
-    codes = native.DTYPE_CODES
-    status = fn(
-        x.data_ptr(), codes[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, out_features,
-        scales.data_ptr(), None if zeros is None else zeros.data_ptr(), codes[scales.dtype], group_size, cmul, zero,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), act_group if act_group > 0 else K,
-        torch.get_num_threads(),
+    native.lowbit_linear_into(
+        y, x, qweight, scales, zeros, bias, bits, group_size, cmul, zero, act_group if act_group > 0 else K,
+        check_dense=False,
     )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"aipc_lowbit_linear failed: {native.ERRORS.get(status, status)} (x {tuple(x.shape)}, "
-                           f"N={out_features}, group_size={group_size}, act_group={act_group})")  # fmt: skip
     return y
 
 

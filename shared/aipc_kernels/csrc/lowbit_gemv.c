@@ -53,9 +53,6 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
 #endif
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
-#endif
 #ifndef PREFETCH_L2_BYTES
 #define PREFETCH_L2_BYTES 4096
 #endif
@@ -338,7 +335,7 @@ static inline T512 __attribute__((always_inline)) void tile_otf512(const lowbit_
             for (int q = 0; q < nq; q++) dq[i][q] = _mm512_setzero_si512();
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
-            _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, PREFETCH_HINT);
+            _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wb + c * CHUNK_BYTES);
             for (int q = 0; q < nq; q++) {
                 const __m512i wq = _mm512_and_si512(w, pmask[q]);
@@ -373,8 +370,8 @@ static T512 __attribute__((noinline)) void gemv512_2b(const lowbit_args *a, int6
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, e0 = d0, e1 = d0, e2 = d0, e3 = d0;
         int64_t c = 0;
         for (; c + 2 <= cpg; c += 2) {
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, PREFETCH_HINT);
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + CHUNK_BYTES, PREFETCH_HINT);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + CHUNK_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
             PREFETCH_L2(wp + (c + 1) * CHUNK_BYTES);
             __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
@@ -423,7 +420,7 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
         for (int64_t c = 0; c < cpg; c++) {
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, PREFETCH_HINT);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
             const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
             PLANE_DOT(d0, 0);
@@ -984,7 +981,7 @@ MULTIVERSION static uint64_t read_span(const uint64_t *p, int64_t n) {
     for (; i + 32 <= n; i += 32) {
 #ifdef AIPC_X86
         for (int j = 0; j < 4; j++) { /* the weight stream's two prefetch distances */
-            _mm_prefetch((const char *)(p + i + 8 * j) + PREFETCH_BYTES, PREFETCH_HINT);
+            _mm_prefetch((const char *)(p + i + 8 * j) + PREFETCH_BYTES, _MM_HINT_T0);
             PREFETCH_L2(p + i + 8 * j);
         }
 #endif
