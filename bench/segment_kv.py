@@ -21,7 +21,6 @@ import argparse
 import fcntl
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -29,28 +28,11 @@ import torch
 
 from aipc_kernels import native
 from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
+from machine import cpu_name, read_bandwidth  # bench/ is on sys.path when run as a script
 
 LOCK = "/tmp/aipc-bench.lock"
 FLOOR_PROMPT = 16  # prompt of the no-KV floor run
 GPTJ = dict(layers=28, hidden=4096, dtype_bytes=2, batch=32, beams=4, prompt=1024, response=1024)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def read_bandwidth(threads: int, gb: float = 1.0, reps: int = 3) -> float:
-    """Best-of single-stream read bandwidth (GB/s) with ``threads`` threads."""
-    buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        native.stream_read(buf, threads)
-        best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 class StepClock:

