@@ -133,24 +133,38 @@ MULTIVERSION static float quantize_span(const float *v, int64_t n, int8_t *q) {
     return amax / 127.f;
 }
 
+#ifdef AIPC_X86
+static void quantize_row512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, int8_t *q, float *sx,
+                            int32_t *gsum);
+#endif
+
 /* Quantizes x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group.
- * xq: [M][K]; sx: [M][K/G] scale of each weight group; xs: [M][K/G] = sx * sum_group(xq). */
-static int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group,
-                                int8_t *xq, float *sx, float *xs, int nthreads) {
+ * xq: [M][K]; sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq;
+ * xs: [M][K/G] = sx * gsum. With AVX-512 one fused pass per span (no float copy of the row). */
+static int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, int isa,
+                                int8_t *xq, float *sx, int32_t *gsum, float *xs, int nthreads) {
     const int64_t ng = K / G, nag = K / act_group, esize = dt == DT_F32 ? 4 : 2;
     int status = OK;
 #pragma omp parallel num_threads(nthreads) if (M > 1)
     {
-        float *row = (float *)malloc(sizeof(float) * (size_t)K);
-        if (!row) {
+        float *row = isa >= ISA_AVX512_VNNI ? NULL : (float *)malloc(sizeof(float) * (size_t)K);
+        if (isa < ISA_AVX512_VNNI && !row) {
 #pragma omp atomic write
             status = ERR_NOMEM;
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            if (!row) continue;
-            row_to_f32((const char *)x + m * K * esize, dt, K, row);
+            const void *xm = (const char *)x + m * K * esize;
             int8_t *qm = xq + m * K;
+#ifdef AIPC_X86
+            if (isa >= ISA_AVX512_VNNI) {
+                quantize_row512(xm, dt, K, G, act_group, qm, sx + m * ng, gsum + m * ng);
+                for (int64_t g = 0; g < ng; g++) xs[m * ng + g] = sx[m * ng + g] * (float)gsum[m * ng + g];
+                continue;
+            }
+#endif
+            if (!row) continue;
+            row_to_f32(xm, dt, K, row);
             for (int64_t a = 0; a < nag; a++) {
                 const float scale = quantize_span(row + a * act_group, act_group, qm + a * act_group);
                 for (int64_t g = a * act_group / G; g < (a + 1) * act_group / G; g++) sx[m * ng + g] = scale;
@@ -158,6 +172,7 @@ static int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int
             for (int64_t g = 0; g < ng; g++) {
                 int32_t sum = 0;
                 for (int64_t k = g * G; k < (g + 1) * G; k++) sum += qm[k];
+                gsum[m * ng + g] = sum;
                 xs[m * ng + g] = sx[m * ng + g] * (float)sum;
             }
         }
@@ -246,6 +261,42 @@ static inline T512 __m512i dpbusd512(__m512i acc, __m512i a, __m512i b) {
 static inline T512 __m512 half16_to_ps(__m256i h, int dt) {
     if (dt == DT_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 activations x[i..i+15] (fp32, bf16 or fp16) as float32. */
+static inline T512 __m512 load16_act(const void *x, int64_t i, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)x + i);
+    return half16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)), dt);
+}
+
+/* quantize_span + group sums for one row, fused: per span an absmax pass over x, then one pass that
+ * rounds (same arithmetic as quantize_span: bit-identical codes and scales), stores the int8 codes and
+ * sums them per weight group. G is a multiple of 16 (the 2-bit chunk). */
+static T512 void quantize_row512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, int8_t *q, float *sx,
+                                 int32_t *gsum) {
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    const __m512 magic = _mm512_set1_ps(12582912.f);
+    for (int64_t a0 = 0; a0 < K; a0 += act_group) {
+        __m512i mx = _mm512_setzero_si512(); /* max of |x| bit patterns, as quantize_span */
+        for (int64_t k = a0; k < a0 + act_group; k += 16)
+            mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_castps_si512(load16_act(x, k, dt)), absmask));
+        const uint32_t abits = (uint32_t)_mm512_reduce_max_epu32(mx);
+        float amax;
+        memcpy(&amax, &abits, 4);
+        const float inv_s = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+        const __m512 inv = _mm512_set1_ps(inv_s);
+        for (int64_t g = a0 / G; g < (a0 + act_group) / G; g++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                const __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(load16_act(x, k, dt), inv), magic), magic);
+                const __m512i v = _mm512_cvttps_epi32(r);
+                _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v));
+                sum = _mm512_add_epi32(sum, v);
+            }
+            sx[g] = scale;
+            gsum[g] = _mm512_reduce_add_epi32(sum);
+        }
+    }
 }
 
 /* 16 fp16/bf16 values at p[i..i+15] as float32. */
@@ -842,15 +893,17 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
-    float *sx = (float *)malloc(sizeof(float) * (size_t)(M * ng));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * ng));
-    if (!xq || !sx || !xs) {
-        free(xq); free(sx); free(xs);
+    /* per-group scratch, [M][K/G] each: sx, xs and zq (float), gsum (int32) */
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(4 * M * ng));
+    if (!xq || !sx) {
+        free(xq); free(sx);
         return ERR_NOMEM;
     }
+    float *xs = sx + M * ng, *zq = NULL;
+    int32_t *gsum = (int32_t *)(sx + 3 * M * ng);
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
-    if (quantize_activations(x, dt, M, K, G, act_group, xq, sx, xs, nthreads) != OK) {
-        free(xq); free(sx); free(xs);
+    if (quantize_activations(x, dt, M, K, G, act_group, isa, xq, sx, gsum, xs, nthreads) != OK) {
+        free(xq); free(sx);
         return ERR_NOMEM;
     }
     /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
@@ -860,7 +913,7 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
         const int64_t tiles = (M + T - 1) / T;
         xt = (int32_t *)aligned_alloc(64, (size_t)(tiles * T * K4 * 4 + 63) / 64 * 64);
         if (!xt) {
-            free(xq); free(sx); free(xs);
+            free(xq); free(sx);
             return ERR_NOMEM;
         }
         const int32_t *rows = (const int32_t *)xq;
@@ -869,19 +922,9 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
                 for (int64_t i = 0; i < T; i++)
                     xt[(t * K4 + kq) * T + i] = t * T + i < M ? rows[(t * T + i) * K4 + kq] : 0;
     }
-    float *zq = NULL;
     if (M == 1 && act_group == K && isa >= ISA_AVX512_VNNI) {
-        zq = (float *)malloc(sizeof(float) * (size_t)ng);
-        if (!zq) {
-            if (xt != (int32_t *)xq) free(xt);
-            free(xq); free(sx); free(xs);
-            return ERR_NOMEM;
-        }
-        for (int64_t g = 0; g < ng; g++) {
-            int32_t sum = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) sum += xq[k];
-            zq[g] = (float)sum / cmul;
-        }
+        zq = sx + 2 * M * ng;
+        for (int64_t g = 0; g < ng; g++) zq[g] = (float)gsum[g] / cmul;
     }
     const lowbit_args a = {w, scales, zeros, scale_dt, bits, M, N, K, G, cmul, zero_const, xq, xt, T, sx, xs,
                            zq, sx[0] * cmul, bias, y, dt};
@@ -896,16 +939,11 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
         int8_t *xa = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
         float *qs = (float *)malloc(sizeof(float) * (size_t)(Mp * ng));
         if (!xa || !qs) {
-            free(xa); free(qs); free(xq); free(sx); free(xs);
+            free(xa); free(qs); free(xq); free(sx);
             return ERR_NOMEM;
         }
         amx_tile_activations(xq, Mp, K, pl.ks, xa);
-        for (int64_t m = 0; m < Mp; m++)
-            for (int64_t g = 0; g < ng; g++) {
-                int32_t sum = 0;
-                for (int64_t k = g * G; k < (g + 1) * G; k++) sum += xq[m * K + k];
-                qs[m * ng + g] = (float)sum;
-            }
+        for (int64_t i = 0; i < Mp * ng; i++) qs[i] = i < M * ng ? (float)gsum[i] : 0.f; /* pad rows: 0 */
         pl.xa = xa, pl.qs = qs;
         if (npairs < nthreads) nthreads = (int)npairs;
 #pragma omp parallel num_threads(nthreads)
@@ -932,7 +970,7 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
         }
         free(xa);
         free(qs);
-        free(xq); free(sx); free(xs);
+        free(xq); free(sx);
         return status;
     }
 #endif
@@ -966,10 +1004,8 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
         free(up);
     }
     if (xt != (int32_t *)xq) free(xt);
-    free(zq);
     free(xq);
     free(sx);
-    free(xs);
     return status;
 }
 
