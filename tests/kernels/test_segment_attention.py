@@ -20,6 +20,7 @@ SHAPES = [
     (1, 1, 8, 2, 5, 64, 300, 0, 0),  # prompt only, chunked across threads
     (2, 1, 2, 1, 1, 16, 0, 11, 11),  # response only
     (1, 8, 4, 1, 1, 128, 600, 40, 48),  # wide beam, long prompt (split into chunks)
+    (2, 4, 16, 2, 3, 32, 70, 9, 12),  # 96 rows per kv head: two row tiles, each with both kv heads
 ]
 
 

@@ -9,10 +9,12 @@
  * online softmax over both segments, grouped-query heads (h -> kvh = h / G), an optional additive float
  * mask indexed by logical position, and an optional causal rule (query l sees positions <= L - Lq + l).
  *
- * One work item = (batch entry, kv head, chunk of positions): it reads each prompt key/value row ONCE
- * for all E beams x G query heads x Lq queries (the rows of a tile), which is where the segment cache
- * saves bandwidth over a per-beam cache. Long sequences are split into chunks (flash-decoding) so that
- * small batches still occupy every thread; the partial softmax states are merged at the end.
+ * One work item = (batch entry, tile of rows, chunk of positions), every kv head: it reads each prompt
+ * key/value row ONCE for all E beams x G query heads x Lq queries (the rows of a tile), which is where
+ * the segment cache saves bandwidth over a per-beam cache, and walks the cache in address order,
+ * block by block with all heads of a block in a row. Long sequences are split into chunks
+ * (flash-decoding) so that small batches still occupy every thread; the partial softmax states are
+ * merged at the end. Up to RB rows are computed together (each key block loaded once for them).
  *
  * Layouts (elements): query strides (q_sn, q_sh, q_sl), last dim contiguous; prompt [B][Np][Hkv][D];
  * response [cap][N][Hkv][D]; path int32 [Nr][N]; mask float32 strides (m_sn, m_sh, m_sl), last dim
@@ -37,6 +39,16 @@
 #define KB 32          /* key positions per block */
 #define ROW_TILE 64    /* query rows per tile (all beams x heads x queries of one kv head, tiled) */
 #define MIN_CHUNK 256  /* fewest positions per chunk when splitting a sequence across threads */
+/* Software prefetch of the K/V rows PF_AHEAD positions ahead (one block): a head's rows are D of
+ * every Hkv * D elements, a strided walk the hardware prefetchers barely follow (A/B on 2 cores,
+ * 12 heads of 64, 1024-token prompt, 4 beams, K/V from DRAM: bf16 520 vs 600 us a call, fp32 530 vs
+ * 490 us: kept for the 16-bit caches decode uses). */
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 3 /* _MM_HINT_T0 */
+#endif
+#ifndef PF_AHEAD
+#define PF_AHEAD KB
+#endif
 
 enum { S_F32 = 0, S_BF16 = 1, S_F16 = 2 };
 enum { S_OK = 0, S_ERR_SHAPE = -2, S_ERR_DTYPE = -4, S_ERR_NOMEM = -6, S_ERR_PATH = -7 };
@@ -101,26 +113,6 @@ static T512 void cvt_512(float *dst, const void *src, int dt, int64_t D) {
     }
 }
 
-static T512 void dots_512(float *sc, const float *q, const float *kT, int n, int64_t D) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 2 <= D; d += 2) { /* two independent chains per half-block */
-        const __m512 x = _mm512_set1_ps(q[d]), y = _mm512_set1_ps(q[d + 1]);
-        a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB), a0);
-        a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB + 16), a1);
-        b0 = _mm512_fmadd_ps(y, _mm512_loadu_ps(kT + (d + 1) * KB), b0);
-        b1 = _mm512_fmadd_ps(y, _mm512_loadu_ps(kT + (d + 1) * KB + 16), b1);
-    }
-    if (d < D) {
-        const __m512 x = _mm512_set1_ps(q[d]);
-        a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB), a0);
-        a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(kT + d * KB + 16), a1);
-    }
-    _mm512_storeu_ps(sc, _mm512_add_ps(a0, b0));
-    _mm512_storeu_ps(sc + 16, _mm512_add_ps(a1, b1));
-    (void)n; /* lanes past n hold garbage the caller never reads */
-}
-
 /* exp(x) for x <= 0 (softmax arguments): Cody-Waite reduction, degree-6 polynomial, scalef; -inf -> 0 */
 static inline T512 __m512 exp_512(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
@@ -151,27 +143,71 @@ static T512 float softmax_512(float *p, const float *sc, float m, int n) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* acc = alpha * acc + sum_j p[j] * v[j], 64 floats (4 registers) at a time */
-static T512 void accum_512(float *acc, float alpha, const float *p, const float *const *v, int n, int64_t D) {
-    const __m512 al = _mm512_set1_ps(alpha);
-    for (int64_t d = 0; d < D; d += 64) {
-        const __mmask16 m0 = tail16(D - d), m1 = tail16(D - d - 16), m2 = tail16(D - d - 32), m3 = tail16(D - d - 48);
-        __m512 a0 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m0, acc + d));
-        __m512 a1 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m1, acc + d + 16));
-        __m512 a2 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m2, acc + d + 32));
-        __m512 a3 = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m3, acc + d + 48));
-        for (int j = 0; j < n; j++) {
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            const float *vj = v[j] + d;
-            a0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m0, vj), a0);
-            a1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m1, vj + 16), a1);
-            a2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m2, vj + 32), a2);
-            a3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m3, vj + 48), a3);
+/* Several rows at once (RB at most): each key block and value row loaded once for all of them, and
+ * RB x 2 (dots) or RB x 4 (accum) independent FMA chains, where one row alone waits on FMA latency. */
+#define RB 4
+
+/* sc[r * KB + j] = q_r . k_j for NR rows of q (D apart) against a transposed block kT[D][KB] */
+static inline T512 __attribute__((always_inline)) void dots_rows_n(float *sc, const float *q, const float *kT, int64_t D,
+                                                                  const int NR) {
+    __m512 a[RB][2];
+    for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k0 = _mm512_loadu_ps(kT + d * KB), k1 = _mm512_loadu_ps(kT + d * KB + 16);
+        for (int r = 0; r < NR; r++) {
+            const __m512 x = _mm512_set1_ps(q[r * D + d]);
+            a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
         }
-        _mm512_mask_storeu_ps(acc + d, m0, a0);
-        _mm512_mask_storeu_ps(acc + d + 16, m1, a1);
-        _mm512_mask_storeu_ps(acc + d + 32, m2, a2);
-        _mm512_mask_storeu_ps(acc + d + 48, m3, a3);
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(sc + r * KB, a[r][0]);
+        _mm512_storeu_ps(sc + r * KB + 16, a[r][1]);
+    }
+}
+
+static T512 void dots_rows_512(float *sc, const float *q, const float *kT, int nr, int64_t D) {
+    switch (nr) {
+    case 4: dots_rows_n(sc, q, kT, D, 4); break;
+    case 3: dots_rows_n(sc, q, kT, D, 3); break;
+    case 2: dots_rows_n(sc, q, kT, D, 2); break;
+    default: dots_rows_n(sc, q, kT, D, 1);
+    }
+}
+
+/* acc_r = alpha[r] * acc_r + sum_j p[r * KB + j] * v[j] for NR rows of acc (D apart), 64 floats at a time */
+static inline T512 __attribute__((always_inline)) void accum_rows_n(float *acc, const float *alpha, const float *p,
+                                                                   const float *const *v, int n, int64_t D,
+                                                                   const int NR) {
+    for (int64_t d = 0; d < D; d += 64) {
+        __mmask16 m[4];
+        for (int i = 0; i < 4; i++) m[i] = tail16(D - d - 16 * i);
+        __m512 c[RB][4];
+        for (int r = 0; r < NR; r++) {
+            const __m512 al = _mm512_set1_ps(alpha[r]);
+            for (int i = 0; i < 4; i++) c[r][i] = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m[i], acc + r * D + d + 16 * i));
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vj = v[j] + d;
+            __m512 x[4];
+            for (int i = 0; i < 4; i++) x[i] = _mm512_maskz_loadu_ps(m[i], vj + 16 * i);
+            for (int r = 0; r < NR; r++) {
+                const __m512 pj = _mm512_set1_ps(p[r * KB + j]);
+                for (int i = 0; i < 4; i++) c[r][i] = _mm512_fmadd_ps(pj, x[i], c[r][i]);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(acc + r * D + d + 16 * i, m[i], c[r][i]);
+    }
+}
+
+static T512 void accum_rows_512(float *acc, const float *alpha, const float *p, const float *const *v, int n, int nr,
+                                int64_t D) {
+    switch (nr) {
+    case 4: accum_rows_n(acc, alpha, p, v, n, D, 4); break;
+    case 3: accum_rows_n(acc, alpha, p, v, n, D, 3); break;
+    case 2: accum_rows_n(acc, alpha, p, v, n, D, 2); break;
+    default: accum_rows_n(acc, alpha, p, v, n, D, 1);
     }
 }
 
@@ -297,13 +333,17 @@ typedef void (*dots_fn)(float *, const float *, const float *, int, int64_t);
 typedef float (*softmax_fn)(float *, const float *, float, int);
 typedef void (*accum_fn)(float *, float, const float *, const float *const *, int, int64_t);
 typedef void (*keys_fn)(float *, const char *const *, int, int, int64_t);
+typedef void (*dots_rows_fn)(float *, const float *, const float *, int, int64_t);
+typedef void (*accum_rows_fn)(float *, const float *, const float *, const float *const *, int, int, int64_t);
 
 typedef struct {
     cvt_fn cvt;
-    dots_fn dots;
+    dots_fn dots;   /* one row (row_block): used where dots_rows is NULL */
     softmax_fn softmax;
-    accum_fn accum;
+    accum_fn accum; /* one row, as dots */
     keys_fn keys_transposed; /* NULL: the portable per-key loop of load_block */
+    dots_rows_fn dots_rows;   /* NULL: one row at a time */
+    accum_rows_fn accum_rows;
 } seg_isa;
 
 typedef struct {
@@ -326,7 +366,7 @@ typedef struct {
 typedef struct {
     float *qf, *acc, *m, *s, *kT, *kbuf, *vbuf;
     const float *vp[KB];
-    float sc[KB], p[KB];
+    float sc[RB * KB], p[RB * KB];
 } seg_scratch;
 
 /* Row r of a (b, kvh) work item -> (beam e, head group g, query l); rows ordered e-major. */
@@ -334,6 +374,12 @@ static inline void row_coords(const seg_args *a, int64_t r, int64_t *e, int64_t 
     *l = r % a->Lq;
     *g = (r / a->Lq) % a->G;
     *e = r / (a->Lq * a->G);
+}
+
+/* Prefetches the n rows of `bytes` each at p, p + stride, ... (all cache lines of each row). */
+static inline void prefetch_rows(const char *p, int64_t stride, int64_t n, int64_t bytes) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, PF_LOCALITY);
 }
 
 /* Gather one block of KB positions: keys transposed to fp32 kT[D][KB] (read by every row of the tile),
@@ -389,34 +435,87 @@ static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh,
     a->isa.accum(w->acc + rt * a->D, alpha, w->p, w->vp, nk, a->D);
 }
 
-/* Work item (b, kvh, rows [r0, r1), positions [j0, j1)): leaves m, s, acc of the tile in w. */
-static void run_item(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
-    const int64_t D = a->D, R = r1 - r0;
-    for (int64_t rt = 0; rt < R; rt++) {
-        int64_t e, g, l;
-        row_coords(a, r0 + rt, &e, &g, &l);
-        const int64_t n = b * a->E + e, h = kvh * a->G + g;
-        a->isa.cvt(w->qf + rt * D, a->q + (n * a->q_sn + h * a->q_sh + l * a->q_sl) * (int64_t)a->esz, a->dt, D);
-        for (int64_t d = 0; d < D; d++) w->qf[rt * D + d] *= a->scale;
-        w->m[rt] = -INFINITY;
-        w->s[rt] = 0.f;
+/* Rows r .. r + nr - 1 (tile rows rt ..) against a block: row_block for nr rows at once. */
+static void rows_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int nr,
+                       int64_t pos0, int nk) {
+    if (!a->isa.dots_rows) {
+        for (int i = 0; i < nr; i++) row_block(a, w, b, kvh, r + i, rt + i, pos0, nk);
+        return;
     }
-    memset(w->acc, 0, (size_t)(R * D) * sizeof(float));
+    a->isa.dots_rows(w->sc, w->qf + rt * a->D, w->kT, nr, a->D);
+    float alpha[RB];
+    int live = 0;
+    for (int i = 0; i < nr; i++) {
+        int64_t e, g, l;
+        row_coords(a, r + i, &e, &g, &l);
+        float *sc = w->sc + i * KB, *p = w->p + i * KB;
+        if (a->mask) {
+            const int64_t n = b * a->E + e, h = kvh * a->G + g;
+            const float *mr = a->mask + n * a->m_sn + h * a->m_sh + l * a->m_sl + pos0;
+            for (int j = 0; j < nk; j++) sc[j] += mr[j];
+        }
+        if (a->causal) {
+            const int64_t limit = a->L - a->Lq + l;
+            for (int j = 0; j < nk; j++)
+                if (pos0 + j > limit) sc[j] = -INFINITY;
+        }
+        float bmax = -INFINITY;
+        for (int j = 0; j < nk; j++) bmax = sc[j] > bmax ? sc[j] : bmax;
+        if (bmax == -INFINITY) { /* nothing visible in this block: leave the row as it is */
+            alpha[i] = 1.f;
+            memset(p, 0, (size_t)nk * sizeof(float));
+            continue;
+        }
+        const float mold = w->m[rt + i], mnew = mold > bmax ? mold : bmax;
+        alpha[i] = mold == -INFINITY ? 0.f : expf(mold - mnew);
+        const float sum = a->isa.softmax(p, sc, mnew, nk);
+        w->s[rt + i] = w->s[rt + i] * alpha[i] + sum;
+        w->m[rt + i] = mnew;
+        live = 1;
+    }
+    if (live) a->isa.accum_rows(w->acc + rt * a->D, alpha, w->p, w->vp, nk, nr, a->D);
+}
+
+/* Work item (b, rows [r0, r1) of every kv head, positions [j0, j1)): leaves m, s, acc of the tile in w,
+ * row rt of kv head kvh at state index kvh * (r1 - r0) + rt. Every kv head of a block is done before
+ * the next block, so the item walks the cache position by position, [positions][Hkv][D] contiguous:
+ * one stream the hardware prefetchers follow (one head at a time reads D of every Hkv * D elements,
+ * a strided walk they barely follow), each key/value row read once for all rows of the tile. */
+static void run_item(const seg_args *a, seg_scratch *w, int64_t b, int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
+    const int64_t D = a->D, R = r1 - r0, H = a->Hkv, esz = (int64_t)a->esz;
+    for (int64_t kvh = 0; kvh < H; kvh++)
+        for (int64_t rt = 0; rt < R; rt++) {
+            int64_t e, g, l;
+            row_coords(a, r0 + rt, &e, &g, &l);
+            const int64_t n = b * a->E + e, h = kvh * a->G + g, st = kvh * R + rt;
+            a->isa.cvt(w->qf + st * D, a->q + (n * a->q_sn + h * a->q_sh + l * a->q_sl) * esz, a->dt, D);
+            for (int64_t d = 0; d < D; d++) w->qf[st * D + d] *= a->scale;
+            w->m[st] = -INFINITY;
+            w->s[st] = 0.f;
+        }
+    memset(w->acc, 0, (size_t)(H * R * D) * sizeof(float));
     const char *krow[KB], *vrow[KB];
-    const int64_t rowb = a->Hkv * D * (int64_t)a->esz; /* bytes between positions of one head */
+    const int64_t rowb = H * D * esz; /* bytes between positions of one head */
 
     /* prompt segment: each key/value row read once for every row of the tile */
     const int64_t pend = j1 < a->Np ? j1 : a->Np;
     for (int64_t jb = j0; jb < pend; jb += KB) {
         const int nk = (int)(pend - jb < KB ? pend - jb : KB);
-        const char *kb = a->pk + ((b * a->Np + jb) * a->Hkv + kvh) * D * (int64_t)a->esz;
-        const char *vb = a->pv + ((b * a->Np + jb) * a->Hkv + kvh) * D * (int64_t)a->esz;
-        for (int j = 0; j < nk; j++) {
-            krow[j] = kb + j * rowb;
-            vrow[j] = vb + j * rowb;
+        const char *kb = a->pk + (b * a->Np + jb) * rowb, *vb = a->pv + (b * a->Np + jb) * rowb;
+        const int64_t npf = jb + PF_AHEAD < pend ? (pend - jb - PF_AHEAD < KB ? pend - jb - PF_AHEAD : KB) : 0;
+        for (int64_t kvh = 0; kvh < H; kvh++) {
+            /* this head's rows of the block PF_AHEAD positions on, spread over the heads: one burst
+             * for the whole slab fills the load buffers and stalls the arithmetic behind it */
+            prefetch_rows(kb + PF_AHEAD * rowb + kvh * D * esz, rowb, npf, D * esz);
+            prefetch_rows(vb + PF_AHEAD * rowb + kvh * D * esz, rowb, npf, D * esz);
+            for (int j = 0; j < nk; j++) {
+                krow[j] = kb + j * rowb + kvh * D * esz;
+                vrow[j] = vb + j * rowb + kvh * D * esz;
+            }
+            load_block(a, w, krow, vrow, nk);
+            for (int64_t rt = 0; rt < R; rt += RB)
+                rows_block(a, w, b, kvh, r0 + rt, kvh * R + rt, (int)(R - rt < RB ? R - rt : RB), jb, nk);
         }
-        load_block(a, w, krow, vrow, nk);
-        for (int64_t rt = 0; rt < R; rt++) row_block(a, w, b, kvh, r0 + rt, rt, jb, nk);
     }
 
     /* response segment: per beam, rows chosen through the path table */
@@ -429,14 +528,17 @@ static void run_item(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, 
         const int64_t rb = (e + 1) * rows_per_beam < r1 ? (e + 1) * rows_per_beam : r1;
         for (int64_t tb = t0; tb < t1; tb += KB) {
             const int nk = (int)(t1 - tb < KB ? t1 - tb : KB);
-            for (int j = 0; j < nk; j++) {
-                const int64_t t = tb + j, phys = a->path[t * a->N + n];
-                const int64_t off = ((t * a->N + phys) * a->Hkv + kvh) * D * (int64_t)a->esz;
-                krow[j] = a->rk + off;
-                vrow[j] = a->rv + off;
+            for (int64_t kvh = 0; kvh < H; kvh++) {
+                for (int j = 0; j < nk; j++) {
+                    const int64_t t = tb + j, phys = a->path[t * a->N + n];
+                    const int64_t off = ((t * a->N + phys) * H + kvh) * D * esz;
+                    krow[j] = a->rk + off;
+                    vrow[j] = a->rv + off;
+                }
+                load_block(a, w, krow, vrow, nk);
+                for (int64_t r = ra; r < rb; r += RB)
+                    rows_block(a, w, b, kvh, r, kvh * R + r - r0, (int)(rb - r < RB ? rb - r : RB), a->Np + tb, nk);
             }
-            load_block(a, w, krow, vrow, nk);
-            for (int64_t r = ra; r < rb; r++) row_block(a, w, b, kvh, r, r - r0, a->Np + tb, nk);
         }
     }
 }
@@ -494,8 +596,9 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
         .isa = {cvt_scalar, dots_scalar, softmax_scalar, accum_scalar},
     };
 #ifdef SEG_X86
-    if (isa >= 3) a.isa = (seg_isa){cvt_512, dots_512, softmax_512, accum_512, keys_transposed_512};
-    else if (isa >= 1) a.isa = (seg_isa){cvt_256, dots_256, softmax_scalar, accum_256, NULL};
+    if (isa >= 3)
+        a.isa = (seg_isa){cvt_512, NULL, softmax_512, NULL, keys_transposed_512, dots_rows_512, accum_rows_512};
+    else if (isa >= 1) a.isa = (seg_isa){cvt_256, dots_256, softmax_scalar, accum_256, NULL, NULL, NULL};
 #else
     (void)isa;
 #endif
@@ -503,48 +606,63 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
     const int64_t R = a.E * a.G * Lq;                    /* rows per (b, kvh) */
     const int64_t ntiles = (R + ROW_TILE - 1) / ROW_TILE;
     const int64_t tile = (R + ntiles - 1) / ntiles;      /* balanced tiles */
-    const int64_t units = B * Hkv * ntiles;
-    int64_t nchunks = 1;                                 /* split the positions when units < 2 x threads */
-    if (units < 2 * nthreads) {
-        nchunks = (2 * nthreads + units - 1) / units;
-        const int64_t most = (a.L + MIN_CHUNK - 1) / MIN_CHUNK;
-        if (nchunks > most) nchunks = most;
-        if (nchunks < 1) nchunks = 1;
+    const int64_t units = B * Hkv * ntiles; /* (b, kvh, tile): one softmax state per row */
+    const int64_t items = B * ntiles;         /* (b, tile) x chunk: a work item does every kv head */
+    /* Split the positions into chunks (flash-decoding) until the items spread evenly over the threads
+     * (or 4 per thread), chunks of MIN_CHUNK positions at least; the partial states merge at the end. */
+    const int64_t most = (a.L + MIN_CHUNK - 1) / MIN_CHUNK;
+    int64_t nchunks = 1;
+    while (nchunks < most && (items * nchunks) % nthreads && items * nchunks < 4 * nthreads) nchunks++;
+    int64_t *bounds = malloc((size_t)(nchunks + 1) * sizeof(int64_t));
+    if (!bounds) return S_ERR_NOMEM;
+    {   /* chunk boundaries at equal cost: a response position is gathered once per beam, E times */
+        const int64_t total = Np + a.E * Nr;
+        bounds[0] = 0;
+        for (int64_t c = 1; c < nchunks; c++) {
+            const int64_t cost = total * c / nchunks;
+            int64_t pos = cost <= Np ? (cost + KB / 2) / KB * KB : Np + (cost - Np + a.E - 1) / a.E;
+            if (pos > a.L) pos = a.L;
+            bounds[c] = pos > bounds[c - 1] ? pos : bounds[c - 1];
+        }
+        bounds[nchunks] = a.L;
     }
-    int64_t chunk = (a.L + nchunks - 1) / nchunks;
-    chunk = (chunk + KB - 1) / KB * KB;
-    nchunks = (a.L + chunk - 1) / chunk;
 
     const int64_t part_stride = tile * (D + 2); /* per (unit, chunk): m[tile], s[tile], acc[tile][D] */
     float *part = NULL;
     if (nchunks > 1) {
         part = malloc((size_t)(units * nchunks * part_stride) * sizeof(float));
-        if (!part) return S_ERR_NOMEM;
+        if (!part) {
+            free(bounds);
+            return S_ERR_NOMEM;
+        }
     }
     int status = S_OK;
 #pragma omp parallel num_threads(nthreads)
     {
         seg_scratch w;
-        if (!scratch_alloc(&w, tile, D)) {
+        if (!scratch_alloc(&w, Hkv * tile, D)) {
 #pragma omp atomic write
             status = S_ERR_NOMEM;
         }
 #pragma omp barrier
         if (status == S_OK) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < units * nchunks; it++) {
-                const int64_t c = it % nchunks, u = it / nchunks;
-                const int64_t ti = u % ntiles, bk = u / ntiles, kvh = bk % Hkv, b = bk / Hkv;
-                const int64_t r0 = ti * tile, r1 = r0 + tile < R ? r0 + tile : R;
-                const int64_t j0 = c * chunk, j1 = j0 + chunk < a.L ? j0 + chunk : a.L;
-                run_item(&a, &w, b, kvh, r0, r1, j0, j1);
-                if (nchunks == 1) {
-                    for (int64_t r = r0; r < r1; r++) write_row(&a, out, b, kvh, r, w.acc + (r - r0) * D, w.s[r - r0]);
-                } else {
-                    float *pp = part + it * part_stride;
-                    memcpy(pp, w.m, (size_t)(r1 - r0) * sizeof(float));
-                    memcpy(pp + tile, w.s, (size_t)(r1 - r0) * sizeof(float));
-                    memcpy(pp + 2 * tile, w.acc, (size_t)((r1 - r0) * D) * sizeof(float));
+            /* chunk-major, contiguous ranges per thread */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items * nchunks; it++) {
+                const int64_t c = it / items, ti = it % items % ntiles, b = it % items / ntiles;
+                const int64_t r0 = ti * tile, r1 = r0 + tile < R ? r0 + tile : R, nr = r1 - r0;
+                run_item(&a, &w, b, r0, r1, bounds[c], bounds[c + 1]);
+                for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+                    const int64_t u = (b * Hkv + kvh) * ntiles + ti, st = kvh * nr;
+                    if (nchunks == 1) {
+                        for (int64_t r = r0; r < r1; r++)
+                            write_row(&a, out, b, kvh, r, w.acc + (st + r - r0) * D, w.s[st + r - r0]);
+                    } else {
+                        float *pp = part + (u * nchunks + c) * part_stride;
+                        memcpy(pp, w.m + st, (size_t)nr * sizeof(float));
+                        memcpy(pp + tile, w.s + st, (size_t)nr * sizeof(float));
+                        memcpy(pp + 2 * tile, w.acc + st * D, (size_t)(nr * D) * sizeof(float));
+                    }
                 }
             }
             if (nchunks > 1) {
@@ -580,5 +698,6 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
         scratch_free(&w);
     }
     free(part);
+    free(bounds);
     return status;
 }
