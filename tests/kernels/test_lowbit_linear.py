@@ -58,6 +58,23 @@ def test_dtypes_against_float64_dequantized_weights(isa, dtype, scale_dtype):
     assert rel < 0.02, rel
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_group", [0, 64])
+def test_activation_rounding_ties_to_even(isa, dtype, act_group):
+    """Activations that are exact ties (half-integers with absmax 127: scale 1), so each ISA's quantizer
+    must round half to even like the reference; one code off moves an output by a whole weight."""
+    M, N, K = 3, 20, 256
+    w, p = _case(N, K, "affine", 64, seed=11)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-126, 126, (M, K), generator=g) + 0.5  # exact in float32 and bfloat16
+    x[:, ::64] = 127.0  # each span's absmax
+    x = x.to(dtype)
+    y = ops.lowbit_linear(x, p, act_group=act_group)
+    ref = ops.reference_linear_w8(x, w, act_group=act_group)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 def test_per_group_activation_scales(isa):
     w, p = _case(24, 256, "sym", 32, seed=3)
     x = torch.randn(6, 256)
