@@ -212,13 +212,15 @@ def native_segment_sdpa(
     scale: Optional[float] = None,
     is_causal: bool = False,
     out: Optional[torch.Tensor] = None,
+    dims: Optional[SegmentDims] = None,
 ) -> torch.Tensor:
     """The native CPU kernel for any shape (prefill included). ``out``: optional float32
-    ``[N, Lq, Hq, D]`` to write into (tests poison it). Returns the output in the query's dtype."""
+    ``[N, Lq, Hq, D]`` to write into (tests poison it). ``dims``: what :func:`check_args` returned for
+    these arguments, from a caller that validated them already. Returns the output in the query's dtype."""
     fn = _native_fn()
     if fn is None:
         raise RuntimeError("the native segment_sdpa kernel is not built; rebuild aipc-plugins (setup.py build_ext)")
-    d = check_args(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask)
+    d = dims or check_args(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask)
     if query.device.type != "cpu":
         raise ValueError(f"native_segment_sdpa runs on CPU tensors, query is on {query.device}")
     scale = d.D**-0.5 if scale is None else scale
@@ -316,7 +318,7 @@ def _op_cpu(query, prompt_key, prompt_value, response_key, response_value, path,
         return _op_reference(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask, scale,
                              is_causal)  # fmt: skip
     return native_segment_sdpa(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask, scale,
-                               is_causal)  # fmt: skip
+                               is_causal, dims=d)  # fmt: skip
 
 
 def _op_gpu(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask, scale, is_causal):

@@ -175,10 +175,18 @@ static T512 void dots_rows_512(float *sc, const float *q, const float *kT, int n
     }
 }
 
-/* acc_r = alpha[r] * acc_r + sum_j p[r * KB + j] * v[j] for NR rows of acc (D apart), 64 floats at a time */
+/* 16 values (fp32, bf16 or fp16 at v[i..]) as float32, lanes outside m zero. */
+static inline T512 __attribute__((always_inline)) __m512 load16_any(const void *v, int64_t i, __mmask16 m, const int dt) {
+    if (dt == S_F32) return _mm512_maskz_loadu_ps(m, (const float *)v + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)v + i);
+    return dt == S_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
+/* acc_r = alpha[r] * acc_r + sum_j p[r * KB + j] * v[j] for NR rows of acc (D apart), 64 floats at a time;
+ * the value rows stay in their storage dtype DT and are converted in registers, once for all rows */
 static inline T512 __attribute__((always_inline)) void accum_rows_n(float *acc, const float *alpha, const float *p,
-                                                                   const float *const *v, int n, int64_t D,
-                                                                   const int NR) {
+                                                                   const void *const *v, int n, int64_t D,
+                                                                   const int NR, const int DT) {
     for (int64_t d = 0; d < D; d += 64) {
         __mmask16 m[4];
         for (int i = 0; i < 4; i++) m[i] = tail16(D - d - 16 * i);
@@ -188,9 +196,8 @@ static inline T512 __attribute__((always_inline)) void accum_rows_n(float *acc, 
             for (int i = 0; i < 4; i++) c[r][i] = _mm512_mul_ps(al, _mm512_maskz_loadu_ps(m[i], acc + r * D + d + 16 * i));
         }
         for (int j = 0; j < n; j++) {
-            const float *vj = v[j] + d;
             __m512 x[4];
-            for (int i = 0; i < 4; i++) x[i] = _mm512_maskz_loadu_ps(m[i], vj + 16 * i);
+            for (int i = 0; i < 4; i++) x[i] = load16_any(v[j], d + 16 * i, m[i], DT);
             for (int r = 0; r < NR; r++) {
                 const __m512 pj = _mm512_set1_ps(p[r * KB + j]);
                 for (int i = 0; i < 4; i++) c[r][i] = _mm512_fmadd_ps(pj, x[i], c[r][i]);
@@ -201,15 +208,25 @@ static inline T512 __attribute__((always_inline)) void accum_rows_n(float *acc, 
     }
 }
 
-static T512 void accum_rows_512(float *acc, const float *alpha, const float *p, const float *const *v, int n, int nr,
-                                int64_t D) {
-    switch (nr) {
-    case 4: accum_rows_n(acc, alpha, p, v, n, D, 4); break;
-    case 3: accum_rows_n(acc, alpha, p, v, n, D, 3); break;
-    case 2: accum_rows_n(acc, alpha, p, v, n, D, 2); break;
-    default: accum_rows_n(acc, alpha, p, v, n, D, 1);
+#define ACCUM_ROWS_DT(DT)                                                                                           \
+    switch (nr) {                                                                                                   \
+    case 4: accum_rows_n(acc, alpha, p, v, n, D, 4, DT); break;                                                    \
+    case 3: accum_rows_n(acc, alpha, p, v, n, D, 3, DT); break;                                                    \
+    case 2: accum_rows_n(acc, alpha, p, v, n, D, 2, DT); break;                                                    \
+    default: accum_rows_n(acc, alpha, p, v, n, D, 1, DT);                                                          \
+    }
+
+static T512 void accum_rows_512(float *acc, const float *alpha, const float *p, const void *const *v, int dt, int n,
+                                int nr, int64_t D) {
+    if (dt == S_BF16) {
+        ACCUM_ROWS_DT(S_BF16)
+    } else if (dt == S_F16) {
+        ACCUM_ROWS_DT(S_F16)
+    } else {
+        ACCUM_ROWS_DT(S_F32)
     }
 }
+#undef ACCUM_ROWS_DT
 
 /* 16 x 16 floats transposed in registers: r[i] = row i in, column i out (unpack, then 128-bit lanes). */
 static inline T512 void transpose16_512(__m512 r[16]) {
@@ -334,7 +351,7 @@ typedef float (*softmax_fn)(float *, const float *, float, int);
 typedef void (*accum_fn)(float *, float, const float *, const float *const *, int, int64_t);
 typedef void (*keys_fn)(float *, const char *const *, int, int, int64_t);
 typedef void (*dots_rows_fn)(float *, const float *, const float *, int, int64_t);
-typedef void (*accum_rows_fn)(float *, const float *, const float *, const float *const *, int, int, int64_t);
+typedef void (*accum_rows_fn)(float *, const float *, const float *, const void *const *, int, int, int, int64_t);
 
 typedef struct {
     cvt_fn cvt;
@@ -365,7 +382,8 @@ typedef struct {
 /* Per-thread scratch of one row tile. */
 typedef struct {
     float *qf, *acc, *m, *s, *kT, *kbuf, *vbuf;
-    const float *vp[KB];
+    const float *vp[KB];  /* value rows as fp32 (one-row path) */
+    const void *vr[KB];   /* value rows as stored (accum_rows converts them itself) */
     float sc[RB * KB], p[RB * KB];
 } seg_scratch;
 
@@ -383,7 +401,8 @@ static inline void prefetch_rows(const char *p, int64_t stride, int64_t n, int64
 }
 
 /* Gather one block of KB positions: keys transposed to fp32 kT[D][KB] (read by every row of the tile),
- * values as fp32 rows (in place when already fp32). Lanes past nk are zero. */
+ * values as stored (vr) for accum_rows, else as fp32 rows (in place when already fp32). Lanes past nk
+ * are zero. */
 static void load_block(const seg_args *a, seg_scratch *w, const char *const *krow, const char *const *vrow, int nk) {
     const int64_t D = a->D;
     if (a->isa.keys_transposed) a->isa.keys_transposed(w->kT, krow, nk, a->dt, D);
@@ -396,7 +415,9 @@ static void load_block(const seg_args *a, seg_scratch *w, const char *const *kro
             }
             for (int64_t d = 0; d < D; d++) w->kT[d * KB + j] = k[d];
         }
-        if (a->dt == S_F32) {
+        if (a->isa.accum_rows) {
+            w->vr[j] = vrow[j];
+        } else if (a->dt == S_F32) {
             w->vp[j] = (const float *)vrow[j];
         } else {
             a->isa.cvt(w->vbuf + (int64_t)j * D, vrow[j], a->dt, D);
@@ -473,7 +494,7 @@ static void rows_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh
         w->m[rt + i] = mnew;
         live = 1;
     }
-    if (live) a->isa.accum_rows(w->acc + rt * a->D, alpha, w->p, w->vp, nk, nr, a->D);
+    if (live) a->isa.accum_rows(w->acc + rt * a->D, alpha, w->p, w->vr, a->dt, nk, nr, a->D);
 }
 
 /* Work item (b, rows [r0, r1) of every kv head, positions [j0, j1)): leaves m, s, acc of the tile in w,
