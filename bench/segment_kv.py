@@ -81,6 +81,25 @@ def run(model, enc, impl: str, beams: int, new_tokens: int) -> dict:
     )
 
 
+def linear_share(model, enc, beams: int, new_tokens: int = 16) -> dict:
+    """Per decode step of the floor run (short prompt), the self CPU time of torch's matrix products
+    (``aten::mm``/``addmm``: the linear layers at M = beams rows) and of the lm_head alone, from
+    torch.profiler (its own overhead inflates the total, so only the shares are reported)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model.generate(**enc, num_beams=beams, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    total = mm = head = 0.0
+    for e in prof.key_averages(group_by_input_shape=True):
+        total += e.self_cpu_time_total
+        if e.key in ("aten::mm", "aten::addmm"):
+            mm += e.self_cpu_time_total
+            if any(len(sh) == 2 and vocab in sh for sh in e.input_shapes if sh):
+                head += e.self_cpu_time_total
+    return dict(matmul_share=mm / total, lm_head_share=head / total)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch / kernel threads, pinned to as many cores")
@@ -140,6 +159,8 @@ def main() -> None:
                 # the long prompt (linear layers, norms, beam search, Python), i.e. the floor that any KV
                 # cache and attention kernel, however fast, still pays
                 floor = run(model, short, "segment_kv", args.beams, args.new)
+                floor_stock = run(model, short, "sdpa", args.beams, args.new)
+                floor_split = linear_share(model, short, args.beams)
             c = kv_bytes_per_token(model.config, dtype)
             Np, Nr, B, BW = args.prompt, args.new, 1, args.beams
             # decode-step bytes: weights + the K/V each layer reads (stock: BW copies of everything)
@@ -157,10 +178,11 @@ def main() -> None:
                 bound_next_token_ms_ours=(weight_read + kv_read_ours) / (bandwidth * 1e9) * 1e3,
                 bound_next_token_ms_stock=(weight_read + kv_read_stock) / (bandwidth * 1e9) * 1e3,
             )
-            for r in (stock, ours, floor):
+            for r in (stock, ours, floor, floor_stock):
                 for key in ("sequences", "scores"):
                     r.pop(key)
-            row["stock"], row["ours"], row["floor"] = stock, ours, floor
+            row["stock"], row["ours"], row["floor"], row["floor_stock"] = stock, ours, floor, floor_stock
+            row["floor_split"] = floor_split
             results.append(row)
             print(json.dumps({k: v for k, v in row.items()}, indent=1), flush=True)
             del model
@@ -186,7 +208,7 @@ def main() -> None:
 def markdown(meta: dict, results: list[dict]) -> str:
     mib = 2**20
     lines = [
-        f"# Segment KV cache vs stock transformers beam search (CPU)",
+        "# Segment KV cache vs stock transformers beam search (CPU)",
         "",
         f"- Machine: {meta['cpu']}, {meta['logical_cpus']} logical CPUs, {meta['threads']} thread(s) pinned to "
         f"core(s) {meta['pinned_cores']}; load average {tuple(round(x, 2) for x in meta['loadavg_before'])} before, "
@@ -229,17 +251,25 @@ def markdown(meta: dict, results: list[dict]) -> str:
     lines += [
         "",
         f"Measured floor of a decode step (the same run with a {FLOOR_PROMPT}-token prompt: linear layers, norms, "
-        "beam search and Python, with almost no K/V to read) and the cap it puts on next token = stock step / floor "
-        "(what a zero-cost attention would reach):",
+        "beam search and Python, with almost no K/V to read; with this plugin and with stock) and the cap it puts "
+        "on next token = stock step / the lower floor (what a zero-cost KV cache and attention would reach). "
+        "Matmul share: torch.profiler's self CPU time of `aten::mm`/`addmm` (the linear layers at M = 4 beams) "
+        "in the floor step, and of the lm_head alone:",
         "",
-        "| model | dtype | stock step ms | ours step ms | floor step ms | cap (stock / floor) | ours / cap |",
-        "|---|---|---|---|---|---|---|",
+        "| model | dtype | stock step ms | ours step ms | floor step ms, ours | floor step ms, stock | "
+        "cap (stock / lower floor) | ours / cap | floor: matmul share (lm_head) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "floor" not in r:
             continue
         s, o, f = r["stock"]["next_token_wall_ms"], r["ours"]["next_token_wall_ms"], r["floor"]["next_token_wall_ms"]
-        lines.append(f"| {r['model']} | {r['dtype']} | {s:.1f} | {o:.1f} | {f:.1f} | {s / f:.2f}x | {s / o / (s / f) * 100:.0f}% |")
+        fs = r.get("floor_stock", r["floor"])["next_token_wall_ms"]
+        split = r.get("floor_split")
+        share = f"{split['matmul_share'] * 100:.0f}% ({split['lm_head_share'] * 100:.0f}%)" if split else ""
+        cap = s / min(f, fs)
+        lines.append(f"| {r['model']} | {r['dtype']} | {s:.1f} | {o:.1f} | {f:.1f} | {fs:.1f} | {cap:.2f}x | "
+                     f"{s / o / cap * 100:.0f}% | {share} |")
     lines += [""]
     for r in results:
         lines.append(
