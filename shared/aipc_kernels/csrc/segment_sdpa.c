@@ -429,12 +429,14 @@ static void load_block(const seg_args *a, seg_scratch *w, const char *const *kro
             for (int j = nk; j < KB; j++) w->kT[d * KB + j] = 0.f;
 }
 
-/* One row against a block of nk positions starting at logical position pos0 (online softmax update). */
-static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int64_t pos0, int nk) {
+/* Mask, causal rule and online-softmax update of row r (state index rt) given its scores sc against the
+ * block of nk positions from logical position pos0: writes p = exp(sc - m_new) and *alpha, the factor
+ * for the row's old accumulator. Returns 0, leaving the state and p alone, when no position of the
+ * block is visible to the row. */
+static int softmax_step(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int64_t pos0,
+                        int nk, float *sc, float *p, float *alpha) {
     int64_t e, g, l;
     row_coords(a, r, &e, &g, &l);
-    float *sc = w->sc;
-    a->isa.dots(sc, w->qf + rt * a->D, w->kT, nk, a->D);
     if (a->mask) {
         const int64_t n = b * a->E + e, h = kvh * a->G + g;
         const float *mr = a->mask + n * a->m_sn + h * a->m_sh + l * a->m_sl + pos0;
@@ -447,13 +449,21 @@ static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh,
     }
     float bmax = -INFINITY;
     for (int j = 0; j < nk; j++) bmax = sc[j] > bmax ? sc[j] : bmax;
-    if (bmax == -INFINITY) return; /* nothing visible in this block */
+    if (bmax == -INFINITY) return 0;
     const float mold = w->m[rt], mnew = mold > bmax ? mold : bmax;
-    const float alpha = mold == -INFINITY ? 0.f : expf(mold - mnew);
-    const float sum = a->isa.softmax(w->p, sc, mnew, nk);
-    w->s[rt] = w->s[rt] * alpha + sum;
+    *alpha = mold == -INFINITY ? 0.f : expf(mold - mnew);
+    const float sum = a->isa.softmax(p, sc, mnew, nk);
+    w->s[rt] = w->s[rt] * *alpha + sum;
     w->m[rt] = mnew;
-    a->isa.accum(w->acc + rt * a->D, alpha, w->p, w->vp, nk, a->D);
+    return 1;
+}
+
+/* One row against a block of nk positions starting at logical position pos0 (online softmax update). */
+static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int64_t pos0, int nk) {
+    float alpha;
+    a->isa.dots(w->sc, w->qf + rt * a->D, w->kT, nk, a->D);
+    if (softmax_step(a, w, b, kvh, r, rt, pos0, nk, w->sc, w->p, &alpha))
+        a->isa.accum(w->acc + rt * a->D, alpha, w->p, w->vp, nk, a->D);
 }
 
 /* Rows r .. r + nr - 1 (tile rows rt ..) against a block: row_block for nr rows at once. */
@@ -467,32 +477,13 @@ static void rows_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh
     float alpha[RB];
     int live = 0;
     for (int i = 0; i < nr; i++) {
-        int64_t e, g, l;
-        row_coords(a, r + i, &e, &g, &l);
-        float *sc = w->sc + i * KB, *p = w->p + i * KB;
-        if (a->mask) {
-            const int64_t n = b * a->E + e, h = kvh * a->G + g;
-            const float *mr = a->mask + n * a->m_sn + h * a->m_sh + l * a->m_sl + pos0;
-            for (int j = 0; j < nk; j++) sc[j] += mr[j];
-        }
-        if (a->causal) {
-            const int64_t limit = a->L - a->Lq + l;
-            for (int j = 0; j < nk; j++)
-                if (pos0 + j > limit) sc[j] = -INFINITY;
-        }
-        float bmax = -INFINITY;
-        for (int j = 0; j < nk; j++) bmax = sc[j] > bmax ? sc[j] : bmax;
-        if (bmax == -INFINITY) { /* nothing visible in this block: leave the row as it is */
+        float *p = w->p + i * KB;
+        if (softmax_step(a, w, b, kvh, r + i, rt + i, pos0, nk, w->sc + i * KB, p, &alpha[i])) {
+            live = 1;
+        } else { /* nothing visible: the row's accumulator stays as it is */
             alpha[i] = 1.f;
             memset(p, 0, (size_t)nk * sizeof(float));
-            continue;
         }
-        const float mold = w->m[rt + i], mnew = mold > bmax ? mold : bmax;
-        alpha[i] = mold == -INFINITY ? 0.f : expf(mold - mnew);
-        const float sum = a->isa.softmax(p, sc, mnew, nk);
-        w->s[rt + i] = w->s[rt + i] * alpha[i] + sum;
-        w->m[rt + i] = mnew;
-        live = 1;
     }
     if (live) a->isa.accum_rows(w->acc + rt * a->D, alpha, w->p, w->vr, a->dt, nk, nr, a->D);
 }
