@@ -42,13 +42,14 @@ def test_matches_exact_integer_math(isa, codebook, M, N, K, group):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
-def test_dtypes_against_float64_dequantized_weights(isa, dtype, scale_dtype):
-    M, N, K = 5, 70, 512
+@pytest.mark.parametrize("lead", [(2, 5), (1,)], ids=["2x5", "decode"])
+def test_dtypes_against_float64_dequantized_weights(isa, dtype, scale_dtype, lead):
+    N, K = 70, 512
     w, p = _case(N, K, "affine", 64, seed=7, scale_dtype=scale_dtype)
-    x = torch.randn(2, M, K).to(dtype)  # leading batch dims are flattened
+    x = torch.randn(*lead, K).to(dtype)  # leading batch dims are flattened
     bias = torch.randn(N).to(dtype)
     y = ops.lowbit_linear(x, p, bias)
-    assert y.shape == (2, M, N) and y.dtype == dtype
+    assert y.shape == (*lead, N) and y.dtype == dtype
     exact = ops.reference_linear_w8(x, w, bias)
     tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
@@ -75,9 +76,10 @@ def test_activation_rounding_ties_to_even(isa, dtype, act_group):
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
-def test_per_group_activation_scales(isa):
+@pytest.mark.parametrize("M", [1, 6])  # M=1: the decode kernels with per-group activation scales
+def test_per_group_activation_scales(isa, M):
     w, p = _case(24, 256, "sym", 32, seed=3)
-    x = torch.randn(6, 256)
+    x = torch.randn(M, 256)
     x[:, :32] *= 100  # one outlier group: per-group scales keep the rest precise
     y = ops.lowbit_linear(x, p, act_group=32)
     torch.testing.assert_close(y.double(), ops.reference_linear_w8(x, w, act_group=32), rtol=2e-5, atol=1e-3)
