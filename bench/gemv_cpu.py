@@ -4,7 +4,8 @@
 
 Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
-group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16)
+group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16;
+group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
 and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in.
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
 call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
@@ -32,12 +33,13 @@ from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 from machine import cpu_name, llc_mib, read_bandwidth
 
 PEERS = ("fp32", "bf16", "int8", "int4")
-OURS = ("int2", "int2_g128", "int2_vnni", "int1")
+OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1")
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
     "int2_g128": ("affine", 128, None),
     "int2_vnni": ("affine", 64, "avx512_vnni"),  # the AVX-512 VNNI kernels even where AMX exists
+    "int2_avxvnni": ("affine", 64, "avx_vnni"),  # 256-bit AVX-VNNI: the widest ISA of client CPUs (Core Ultra)
     "int1": ("binary", 64, None),
 }
 
