@@ -29,7 +29,7 @@ def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
 
 
 @pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
-@pytest.mark.parametrize("M, N, K, group", [(1, 37, 256, 32), (3, 16, 128, 64), (8, 50, 384, 128), (13, 33, 192, -1), (40, 17, 256, 64)])
+@pytest.mark.parametrize("M, N, K, group", [(1, 37, 256, 32), (3, 16, 128, 64), (6, 21, 128, 64), (8, 50, 384, 128), (13, 33, 192, -1), (40, 17, 256, 64)])
 def test_matches_exact_integer_math(isa, codebook, M, N, K, group):
     w, p = _case(N, K, codebook, group, seed=M * 1000 + N)
     x = torch.randn(M, K)
@@ -89,7 +89,7 @@ def test_per_group_activation_scales(isa, M):
     assert err_group < err_token
 
 
-@pytest.mark.parametrize("M", [1, 4, 9])
+@pytest.mark.parametrize("M", [1, 4, 6, 9])  # 256-bit tiles of 4 tokens: remainders 2 and 1
 def test_every_output_written_and_nothing_past_it(isa, M):
     N, K = 35, 128
     w, p = _case(N, K, "int2", 32, seed=11)

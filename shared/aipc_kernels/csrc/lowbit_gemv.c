@@ -767,63 +767,79 @@ static int amx_usable(void) {
 
 /* ------------------------------------------------------------------ 256-bit: AVX-VNNI and AVX2 */
 
-/* The 64-byte chunk is processed as two 32-byte halves: rows 0-7 and rows 8-15. */
+/* The 64-byte chunk is processed as two 32-byte halves: rows 0-7 and rows 8-15. A tile of MT <= 4 tokens
+ * shares each up-converted plane; MT and BITS are compile-time constants of each instance (switch in
+ * NAME), so the accumulators live in registers and the plane / token loops unroll. */
 #define DEFINE_BLOCK256(NAME, TARGET, DOT)                                                                    \
-    static TARGET void NAME(const lowbit_args *a, int64_t nb) {                                              \
-        const int64_t kc = chunk_k(a->bits), nq = kc / 4, ng = a->K / a->G, cpg = a->G / kc;                 \
+    static inline TARGET __attribute__((always_inline)) void NAME##_tile(const lowbit_args *a, int64_t nb,   \
+                                                                          int64_t m0, const int MT,          \
+                                                                          const int BITS) {                  \
+        const int64_t kc = chunk_k(BITS), ng = a->K / a->G, cpg = a->G / kc;                                 \
+        const int nq = kc / 4;                                                                               \
         const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;                                           \
-        const __m256i mask = _mm256_set1_epi8((char)((1 << a->bits) - 1));                                  \
+        const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1));                                     \
         const __m256i ones16 = _mm256_set1_epi16(1);                                                         \
         (void)ones16;                                                                                        \
-        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {                                                           \
-            const int mt = a->M - m0 < 4 ? (int)(a->M - m0) : 4;                                             \
-            __m256 acc[4][2];                                                                                \
-            for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                         \
-            for (int64_t g = 0; g < ng; g++) {                                                               \
-                __m256i dot[4][2];                                                                           \
-                for (int i = 0; i < 4; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();                  \
-                for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {                                          \
-                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + c * CHUNK_BYTES));          \
-                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + c * CHUNK_BYTES + 32));     \
-                    for (int q = 0; q < nq; q++) {                                                           \
-                        const int sh = q * a->bits;                                                          \
-                        const __m256i p0 = _mm256_and_si256(_mm256_srli_epi16(w0, sh), mask);                \
-                        const __m256i p1 = _mm256_and_si256(_mm256_srli_epi16(w1, sh), mask);                \
-                        for (int i = 0; i < mt; i++) {                                                       \
-                            const __m256i xb = _mm256_set1_epi32(                                            \
-                                ((const int32_t *)(a->xq + (m0 + i) * a->K))[c * nq + q]);                   \
-                            dot[i][0] = DOT(dot[i][0], p0, xb);                                              \
-                            dot[i][1] = DOT(dot[i][1], p1, xb);                                              \
-                        }                                                                                    \
-                    }                                                                                        \
-                }                                                                                            \
-                const int64_t si = (nb * ng + g) * BLOCK_N;                                                  \
-                for (int h = 0; h < 2; h++) {                                                                \
-                    const __m128i sr = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->scales + si + 8 * h)); \
-                    const __m256 s = a->scale_dt == DT_F16                                                   \
-                                         ? _mm256_cvtph_ps(sr)                                               \
-                                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(sr), 16)); \
-                    __m256 z = _mm256_set1_ps(a->zero_const);                                                \
-                    if (a->zeros) {                                                                          \
-                        const __m128i zr = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->zeros + si + 8 * h)); \
-                        z = a->scale_dt == DT_F16                                                            \
-                                ? _mm256_cvtph_ps(zr)                                                        \
-                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(zr), 16));     \
-                    }                                                                                        \
-                    const __m256 sz = _mm256_mul_ps(s, z), sc = _mm256_mul_ps(s, _mm256_set1_ps(a->cmul));   \
-                    for (int i = 0; i < mt; i++) {                                                           \
-                        const int64_t mg = (m0 + i) * ng + g;                                                \
-                        acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(a->sx[mg])),            \
-                                                    _mm256_cvtepi32_ps(dot[i][h]), acc[i][h]);               \
-                        acc[i][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(a->xs[mg]), acc[i][h]);              \
+        const int32_t *xr[4];                                                                                \
+        for (int i = 0; i < MT; i++) xr[i] = (const int32_t *)(a->xq + (m0 + i) * a->K);                     \
+        __m256 acc[4][2];                                                                                    \
+        for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                            \
+        for (int64_t g = 0; g < ng; g++) {                                                                   \
+            __m256i dot[4][2];                                                                               \
+            for (int i = 0; i < MT; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();                     \
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {                                              \
+                _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);             \
+                PREFETCH_L2(wb + c * CHUNK_BYTES);                                                           \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + c * CHUNK_BYTES));              \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + c * CHUNK_BYTES + 32));         \
+                for (int q = 0; q < nq; q++) {                                                               \
+                    const __m256i p0 = _mm256_and_si256(q ? _mm256_srli_epi16(w0, q * BITS) : w0, mask);     \
+                    const __m256i p1 = _mm256_and_si256(q ? _mm256_srli_epi16(w1, q * BITS) : w1, mask);     \
+                    for (int i = 0; i < MT; i++) {                                                           \
+                        const __m256i xb = _mm256_set1_epi32(xr[i][c * nq + q]);                             \
+                        dot[i][0] = DOT(dot[i][0], p0, xb);                                                  \
+                        dot[i][1] = DOT(dot[i][1], p1, xb);                                                  \
                     }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
-            for (int i = 0; i < mt; i++) {                                                                   \
-                float buf[BLOCK_N];                                                                          \
-                _mm256_storeu_ps(buf, acc[i][0]);                                                            \
-                _mm256_storeu_ps(buf + 8, acc[i][1]);                                                        \
-                store_block(a, m0 + i, nb * BLOCK_N, buf);                                                   \
+            const int64_t si = (nb * ng + g) * BLOCK_N;                                                      \
+            for (int h = 0; h < 2; h++) {                                                                    \
+                const __m256 s = LOAD8_SCALES(a->scales, si + 8 * h, a->scale_dt);                           \
+                const __m256 z = a->zeros ? LOAD8_SCALES(a->zeros, si + 8 * h, a->scale_dt)                  \
+                                          : _mm256_set1_ps(a->zero_const);                                   \
+                const __m256 sz = _mm256_mul_ps(s, z), sc = _mm256_mul_ps(s, _mm256_set1_ps(a->cmul));       \
+                for (int i = 0; i < MT; i++) {                                                               \
+                    const int64_t mg = (m0 + i) * ng + g;                                                    \
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(a->sx[mg])),                \
+                                                _mm256_cvtepi32_ps(dot[i][h]), acc[i][h]);                   \
+                    acc[i][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(a->xs[mg]), acc[i][h]);                  \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int i = 0; i < MT; i++) {                                                                       \
+            float buf[BLOCK_N];                                                                              \
+            _mm256_storeu_ps(buf, acc[i][0]);                                                                \
+            _mm256_storeu_ps(buf + 8, acc[i][1]);                                                            \
+            store_block(a, m0 + i, nb * BLOCK_N, buf);                                                       \
+        }                                                                                                    \
+    }                                                                                                        \
+    static TARGET void NAME(const lowbit_args *a, int64_t nb) {                                              \
+        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {                                                           \
+            const int mt = a->M - m0 < 4 ? (int)(a->M - m0) : 4;                                             \
+            if (a->bits == 2) {                                                                              \
+                switch (mt) {                                                                                \
+                case 4: NAME##_tile(a, nb, m0, 4, 2); break;                                                 \
+                case 3: NAME##_tile(a, nb, m0, 3, 2); break;                                                 \
+                case 2: NAME##_tile(a, nb, m0, 2, 2); break;                                                 \
+                default: NAME##_tile(a, nb, m0, 1, 2);                                                       \
+                }                                                                                            \
+            } else {                                                                                         \
+                switch (mt) {                                                                                \
+                case 4: NAME##_tile(a, nb, m0, 4, 1); break;                                                 \
+                case 3: NAME##_tile(a, nb, m0, 3, 1); break;                                                 \
+                case 2: NAME##_tile(a, nb, m0, 2, 1); break;                                                 \
+                default: NAME##_tile(a, nb, m0, 1, 1);                                                       \
+                }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
     }
