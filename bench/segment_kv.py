@@ -82,9 +82,10 @@ def run(model, enc, impl: str, beams: int, new_tokens: int) -> dict:
 
 
 def linear_share(model, enc, beams: int, new_tokens: int = 16) -> dict:
-    """Per decode step of the floor run (short prompt), the self CPU time of torch's matrix products
-    (``aten::mm``/``addmm``: the linear layers at M = beams rows) and of the lm_head alone, from
-    torch.profiler (its own overhead inflates the total, so only the shares are reported)."""
+    """Shares of the self CPU time of a short beam-search ``generate`` (``enc``'s prompt, ``new_tokens``
+    steps, its small prefill included) spent in torch's matrix products (``aten::mm``/``addmm``: the
+    linear layers, at M = beams rows in decode) and in the lm_head alone, from torch.profiler (its own
+    overhead inflates the total, so only shares are reported)."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = model.get_output_embeddings().weight.shape[0]
