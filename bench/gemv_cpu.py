@@ -82,8 +82,8 @@ def make_weights(kind: str, w: torch.Tensor):
     return forced, (p.qweight, p.scales, p.zeros), p.nbytes()
 
 
-def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list[tuple]:
-    """Pre-built argument tuples of the C entry point for each weight set of one of our kinds (times the
+def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
+    """Pre-built argument vectors of the C entry point for each weight set of one of our kinds (times the
     kernel alone: no dispatcher, no Python body; the op's own cost is the difference to the op row)."""
     codebook, group, _ = OUR_CONFIGS[kind]
     cb = get_codebook(codebook)
@@ -94,15 +94,16 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list[tuple]:
 
 def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:
     """Seconds per call of the C kernel alone (same rotation and best-pass rule as time_rotating)."""
-    *args, y = kernel_args(kind, sets, x, N)  # y stays referenced while the kernel writes it
-    f = native._lib().aipc_lowbit_linear
+    *vectors, y = kernel_args(kind, sets, x, N)  # the vectors and y stay referenced while the kernel runs
+    addresses = [v.buffer_info()[0] for v in vectors]
+    f = native._lib().aipc_lowbit_linear_v
     isa = OUR_CONFIGS[kind][2]
     if isa is not None and native.ISAS[isa] < native.ISAS[native.best_isa()]:
         native.set_isa(isa)
     try:
-        return time_rotating(lambda _x, a: f(*a), args, x, min_calls)
+        return time_rotating(lambda _x, address: f(address), addresses, x, min_calls)
     finally:
-        del y
+        del y, vectors
         native.set_isa(native.best_isa())
 
 
@@ -231,7 +232,7 @@ def main() -> None:
             f"per kind (DRAM-resident: the last-level cache is {llc_mib()} MiB), all kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
             f"measured next to each shape (all threads). us = one call of the op as users call it "
             f"(`torch.ops.aipc.lowbit_linear` / torch's own ops); kernel_us = our C kernel alone, called through "
-            f"ctypes with pre-built arguments (the difference is the op's dispatcher and Python body, which run "
+            f"ctypes with a pre-built argument vector (`aipc_lowbit_linear_v`; the difference is the op's dispatcher and Python body, which run "
             f"with the caches full of weights). x_<peer> = peer time / this row's time (>1: this row is faster).\n"
             f"Command: {cmd}\n\n")
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})

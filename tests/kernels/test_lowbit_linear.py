@@ -108,6 +108,18 @@ def test_zero_activations_and_zero_rows():
     assert ops.lowbit_linear(torch.zeros(0, 64), p).shape == (0, 16)
 
 
+def test_kernel_errors_name_the_parameter():
+    """The C entry point's own checks (reached through the packed argument vector) come back as errors
+    that name the bad value, for M = 1 (decode path) and M > 1."""
+    _, p = _case(16, 128, "affine", 32, seed=0)
+    for M in (1, 3):
+        y = torch.empty(M, 16)
+        with pytest.raises(RuntimeError, match=r"bad group size .*group_size=48"):
+            native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 2, 48, 1.0, 0.0, 128)
+        with pytest.raises(RuntimeError, match=r"bits must be 1 or 2"):
+            native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 3, 32, 1.0, 0.0, 128)
+
+
 def test_isa_override_is_validated():
     with pytest.raises(ValueError, match="AIPC_ISA / isa='sse9' is unknown"):
         native.set_isa("sse9")
