@@ -6,7 +6,10 @@ Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
 group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16;
 group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
-and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in.
+and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in. At M=1 also ``read``:
+the probe's read loop over exactly the int2 group-64 bytes, rotated and called like the kernels, i.e.
+the most any decode kernel of those bytes could reach with the same threads, fork/join and first-line
+latency (``kernel_pct_read``: a kernel's GB/s as a share of it).
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
 call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
 read bandwidth probe in every round (best of): the host's bandwidth moves, and this way every row and
@@ -33,6 +36,9 @@ from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 from machine import cpu_name, llc_mib, read_bandwidth
 
 PEERS = ("fp32", "bf16", "int8", "int4")
+# a plain read (the bandwidth probe's loop) of the int2 group-64 bytes of the shape, rotated and called
+# like the kernels: what any decode kernel of these bytes could reach, fork/join and first lines included
+READ = "read"
 OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1")
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
@@ -65,6 +71,10 @@ def make_weights(kind: str, w: torch.Tensor):
         sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         fn = lambda x, ws: torch._weight_int4pack_mm_for_cpu(x, ws[0], G, ws[1])  # noqa: E731
         return fn, (packed, sz), packed.numel() + sz.numel() * 2
+    if kind == READ:
+        nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
+        read, threads = native._lib().aipc_stream_read, torch.get_num_threads()  # called as the kernel is: bare ctypes
+        return (lambda x, ws: read(ws[0].data_ptr(), nbytes, threads)), (torch.ones(nbytes, dtype=torch.uint8),), nbytes
     codebook, group, isa = OUR_CONFIGS[kind]
     p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
@@ -181,7 +191,7 @@ def main() -> None:
     for label, (N, K) in shapes.items():
         w = torch.randn(N, K) * 0.02
         kinds = {}  # kind -> (fn, rotating weight sets, bytes of one set); all held at once
-        for kind in PEERS + OURS:
+        for kind in PEERS + OURS + (READ,):
             fn, one, nbytes = make_weights(kind, w)
             copies = max(2, int(rotate * 1e9 // nbytes))
             kinds[kind] = (fn, [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], nbytes)
@@ -193,6 +203,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 bw = max(bw, read_bandwidth(reps=1))
                 for kind, (fn, sets, nbytes) in kinds.items():
+                    if kind == READ and M != 1:
+                        continue
                     x = xs[torch.float32 if kind == "fp32" else torch.bfloat16]
                     s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
                     sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OURS else None
@@ -203,13 +215,15 @@ def main() -> None:
         del kinds
         for M in ms:
             base = {k: results[(k, M)][0] for k in PEERS}
-            for kind in PEERS + OURS:
+            read_gbs = results[(READ, 1)][1] / results[(READ, 1)][0] / 1e9 if M == 1 and (READ, 1) in results else None
+            for kind in PEERS + OURS + ((READ,) if read_gbs else ()):
                 s, nbytes, sk = results[(kind, M)]
                 gbs = nbytes / s / 1e9
                 rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
                                  kernel_us=sk * 1e6 if sk else None,
                                  kernel_pct_bw=100 * nbytes / sk / 1e9 / bw if sk else None,
-                                 **{f"x_{k}": base[k] / s for k in PEERS}))
+                                 kernel_pct_read=100 * nbytes / sk / 1e9 / read_gbs if sk and read_gbs else None,
+                                 **{f"x_{k}": base[k] / s if kind != READ else None for k in PEERS}))
         print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
 
     out = Path(args.out)
@@ -238,10 +252,11 @@ def main() -> None:
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     head += "Runs (shape: when, load average at its start): " + "; ".join(
         f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
-    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "x_bf16", "x_fp32", "x_int8", "x_int4"]
+    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read", "x_bf16", "x_fp32",
+            "x_int8", "x_int4"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else ("" if r[c] is None else str(r[c]))
+        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else ("" if r.get(c) is None else str(r[c]))
                                         for c in cols) + " |")
     summary = []
     for kind in OURS:
@@ -250,7 +265,10 @@ def main() -> None:
             if sel:
                 summary.append(f"- {kind} M={M}, Llama-3-8B shapes: op {min(r['pct_bw'] for r in sel):.0f}-"
                                f"{max(r['pct_bw'] for r in sel):.0f}% of read BW (kernel alone "
-                               f"{min(r['kernel_pct_bw'] for r in sel):.0f}-{max(r['kernel_pct_bw'] for r in sel):.0f}%), "
+                               f"{min(r['kernel_pct_bw'] for r in sel):.0f}-{max(r['kernel_pct_bw'] for r in sel):.0f}%"
+                               + (f"; {min(r['kernel_pct_read'] for r in sel):.0f}-{max(r['kernel_pct_read'] for r in sel):.0f}%"
+                                  " of a plain read of the same shape's int2 bytes" if all(r.get("kernel_pct_read") for r in sel) else "")
+                               + "), "
                                f"x_bf16 {min(r['x_bf16'] for r in sel):.2f}-{max(r['x_bf16'] for r in sel):.2f}, "
                                f"x_int8 {min(r['x_int8'] for r in sel):.2f}-{max(r['x_int8'] for r in sel):.2f}, "
                                f"x_int4 {min(r['x_int4'] for r in sel):.2f}-{max(r['x_int4'] for r in sel):.2f}")
