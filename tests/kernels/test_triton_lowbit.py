@@ -35,6 +35,7 @@ GEMM = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}  # the ol
 # the 'group' GEMM: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
 GROUP = {"KERNEL": "group", "BLOCK_N": 32, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "WA": 1}
 GROUP_B = dict(GROUP, BLOCK_N=16, BLOCK_M=32, WA=0)
+GROUP16 = dict(GROUP, BLOCK_N=16, BLOCK_M=16, SPLIT_K=2)  # M <= 16: the group kernel split over K
 # M == 1 weight streaming: with the packed-activation pre-pass (+ PDL on sm_90), and fused
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FUSED = {"KERNEL": "stream", "BLOCK_N": 16, "BLOCK_C": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
@@ -104,7 +105,7 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
         for cfg in (FMA, STREAM, STREAM_FUSED, STREAM_FULLX):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     if M <= tlin.GEMV_MAX_M:  # and the integer-unit (dp4a) and pre-quantized int8-dot GEMVs
-        for cfg in (DP4A, MMA):
+        for cfg in (DP4A, MMA, GROUP16):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     else:  # and the group GEMM, weights as either dot operand
         for cfg in (GROUP, GROUP_B):
@@ -132,7 +133,8 @@ def test_dtypes_against_float64_dequantized_weights(dtype, scale_dtype, M):
 
 @pytest.mark.parametrize(
     "M, kernel",
-    [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a"), (1, "stream"), (1, "stream_fused"), (1, "stream_fullx"), (7, "mma"), (16, "mma")],
+    [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a"), (1, "stream"), (1, "stream_fused"),
+     (1, "stream_fullx"), (7, "mma"), (16, "mma"), (3, "group"), (16, "group")],
 )
 @pytest.mark.parametrize("block_n, split_k", [(16, 2), (32, 3), (16, 8)])
 def test_split_k(M, kernel, block_n, split_k):
@@ -142,6 +144,8 @@ def test_split_k(M, kernel, block_n, split_k):
     cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
     if kernel.startswith("stream"):
         cfg.update(KERNEL="stream", XPACK=int(kernel != "stream_fused"), PDL=1, FULLX=int(kernel == "stream_fullx"))
+    if kernel == "group":
+        cfg.update(BLOCK_M=16, WA=1)
     for _ in range(2):  # tickets are re-armed by the reducing program: a second call is right too
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
@@ -161,7 +165,8 @@ def test_large_k_every_path(codebook, group):
         1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
             dict(STREAM_FUSED, SPLIT_K=2),
             dict(DP4A, SPLIT_K=4), dict(FMA, SPLIT_K=8)],
-        16: [dict(mma, BLOCK_N=128, SPLIT_K=8, num_warps=8), dict(mma, BLOCK_N=64, SPLIT_K=16), dict(GEMV, BLOCK_N=128, SPLIT_K=4)],
+        16: [dict(mma, BLOCK_N=128, SPLIT_K=8, num_warps=8), dict(mma, BLOCK_N=64, SPLIT_K=16), dict(GEMV, BLOCK_N=128, SPLIT_K=4),
+             dict(GROUP16, BLOCK_N=128, SPLIT_K=8, num_stages=3), dict(GROUP16, BLOCK_N=256, SPLIT_K=16, num_warps=8, num_stages=3)],
         17: [dict(GROUP, BLOCK_N=128, BLOCK_M=64), dict(GROUP_B, BLOCK_N=128, BLOCK_M=64), dict(GEMM, BLOCK_N=64, BLOCK_M=64)],
     }
     for M, cfgs in per_m.items():
@@ -189,16 +194,17 @@ def test_every_output_written_and_nothing_past_it(M):
     N, K = 35, 256
     w, p = _case(N, K, "ternary", 32, seed=11)
     x = torch.randn(M, K)
-    for dtype in (torch.float32, torch.bfloat16):
+    gemv = {torch.float32: GEMV, torch.bfloat16: MMA, torch.float16: GROUP16}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
         if M == 1:
-            cfg = STREAM_FULLX if dtype == torch.bfloat16 else STREAM_FUSED
+            cfg = STREAM_FUSED if dtype == torch.float32 else STREAM_FULLX
         else:
-            cfg = (MMA if dtype == torch.bfloat16 else GEMV) if M <= tlin.GEMV_MAX_M else (GROUP if dtype == torch.bfloat16 else GEMM)
+            cfg = gemv[dtype] if M <= tlin.GEMV_MAX_M else (GEMM if dtype == torch.float32 else GROUP)
         tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])
         assert not torch.isnan(buf[: M * N]).any()
         assert torch.isnan(buf[M * N :]).all()
-        tol = 2e-5 if dtype == torch.float32 else 8e-3
+        tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
         _close(buf[: M * N].view(M, N), ops.reference_linear_w8(x.to(dtype), w), tol)
 
 

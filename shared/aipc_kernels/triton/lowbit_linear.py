@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ..formats import get_codebook
-from ..packing import TRITON_LAYOUT, TRITON_PLANE, PackedLowBit, triton_chunk
+from ..packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 
 GEMV_MAX_M = 16  # M up to this runs the fused-quantization GEMV kernel
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -591,13 +591,14 @@ def _plane_codes(wb, q: tl.constexpr, BITS: tl.constexpr, CA: tl.constexpr, CB: 
 
 @triton.jit
 def _lowbit_gemm_kernel(
-    xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
-    M, N, Kp, NG, KB,
+    xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, Kp, NG, KB, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr, FMUL: tl.constexpr, G: tl.constexpr,
     WHOLE_ROW: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WA: tl.constexpr, HW_ASM: tl.constexpr,
     ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """GEMM (M > 16) on the int8 matrix units (wgmma on Hopper), activations from
     :func:`_quant_act_kernel`. Per 32-byte weight chunk: one [BLOCK_N, 32] byte load, each bit-plane
@@ -606,12 +607,14 @@ def _lowbit_gemm_kernel(
     the group, then one fp32 rescale per group. The int32 accumulator starts at 0x4B400000 (the bits
     of 1.5 * 2**23), so its bits read as fp32 are exactly 12582912 + dot (|dot| < 2**22): the group's
     int32 -> fp32 conversion is one fp32 subtract instead of a slow I2F. ``WA``: weights are the dot's
-    A operand ([BLOCK_N, BLOCK_M] tiles) instead of B."""
+    A operand ([BLOCK_N, BLOCK_M] tiles) instead of B. ``SPLIT_K``: program_id(1) takes a range of
+    CHUNKS_PER_SPLIT chunks, partials reduced by the last program of the tile (small M: few tiles)."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     RP: tl.constexpr = P if WHOLE_ROW else G // 32  # planes per rescale (the whole row: per chunk)
     MAGIC: tl.constexpr = 0x4B400000
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n
@@ -643,18 +646,24 @@ def _lowbit_gemm_kernel(
     s_tile = s_ptr + rn[:, None]
     z_tile = z_ptr + rn[:, None]
     xs_tile = xsum_ptr + rm[:, None] * (Kp // 32) + op[None, :]
+    n_chunks = Kp // KC
+    if SPLIT_K == 1:  # the whole K from 0: the loop the pipeliner saw before split-K existed
+        c_begin = 0
+        c_end = n_chunks
+    else:
+        c_begin = pid_k * CHUNKS_PER_SPLIT
+        c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, n_chunks)
     if WHOLE_ROW:
         sc_row = tl.load(s_ptr + rn).to(tl.float32) * FMUL
         if HAS_ZEROS:
             zs_row = sc_row * tl.load(z_ptr + rn).to(tl.float32)
     else:
-        sc_nxt = tl.load(s_tile + tl.minimum(og, last_g)[None, :] * N)
+        sc_nxt = tl.load(s_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
         if HAS_ZEROS:
-            z_nxt = tl.load(z_tile + tl.minimum(og, last_g)[None, :] * N)
+            z_nxt = tl.load(z_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
     if HAS_ZEROS:
-        xs_nxt = tl.load(xs_tile)
-    n_chunks = Kp // KC
-    for c in range(0, n_chunks):
+        xs_nxt = tl.load(xs_tile + c_begin * P)
+    for c in range(c_begin, c_end):
         wb = tl.load(w_rows + c * 32)  # [BLOCK_N, 32] bytes, P planes
         cn = tl.minimum(c + 1, n_chunks - 1)
         if not WHOLE_ROW:
@@ -714,17 +723,15 @@ def _lowbit_gemm_kernel(
     sx = tl.load(sx_ptr + rm)
     if WA:
         acc = acc * sx[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        bias = tl.load(b_ptr + rn).to(tl.float32)[:, None] if HAS_BIAS else 0.0
         out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         omask = n_mask[:, None] & m_mask[None, :]
     else:
         acc = acc * sx[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        bias = tl.load(b_ptr + rn).to(tl.float32)[None, :] if HAS_BIAS else 0.0
         out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         omask = m_mask[:, None] & n_mask[None, :]
-    tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid, SPLIT_K, HAS_BIAS)
 
 
 def _int_codebook(cb) -> tuple[int, int, float]:
@@ -776,6 +783,9 @@ GEMV_STREAM_SPACE = [  # M == 1: packed-activation pre-pass + weight streaming (
     for bc in (4, 8, 16, 32)
     for nw in (2, 4, 8)
     if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
+]
+GEMV_GROUP_SPACE = [  # 1 < M <= 16: the GEMM's group kernel with 16 token columns, split over K
+    ("group", bn, sk, nw, ns) for bn in (64, 128, 256) for sk in (2, 4, 8, 16) for nw, ns in ((4, 3), (8, 3), (4, 4)) if nw == 8 or bn <= 128
 ]
 GEMV_MMA_SPACE = [  # 1 < M <= 16: activation pre-pass + one int8 tl.dot per group
     ("mma", bn, sk, nw, ns) for bn in (32, 64, 128) for sk in (4, 8) for nw, ns in ((4, 3), (8, 3)) if nw == 4 or bn >= 64
@@ -877,22 +887,14 @@ def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) ->
         while split < 4 and -(-N // bn) * split < 2 * sms and chunks >= 2 * split * bc:
             split *= 2
         return {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
-    if M <= 4:  # weight streaming on the integer units
-        bn = 64 if N >= 2048 else 32
-        bc = 4 if M == 1 else 2
-        while bn > 8 and bn * max(1, triton.next_power_of_2(M)) * bc * 8 > _DP4A_MAX_TILE:
-            bn //= 2
-        kernel = "dp4a"
-    else:
-        bn, bc, kernel = (128 if N >= 4096 else 64 if N >= 1024 else 32), 0, "dot"
+    # 1 < M <= 16: the group GEMM kernel with 16 token columns, split over K until the device is full
+    # (the H200 winners: 128 rows, split 4-8)
+    bn = 128 if N >= 2048 else 64
     tiles = -(-N // bn)
     split = 1
-    while split < 8 and tiles * split < 2 * sms and chunks >= 2 * split:
+    while split < 16 and tiles * split < 2 * sms and chunks >= 2 * split:
         split *= 2
-    cfg = {"KERNEL": kernel, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
-    if bc:
-        cfg["BLOCK_C"] = bc
-    return cfg
+    return {"KERNEL": "group", "BLOCK_N": bn, "BLOCK_M": GEMV_MAX_M, "WA": 1, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
 def autotune_enabled(device: torch.device) -> bool:
@@ -975,6 +977,9 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     dummy = y
     if _path(M) == "gemv":
         _check_config(cfg, "gemv")
+        if cfg.get("KERNEL") == "group":  # the GEMM kernel, BLOCK_M (16) tokens, split over K
+            _launch_group(x2, weight, bias, y, dict(cfg, BLOCK_M=cfg.get("BLOCK_M", GEMV_MAX_M)))
+            return
         bn, split = cfg["BLOCK_N"], cfg["SPLIT_K"]
         chunks = Kp // kc
         per_split = -(-chunks // split)
@@ -1059,33 +1064,60 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
         )  # fmt: skip
         return
     _check_config(cfg, "gemm")
-    group = cfg.get("KERNEL") == "group"
-    sums = weight.zeros is not None or not group
+    if cfg.get("KERNEL") == "group":
+        _launch_group(x2, weight, bias, y, cfg)
+        return
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
-    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device) if sums else sx
-    bkx = min(triton.next_power_of_2(Kp), 4096) if group else 512
-    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=bkx, WRITE_SUMS=sums, num_warps=8 if bkx >= 2048 else 4)
+    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device)
+    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=512, WRITE_SUMS=True, num_warps=4)
     bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
-    if group:
-        ca, cbias, fmul = _int_codebook(cb)
-        hw = x2.device.type == "cuda" and not _INTERPRETED
-        asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
-        _lowbit_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-            xq, sx, xsum, weight.qweight, s, z, b, y,
-            M, N, Kp, s.shape[0], weight.qweight.shape[1],
-            BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else G, WHOLE_ROW=whole,
-            HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
-        )  # fmt: skip
-        return
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), 1)
     _lowbit_dot_kernel[grid](
         dummy, xq, sx, xsum, weight.qweight, s, z, b, y, dummy, dummy,
         M, N, K, Kp, s.shape[0], weight.qweight.shape[1], Kp // kc,
         FUSED=False, BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=1, BLOCK_KX=512,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+    )  # fmt: skip
+
+
+def _launch_group(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
+    """The activation pass and the ``group`` kernel (int8 dot per bit-plane, one rescale per group),
+    split over K in ``SPLIT_K`` ranges of chunks where the config asks (small M: few output tiles)."""
+    M, K = x2.shape
+    N = weight.out_features
+    cb = get_codebook(weight.codebook)
+    Kp = weight.qweight.shape[1] * (8 // cb.bits)
+    whole = weight.group_size == K
+    s, z = weight.scales, weight.zeros if weight.zeros is not None else weight.scales
+    b = bias if bias is not None else weight.scales
+    sums = weight.zeros is not None
+    xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
+    sx = torch.empty(M, dtype=torch.float32, device=x2.device)
+    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device) if sums else sx
+    bkx = min(triton.next_power_of_2(Kp), 4096)
+    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=bkx, WRITE_SUMS=sums, num_warps=8 if bkx >= 2048 else 4)
+    bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    chunks = Kp // triton_chunk(cb.bits)
+    split = cfg.get("SPLIT_K", 1) if tiles <= _LOCK_SLOTS else 1
+    per_split = -(-chunks // split)
+    split = -(-chunks // per_split)  # no empty splits
+    ws, locks = y, y
+    if split > 1:
+        ws = torch.empty(split * M * N, dtype=torch.float32, device=x2.device)
+        locks = _lock_buffer(x2.device)
+    ca, cbias, fmul = _int_codebook(cb)
+    hw = x2.device.type == "cuda" and not _INTERPRETED
+    asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
+    _lowbit_gemm_kernel[(tiles, split)](
+        xq, sx, xsum, weight.qweight, s, z, b, y, ws, locks,
+        M, N, Kp, s.shape[0], weight.qweight.shape[1], per_split,
+        BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
+        HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
+        SPLIT_K=split,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
     )  # fmt: skip
 
 
@@ -1098,7 +1130,8 @@ def _space(path: str, M: int) -> list[dict]:
     if M == 1:
         stream = [dict(zip(fields, c), XPACK=1, PDL=1) for c in GEMV_STREAM_SPACE]
         return stream + [dict(zip(fields, c)) for c in dp4a]
-    return [dict(zip(fields, c)) for c in GEMV_MMA_SPACE + GEMV_SPACE + dp4a]
+    group = [dict(zip(fields, c), BLOCK_M=GEMV_MAX_M, WA=1) for c in GEMV_GROUP_SPACE]
+    return group + [dict(zip(fields, c)) for c in GEMV_MMA_SPACE + GEMV_SPACE + dp4a]
 
 
 def _time(fn, device: torch.device) -> float:
