@@ -247,7 +247,9 @@ def main() -> None:
             f"measured next to each shape (all threads). us = one call of the op as users call it "
             f"(`torch.ops.aipc.lowbit_linear` / torch's own ops); kernel_us = our C kernel alone, called through "
             f"ctypes with a pre-built argument vector (`aipc_lowbit_linear_v`; the difference is the op's dispatcher and Python body, which run "
-            f"with the caches full of weights). x_<peer> = peer time / this row's time (>1: this row is faster).\n"
+            f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
+            f"group-64 bytes, rotated and called like the kernels; kernel_pct_read = a kernel's GB/s as a share of "
+            f"it. x_<peer> = peer time / this row's time (>1: this row is faster).\n"
             f"Command: {cmd}\n\n")
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     head += "Runs (shape: when, load average at its start): " + "; ".join(

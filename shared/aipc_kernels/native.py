@@ -2,8 +2,9 @@
 
 The library is called through ctypes (it has no Python or torch headers); ctypes releases the GIL
 during the call. The linear kernel is called through ``aipc_lowbit_linear_v``, its arguments packed in
-one int64 vector: ctypes converts one pointer instead of 17 arguments (0.2 us instead of 2 us a call). Threads: every call passes ``torch.get_num_threads()``, so the kernels follow the
-size PyTorch (and vLLM's CPU worker, which sets it) chose, instead of OpenMP's own default.
+one int64 vector: ctypes converts one pointer instead of 17 arguments (0.2 us instead of 2 us a call).
+Threads: every call passes ``torch.get_num_threads()``, so the kernels follow the size PyTorch (and
+vLLM's CPU worker, which sets it) chose, instead of OpenMP's own default.
 """
 from __future__ import annotations
 
