@@ -400,6 +400,10 @@ static inline void prefetch_rows(const char *p, int64_t stride, int64_t n, int64
         for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, PF_LOCALITY);
 }
 
+/* Whether the ISA computes several rows of a tile at once (dots_rows + accum_rows, which read the value
+ * rows as stored); else row by row (dots + accum, which read them as fp32). */
+static inline int multi_row(const seg_isa *isa) { return isa->dots_rows && isa->accum_rows; }
+
 /* Gather one block of KB positions: keys transposed to fp32 kT[D][KB] (read by every row of the tile),
  * values as stored (vr) for accum_rows, else as fp32 rows (in place when already fp32). Lanes past nk
  * are zero. */
@@ -415,7 +419,7 @@ static void load_block(const seg_args *a, seg_scratch *w, const char *const *kro
             }
             for (int64_t d = 0; d < D; d++) w->kT[d * KB + j] = k[d];
         }
-        if (a->isa.accum_rows) {
+        if (multi_row(&a->isa)) {
             w->vr[j] = vrow[j];
         } else if (a->dt == S_F32) {
             w->vp[j] = (const float *)vrow[j];
@@ -469,7 +473,7 @@ static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh,
 /* Rows r .. r + nr - 1 (tile rows rt ..) against a block: row_block for nr rows at once. */
 static void rows_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int nr,
                        int64_t pos0, int nk) {
-    if (!a->isa.dots_rows) {
+    if (!multi_row(&a->isa)) {
         for (int i = 0; i < nr; i++) row_block(a, w, b, kvh, r + i, rt + i, pos0, nk);
         return;
     }
@@ -555,15 +559,16 @@ static void run_item(const seg_args *a, seg_scratch *w, int64_t b, int64_t r0, i
     }
 }
 
-static int scratch_alloc(seg_scratch *w, int64_t rows, int64_t D) {
+/* vbuf (fp32 copies of a block's value rows) only for the row-by-row path of non-fp32 values. */
+static int scratch_alloc(seg_scratch *w, int64_t rows, int64_t D, int need_vbuf) {
     w->qf = malloc((size_t)(rows * D) * sizeof(float));
     w->acc = malloc((size_t)(rows * D) * sizeof(float));
     w->m = malloc((size_t)rows * sizeof(float));
     w->s = malloc((size_t)rows * sizeof(float));
     w->kT = malloc((size_t)(KB * D) * sizeof(float));
     w->kbuf = malloc((size_t)D * sizeof(float));
-    w->vbuf = malloc((size_t)(KB * D) * sizeof(float));
-    return w->qf && w->acc && w->m && w->s && w->kT && w->kbuf && w->vbuf;
+    w->vbuf = need_vbuf ? malloc((size_t)(KB * D) * sizeof(float)) : NULL;
+    return w->qf && w->acc && w->m && w->s && w->kT && w->kbuf && (w->vbuf || !need_vbuf);
 }
 
 static void scratch_free(seg_scratch *w) {
@@ -652,7 +657,7 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
 #pragma omp parallel num_threads(nthreads)
     {
         seg_scratch w;
-        if (!scratch_alloc(&w, Hkv * tile, D)) {
+        if (!scratch_alloc(&w, Hkv * tile, D, !multi_row(&a.isa) && a.dt != S_F32)) {
 #pragma omp atomic write
             status = S_ERR_NOMEM;
         }
