@@ -309,3 +309,14 @@ def test_shipped_configs_are_valid():
         for key, cfg in cfgs.items():
             path = key.split(":")[0]
             assert all(f in cfg for f in tlin._CONFIG_FIELDS[path]), (device, key, cfg)
+
+
+@pytest.mark.parametrize("codebook", ["affine", "int2"])
+def test_small_m_activation_pass_in_slices(codebook):
+    """M <= 16: the activation pass splits each row over 1024-k programs (absmax of the whole row in
+    each, the scale and the 32-k sums written once); K = 2592 pads to three slices, the last partial."""
+    M, N, K = 5, 24, 2592
+    w, p = _case(N, K, codebook, 32, seed=3)
+    x = torch.randn(M, K) * torch.linspace(0.1, 4, K)  # absmax far from the first slice
+    y = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=dict(GROUP16, SPLIT_K=3))
+    _close(y, ops.reference_linear_w8(x, w), 2e-5)

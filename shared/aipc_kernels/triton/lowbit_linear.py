@@ -84,16 +84,22 @@ def _act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_KX: tl.co
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, BLOCK_KX: tl.constexpr, WRITE_SUMS: tl.constexpr):
-    """One row per program: int8 codes [M, Kp] (zero past K), scale [M], 32-k sums [M, Kp/32]
-    (``WRITE_SUMS``: only zero-point corrections need them)."""
+def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr, WRITE_SUMS: tl.constexpr,
+                      BLOCK_AMAX: tl.constexpr):
+    """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
+    BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
+    past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
+    corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
+    the few rows of a decode batch from serialising on a few SMs."""
     m = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     row = tl.full([1], 0, tl.int64) + m
-    inv, sx = _act_scales(x_ptr, row, row >= 0, K, 1, BLOCK_KX)
-    tl.store(sx_ptr + row, sx)
+    inv, sx = _act_scales(x_ptr, row, row >= 0, K, 1, BLOCK_AMAX)
+    if j == 0:
+        tl.store(sx_ptr + row, sx)
     offs = tl.arange(0, BLOCK_KX)
     offs32 = tl.arange(0, BLOCK_KX // 32)
-    for k0 in range(0, Kp, BLOCK_KX):
+    for k0 in range(j * SLICE, tl.minimum(j * SLICE + SLICE, Kp), BLOCK_KX):
         k = k0 + offs
         xv = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
         xqf = _quantize(xv, inv)
@@ -785,7 +791,8 @@ GEMV_STREAM_SPACE = [  # M == 1: packed-activation pre-pass + weight streaming (
     if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
 ]
 GEMV_GROUP_SPACE = [  # 1 < M <= 16: the GEMM's group kernel with 16 token columns, split over K
-    ("group", bn, sk, nw, ns) for bn in (64, 128, 256) for sk in (2, 4, 8, 16) for nw, ns in ((4, 3), (8, 3), (4, 4)) if nw == 8 or bn <= 128
+    ("group", bn, sk, nw, ns) for bn in (32, 64, 128, 256) for sk in (2, 4, 8, 16) for nw, ns in ((2, 3), (4, 3), (8, 3), (4, 4))
+    if (nw == 2 and bn <= 64) or (nw == 4 and 64 <= bn <= 128) or (nw == 8 and bn >= 128)
 ]
 GEMV_MMA_SPACE = [  # 1 < M <= 16: activation pre-pass + one int8 tl.dot per group
     ("mma", bn, sk, nw, ns) for bn in (32, 64, 128) for sk in (4, 8) for nw, ns in ((4, 3), (8, 3)) if nw == 4 or bn >= 64
@@ -1070,7 +1077,7 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
     xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device)
-    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=512, WRITE_SUMS=True, num_warps=4)
+    _quant_act_kernel[(M, 1)](x2, xq, sx, xsum, K, Kp, Kp, BLOCK_KX=512, WRITE_SUMS=True, BLOCK_AMAX=512, num_warps=4)
     bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), 1)
     _lowbit_dot_kernel[grid](
@@ -1095,8 +1102,16 @@ def _launch_group(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
     xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device) if sums else sx
-    bkx = min(triton.next_power_of_2(Kp), 4096)
-    _quant_act_kernel[(M,)](x2, xq, sx, xsum, K, Kp, BLOCK_KX=bkx, WRITE_SUMS=sums, num_warps=8 if bkx >= 2048 else 4)
+    if M <= GEMV_MAX_M:  # few rows: 1024-k slices, each program's absmax in one load of the whole row
+        bkx, bam = 1024, min(triton.next_power_of_2(K), 16384)
+        slices, nw = triton.cdiv(Kp, bkx), 8
+    else:
+        bkx = bam = min(triton.next_power_of_2(Kp), 4096)
+        slices, nw = 1, 8 if bkx >= 2048 else 4
+    _quant_act_kernel[(M, slices)](
+        x2, xq, sx, xsum, K, Kp, bkx * triton.cdiv(Kp, bkx * slices), BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam,
+        num_warps=nw,
+    )  # fmt: skip
     bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     chunks = Kp // triton_chunk(cb.bits)
