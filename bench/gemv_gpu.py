@@ -9,6 +9,8 @@ peer gemlite (``pip install gemlite``) in its A16W2 (weight-only, HQQ-style affi
 A8W8 int8 dynamic modes. A peer that does not import or fails is reported as skipped, with the reason.
 Row ``read`` (measured at the first M asked): the fastest read-only kernel over ours' int2 bytes, the
 floor of any one-kernel op that streams them from HBM; the bounds table compares targets with it.
+Row ``int8_mm`` (M > 16): torch's cuBLASLt int8 GEMM on an int8 weight, the matrix units with none of
+the low-bit work (unpacking, group rescale, activation quantization).
 
 Every row is timed as CUDA-graph replays of calls that rotate over weight copies totalling >= 4x
 the L2 size, so weights come from HBM. GB/s = weight bytes (codes + scales/zeros) / time; % copy =
@@ -38,7 +40,7 @@ from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
 EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
-ROWS = ("bf16", "ours_w2a8", "ours_v1", "gemlite_a16w2", "gemlite_a8w8", "read")
+ROWS = ("bf16", "ours_w2a8", "ours_v1", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 # the first (correct but slow) version's tuned H200 configs, kept as a row to compare against
 V1_CONFIGS = {
     (1, 4096, 4096): {"KERNEL": "fma", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
@@ -118,6 +120,19 @@ def row_bf16(W, x, l2):
     b = nbytes(wb)
     ws = [wb] + [wb.clone() for _ in range(n_copies(b, l2) - 1)]
     return [lambda w=w: F.linear(x, w) for w in ws], b, len(ws)
+
+
+def row_int8_mm(W, x, l2):
+    """torch's int8 GEMM (``torch._int_mm``, cuBLASLt, int8 x int8 -> int32) on int8 activations
+    and an int8 copy of the weight: the int8 matrix units alone, with no unpacking, no group
+    rescale and no activation quantization. M > 16 only (cuBLASLt's int8 path)."""
+    if x.shape[0] <= 16:
+        raise ValueError("torch._int_mm needs M > 16")
+    wq = W.float().clamp(-1, 1).mul(127).round().to(torch.int8).t()  # [K, N], column-major (N x K row-major)
+    xq = x.float().clamp(-1, 1).mul(127).round().to(torch.int8)
+    b = nbytes(wq)
+    ws = [wq] + [wq.t().clone().t() for _ in range(n_copies(b, l2) - 1)]
+    return [lambda w=w: torch._int_mm(xq, w) for w in ws], b, len(ws)
 
 
 def row_ours(W, x, l2, state):
@@ -356,6 +371,10 @@ def main() -> int:
                         calls, b, copies = row_ours(W, x, l2, state)
                     elif row == "ours_v1":
                         calls, b, copies = row_ours_v1(W, x, l2, state)
+                    elif row == "int8_mm":
+                        if M <= 16:
+                            continue
+                        calls, b, copies = row_int8_mm(W, x, l2)
                     elif row == "read":
                         if M != Ms[0]:
                             continue
@@ -425,7 +444,7 @@ def summary(results, rows, Ms) -> list[str]:
         v1 = [e["ours_w2a8"]["us"] and e["ours_v1"]["us"] / e["ours_w2a8"]["us"] for e in ours if "us" in e.get("ours_v1", {})]
         if v1:
             line += f"; speed-up over v1 {min(v1):.2f}-{max(v1):.2f}x"
-        for peer in ("gemlite_a16w2", "gemlite_a8w8"):
+        for peer in ("gemlite_a16w2", "gemlite_a8w8", "int8_mm"):
             px = [e[peer]["x_bf16"] for e in ours if "us" in e.get(peer, {})]
             if px:
                 line += f"; {peer} x_bf16 {min(px):.2f}-{max(px):.2f}"
@@ -478,7 +497,7 @@ def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bo
         for r in rows:
             v = e.get(r)
             if isinstance(v, dict) and "us" in v:
-                tf = "" if r == "read" else f"{v['tflops']:.1f}"  # the read row does no math
+                tf = "" if r == "read" else f"{v['tflops']:.1f}"  # the read row does no math (int8_mm: TOPS)
                 md.append(
                     f"| {e['shape']} | {e['M']} | {r} | {v['us']:.2f} | {v['gbs']:.0f} | {v['pct_copy']:.1f} | "
                     f"{v['floor_us']:.2f} | {v.get('x_bf16', float('nan')):.2f} | {tf} |"
