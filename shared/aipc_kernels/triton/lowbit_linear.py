@@ -967,7 +967,25 @@ def _pdl_ok(device: torch.device) -> bool:
     return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _split_plan(chunks: int, split: int, tiles: int, M: int, N: int, dummy: torch.Tensor):
+    """``(splits, chunks per split, partials workspace, tickets)`` for ``split`` requested K-splits of
+    ``chunks`` chunks over ``tiles`` output tiles: no empty splits, no split when the tiles outnumber
+    the split-K tickets; unsplit, the workspace and tickets are ``dummy`` (never touched)."""
+    if tiles > _LOCK_SLOTS:
+        split = 1
+    per_split = -(-chunks // split)
+    split = -(-chunks // per_split)  # no empty splits
+    if split == 1:
+        return 1, chunks, dummy, dummy
+    ws = torch.empty(split * M * N, dtype=torch.float32, device=dummy.device)
+    return split, per_split, ws, _lock_buffer(dummy.device)
+
+
 def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
+    if cfg.get("KERNEL") == "group":  # any M; at M <= 16 with BLOCK_M (16) tokens, split over K
+        _check_config(cfg, _path(x2.shape[0]))
+        _launch_group(x2, weight, bias, y, dict(cfg, BLOCK_M=cfg.get("BLOCK_M", GEMV_MAX_M)))
+        return
     M, K = x2.shape
     N = weight.out_features
     cb = get_codebook(weight.codebook)
@@ -984,22 +1002,10 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     dummy = y
     if _path(M) == "gemv":
         _check_config(cfg, "gemv")
-        if cfg.get("KERNEL") == "group":  # the GEMM kernel, BLOCK_M (16) tokens, split over K
-            _launch_group(x2, weight, bias, y, dict(cfg, BLOCK_M=cfg.get("BLOCK_M", GEMV_MAX_M)))
-            return
-        bn, split = cfg["BLOCK_N"], cfg["SPLIT_K"]
-        chunks = Kp // kc
-        per_split = -(-chunks // split)
-        split = -(-chunks // per_split)  # no empty splits
-        grid = (triton.cdiv(N, bn), triton.cdiv(M, GEMV_MAX_M), split)
-        ws, locks = dummy, dummy
-        if split > 1:
-            if grid[0] * grid[1] > _LOCK_SLOTS:
-                split, per_split = 1, chunks
-                grid = grid[:2] + (1,)
-            else:
-                ws = torch.empty(split * M * N, dtype=torch.float32, device=x2.device)
-                locks = _lock_buffer(x2.device)
+        bn = cfg["BLOCK_N"]
+        tiles_n, tiles_m = triton.cdiv(N, bn), triton.cdiv(M, GEMV_MAX_M)
+        split, per_split, ws, locks = _split_plan(Kp // kc, cfg["SPLIT_K"], tiles_n * tiles_m, M, N, dummy)
+        grid = (tiles_n, tiles_m, split)
         kernel = cfg.get("KERNEL", "dot")
         if kernel == "stream":
             if M != 1:
@@ -1071,9 +1077,6 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
         )  # fmt: skip
         return
     _check_config(cfg, "gemm")
-    if cfg.get("KERNEL") == "group":
-        _launch_group(x2, weight, bias, y, cfg)
-        return
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
     xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device)
@@ -1114,14 +1117,7 @@ def _launch_group(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     )  # fmt: skip
     bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    chunks = Kp // triton_chunk(cb.bits)
-    split = cfg.get("SPLIT_K", 1) if tiles <= _LOCK_SLOTS else 1
-    per_split = -(-chunks // split)
-    split = -(-chunks // per_split)  # no empty splits
-    ws, locks = y, y
-    if split > 1:
-        ws = torch.empty(split * M * N, dtype=torch.float32, device=x2.device)
-        locks = _lock_buffer(x2.device)
+    split, per_split, ws, locks = _split_plan(Kp // triton_chunk(cb.bits), cfg.get("SPLIT_K", 1), tiles, M, N, y)
     ca, cbias, fmul = _int_codebook(cb)
     hw = x2.device.type == "cuda" and not _INTERPRETED
     asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
