@@ -201,8 +201,8 @@ def _read_kernel():
 def row_read(W, x, l2, state):
     """The fastest read-only kernel over the same int2 bytes (codes + scales; best of a sweep over
     grid size, warps and 16-byte loads in flight per thread, and of torch's ``copy_`` of as many bytes,
-    which also writes them): what any one-kernel weight-streaming op costs at least, whatever its
-    math. Independent of M; measured where asked."""
+    which also writes them): the least a one-kernel op that streams these weights was seen to cost
+    here, whatever its math. Independent of M; measured where asked."""
     if "ours" not in state:
         row_ours(W, x, l2, state)
     if "read" not in state:
