@@ -7,9 +7,11 @@ Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16;
 group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
 and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in. At M=1 also ``read``:
-the probe's read loop over exactly the int2 group-64 bytes, rotated and called like the kernels, i.e.
-the most any decode kernel of those bytes could reach with the same threads, fork/join and first-line
-latency (``kernel_pct_read``: a kernel's GB/s as a share of it).
+the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
+what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
+(``kernel_pct_read``: a kernel's GB/s as a share of it). ``us`` is the op as users call it, timed from
+Python; ``kernel_us`` is our C kernel alone, timed in C over the same rotation (as the read row and the
+bandwidth probe are), so the two differ by the op's dispatch and Python body.
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
 call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
 read bandwidth probe in every round (best of): the host's bandwidth moves, and this way every row and
@@ -73,8 +75,7 @@ def make_weights(kind: str, w: torch.Tensor):
         return fn, (packed, sz), packed.numel() + sz.numel() * 2
     if kind == READ:
         nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
-        read, threads = native._lib().aipc_stream_read, torch.get_num_threads()  # called as the kernel is: bare ctypes
-        return (lambda x, ws: read(ws[0].data_ptr(), nbytes, threads)), (torch.ones(nbytes, dtype=torch.uint8),), nbytes
+        return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by native.time_stream_read
     codebook, group, isa = OUR_CONFIGS[kind]
     p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
@@ -103,15 +104,15 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
 
 
 def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:
-    """Seconds per call of the C kernel alone (same rotation and best-pass rule as time_rotating)."""
+    """Seconds per call of the C kernel alone over the rotating weight sets, timed in C like the read probe
+    (``native.time_lowbit_linear``: no interpreter between calls; same rotation and best-round rule as
+    time_rotating)."""
     *vectors, y = kernel_args(kind, sets, x, N)  # the vectors and y stay referenced while the kernel runs
-    addresses = [v.buffer_info()[0] for v in vectors]
-    f = native._lib().aipc_lowbit_linear_v
     isa = OUR_CONFIGS[kind][2]
     if isa is not None and native.ISAS[isa] < native.ISAS[native.best_isa()]:
         native.set_isa(isa)
     try:
-        return time_rotating(lambda _x, address: f(address), addresses, x, min_calls)
+        return native.time_lowbit_linear(vectors, min_calls)
     finally:
         del y, vectors
         native.set_isa(native.best_isa())
@@ -206,7 +207,10 @@ def main() -> None:
                     if kind == READ and M != 1:
                         continue
                     x = xs[torch.float32 if kind == "fp32" else torch.bfloat16]
-                    s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
+                    if kind == READ:  # timed in C, as the kernel alone is (kernel_pct_read compares the two)
+                        s = native.time_stream_read([ws[0] for ws in sets], calls=8)
+                    else:
+                        s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
                     sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OURS else None
                     old = results.get((kind, M))
                     if old:
@@ -245,11 +249,12 @@ def main() -> None:
             f"{os.getloadavg()} after. Weights rotated over {rotate:.1f} GB of copies "
             f"per kind (DRAM-resident: the last-level cache is {llc_mib()} MiB), all kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
             f"measured next to each shape (all threads). us = one call of the op as users call it "
-            f"(`torch.ops.aipc.lowbit_linear` / torch's own ops); kernel_us = our C kernel alone, called through "
-            f"ctypes with a pre-built argument vector (`aipc_lowbit_linear_v`; the difference is the op's dispatcher and Python body, which run "
+            f"(`torch.ops.aipc.lowbit_linear` / torch's own ops), timed from Python; kernel_us = our C kernel alone "
+            f"on pre-built argument vectors, timed in C like the bandwidth probe (`aipc_time_lowbit_linear_v`: no "
+            f"interpreter between calls; the difference to us is the op's dispatcher and Python body, which run "
             f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
-            f"group-64 bytes, rotated and called like the kernels; kernel_pct_read = a kernel's GB/s as a share of "
-            f"it. x_<peer> = peer time / this row's time (>1: this row is faster).\n"
+            f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "
+            f"share of it. x_<peer> = peer time / this row's time (>1: this row is faster).\n"
             f"Command: {cmd}\n\n")
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     head += "Runs (shape: when, load average at its start): " + "; ".join(

@@ -46,6 +46,10 @@ def library() -> Optional[ctypes.CDLL]:
     lib.aipc_lowbit_linear_v.argtypes = [vp]
     lib.aipc_stream_read.restype = ctypes.c_uint64
     lib.aipc_stream_read.argtypes = [vp, i64, ctypes.c_int]
+    lib.aipc_time_lowbit_linear_v.restype = ctypes.c_double
+    lib.aipc_time_lowbit_linear_v.argtypes = [vp, i64, i64, ctypes.c_double]
+    lib.aipc_time_stream_read.restype = ctypes.c_double
+    lib.aipc_time_stream_read.argtypes = [vp, i64, i64, ctypes.c_int, i64, ctypes.c_double]
     for fn in ("aipc_best_isa", "aipc_get_isa"):
         getattr(lib, fn).restype = ctypes.c_int
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
@@ -154,3 +158,28 @@ def lowbit_linear_into(
 def stream_read(buf: torch.Tensor, threads: Optional[int] = None) -> int:
     """Reads every byte of a contiguous CPU tensor with ``threads`` threads (bandwidth probe)."""
     return _lib().aipc_stream_read(buf.data_ptr(), buf.numel() * buf.element_size(), threads or torch.get_num_threads())
+
+
+def _addresses(addresses: list[int]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(addresses))(*addresses)
+
+
+def time_lowbit_linear(vectors: list[array], calls: int, min_seconds: float = 0.3) -> float:
+    """Seconds per call of the native kernel over argument vectors (:func:`lowbit_linear_args`, e.g. one
+    per rotating weight copy) called in turn, best round; timed in C, so no interpreter runs between the
+    calls (as in :func:`stream_read`'s probe). The caller keeps the vectors' tensors alive."""
+    t = _lib().aipc_time_lowbit_linear_v(_addresses([v.buffer_info()[0] for v in vectors]), len(vectors), calls, min_seconds)
+    if t < 0:
+        raise RuntimeError(f"aipc_lowbit_linear failed: {ERRORS.get(int(t), int(t))}")
+    return t
+
+
+def time_stream_read(bufs: list[torch.Tensor], calls: int, min_seconds: float = 0.3, threads: Optional[int] = None) -> float:
+    """Seconds per :func:`stream_read` of each contiguous buffer in turn (all of ``bufs[0]``'s size), best
+    round, timed in C like :func:`time_lowbit_linear`."""
+    nbytes = bufs[0].numel() * bufs[0].element_size()
+    if any(b.numel() * b.element_size() != nbytes or not b.is_contiguous() for b in bufs):
+        raise ValueError("time_stream_read: bufs must be contiguous and of one size")
+    return _lib().aipc_time_stream_read(
+        _addresses([b.data_ptr() for b in bufs]), len(bufs), nbytes, threads or torch.get_num_threads(), calls, min_seconds
+    )

@@ -169,3 +169,24 @@ def test_native_entry_refuses_strided_buffers():
     y = torch.empty(1, 16)
     with pytest.raises(ValueError, match="must be contiguous"):
         native.lowbit_linear_into(y, torch.randn(1, 64), p.qweight, p.scales.transpose(1, 2).contiguous().transpose(1, 2), p.zeros, None, 2, 32, 1.0, 0.0, 64)
+
+
+def test_timing_helpers_run_the_kernel_and_report_errors():
+    """The benchmarks' C-timed loops (``time_lowbit_linear``, ``time_stream_read``): each vector's call
+    really runs (its poisoned output is the kernel's result afterwards), a time per call comes back, and a
+    failing call is an error, not a time."""
+    sets = [_case(21, 128, "affine", 32, seed=s) for s in (1, 2)]
+    x = torch.randn(1, 128)
+    ys = [torch.full((1, 21), float("nan")) for _ in sets]
+    vectors = [native.lowbit_linear_args(y, x, p.qweight, p.scales, p.zeros, None, 2, 32, 1.0, 0.0, 128)
+               for y, (_, p) in zip(ys, sets)]
+    t = native.time_lowbit_linear(vectors, calls=3, min_seconds=0.0)
+    assert 0 < t < 1
+    for y, (w, p) in zip(ys, sets):
+        torch.testing.assert_close(y, ops.lowbit_linear(x, p), rtol=0, atol=0)
+    bad = [native.lowbit_linear_args(ys[0], x, sets[0][1].qweight, sets[0][1].scales, sets[0][1].zeros, None, 2, 48, 1.0, 0.0, 128)]
+    with pytest.raises(RuntimeError, match="bad group size"):
+        native.time_lowbit_linear(bad, calls=1, min_seconds=0.0)
+    assert 0 < native.time_stream_read([torch.ones(4096, dtype=torch.uint8)] * 2, calls=2, min_seconds=0.0) < 1
+    with pytest.raises(ValueError, match="one size"):
+        native.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)

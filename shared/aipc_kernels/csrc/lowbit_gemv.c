@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "half_float.h"
 
@@ -1078,4 +1079,75 @@ API uint64_t aipc_stream_read(const void *buf, int64_t bytes, int nthreads) {
         total ^= read_span(p + lo, hi - lo);
     }
     return total;
+}
+
+/* ------------------------------------------------------------------ benchmark timing */
+
+/* A call the timing loop repeats: call i of a round uses operand set i % n. Returns 0 or an error. */
+typedef int (*timed_call)(const void *ctx, int64_t i);
+
+typedef struct {
+    const int64_t *const *vectors;
+} linear_calls;
+
+typedef struct {
+    const void *const *bufs;
+    int64_t bytes;
+    int nthreads;
+    volatile uint64_t sink;
+} read_calls;
+
+static int call_linear(const void *ctx, int64_t i) {
+    return aipc_lowbit_linear_v(((const linear_calls *)ctx)->vectors[i]);
+}
+
+static int call_read(const void *ctx, int64_t i) {
+    read_calls *r = (read_calls *)ctx;
+    r->sink ^= aipc_stream_read(r->bufs[i], r->bytes, r->nthreads);
+    return OK;
+}
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Rounds of max(calls, n) calls over the n operand sets in turn, until two rounds and min_seconds have
+ * passed; the best round's seconds per call, or the first error status (negative). The first two sets
+ * are called once before (first-touch, thread start). */
+static double time_rounds(timed_call f, const void *ctx, int64_t n, int64_t calls, double min_seconds) {
+    if (n <= 0) return ERR_SHAPE;
+    for (int64_t i = 0; i < (n < 2 ? n : 2); i++) {
+        const int status = f(ctx, i);
+        if (status != OK) return status;
+    }
+    if (calls < n) calls = n;
+    double best = 1e30;
+    const double end = seconds_now() + min_seconds;
+    for (int rounds = 0; rounds < 2 || seconds_now() < end; rounds++) {
+        const double t0 = seconds_now();
+        for (int64_t i = 0; i < calls; i++) {
+            const int status = f(ctx, i % n);
+            if (status != OK) return status;
+        }
+        const double per_call = (seconds_now() - t0) / (double)calls;
+        if (per_call < best) best = per_call;
+    }
+    return best;
+}
+
+/* For benchmarks: the seconds per call of aipc_lowbit_linear_v over the n argument vectors in turn
+ * (rotating weights), timed here so that no interpreter runs between the calls, as in the read probe;
+ * negative: a call's error status. */
+API double aipc_time_lowbit_linear_v(const int64_t *const *vectors, int64_t n, int64_t calls, double min_seconds) {
+    const linear_calls ctx = {vectors};
+    return time_rounds(call_linear, &ctx, n, calls, min_seconds);
+}
+
+/* The same for aipc_stream_read of `bytes` from each of the n buffers in turn. */
+API double aipc_time_stream_read(const void *const *bufs, int64_t n, int64_t bytes, int nthreads, int64_t calls,
+                                 double min_seconds) {
+    read_calls ctx = {bufs, bytes, nthreads, 0};
+    return time_rounds(call_read, &ctx, n, calls, min_seconds);
 }

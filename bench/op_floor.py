@@ -1,0 +1,115 @@
+"""What calling the CPU kernel through a torch op costs at decode (M=1), and the bound it puts on the op.
+
+    python bench/op_floor.py [--out bench/results/op_floor]
+
+Per Llama-3-8B shape, weights rotated over DRAM-resident copies, in one run:
+  kernel - our C kernel alone, timed in C (``native.time_lowbit_linear``), as in bench/gemv_cpu.py;
+  op     - ``torch.ops.aipc.lowbit_linear`` as users call it, timed from Python;
+  floor  - a torch op with the same schema whose CPU kernel is a Python function that does nothing but
+           call the C kernel on a pre-built argument vector and return a pre-allocated output: the least
+           any op registered from Python (no torch C++ headers) can cost.
+The dispatch runs after a kernel streamed megabytes of weights, with the caches full of them, as in a
+decode step. Bound = the weight bytes / (kernel + floor) as a share of the read bandwidth probe: the most
+an op registered from Python can reach on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from aipc_kernels import native
+from aipc_kernels.formats import get_codebook
+import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
+from aipc_kernels.packing import pack_for_cpu
+from aipc_kernels.quantizers import quantize_rtn
+from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
+from report import markdown_table, write_report
+from machine import cpu_name, read_bandwidth
+
+_FLOOR_LIB = torch.library.Library("aipc_bench", "DEF")
+_FLOOR_LIB.define(
+    "floor_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, str layout, "
+    "str codebook, int group_size, int out_features, int act_group) -> Tensor"
+)
+_PLANS: dict[int, tuple] = {}  # qweight address -> (argument vector address, output)
+_call = native._lib().aipc_lowbit_linear_v
+
+
+def _floor_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+    address, y = _PLANS[qweight.data_ptr()]
+    _call(address)
+    return y
+
+
+_FLOOR_LIB.impl("floor_linear", _floor_cpu, "CPU")
+
+
+def time_calls(fn, sets, calls: int, min_s: float = 0.3) -> float:
+    """Best round's seconds per call of fn over the rotating weight sets (as bench/gemv_cpu.py)."""
+    for ws in sets[:2]:
+        fn(ws)
+    best, rounds, end = float("inf"), 0, time.perf_counter() + min_s
+    while rounds < 2 or time.perf_counter() < end:
+        n = max(calls, len(sets))
+        t = time.perf_counter()
+        for i in range(n):
+            fn(sets[i % len(sets)])
+        best = min(best, (time.perf_counter() - t) / n)
+        rounds += 1
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rotate-gb", type=float, default=1.2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/op_floor")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cb = get_codebook("affine")
+    rows = []
+    for label, (N, K) in SHAPES.items():
+        if not label.startswith("8B"):
+            continue
+        p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
+        copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
+        sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
+        x = torch.randn(1, K, dtype=torch.bfloat16)
+        y = torch.empty(1, N, dtype=x.dtype)
+        vectors = [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, 64, cb.cmul, cb.zero or 0.0, K) for q, s, z in sets]
+        _PLANS.clear()
+        _PLANS.update({q.data_ptr(): (v.buffer_info()[0], y) for (q, _, _), v in zip(sets, vectors)})
+        meta = (p.layout, p.codebook, p.group_size, p.out_features)
+        op, floor = torch.ops.aipc.lowbit_linear, torch.ops.aipc_bench.floor_linear
+        best = {"kernel": float("inf"), "op": float("inf"), "floor": float("inf")}
+        bw = 0.0
+        for _ in range(args.rounds):  # round-robin, best of: the host's bandwidth drifts
+            bw = max(bw, read_bandwidth(reps=3))
+            best["kernel"] = min(best["kernel"], native.time_lowbit_linear(vectors, 8))
+            best["op"] = min(best["op"], time_calls(lambda ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, 8))
+            best["floor"] = min(best["floor"], time_calls(lambda ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, 8))
+        nb = p.nbytes()
+        pct = {k: 100 * nb / v / 1e9 / bw for k, v in best.items()}
+        rows.append(dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, op_us=best["op"] * 1e6,
+                         floor_us=best["floor"] * 1e6, op_overhead_us=(best["op"] - best["kernel"]) * 1e6,
+                         floor_overhead_us=(best["floor"] - best["kernel"]) * 1e6, kernel_pct=pct["kernel"],
+                         op_pct=pct["op"], bound_pct=pct["floor"]))
+        print(rows[-1], flush=True)
+    cols = ["shape", "mb", "read_gbs", "kernel_us", "op_us", "floor_us", "op_overhead_us", "floor_overhead_us",
+            "kernel_pct", "op_pct", "bound_pct"]
+    text = (f"# Op dispatch at decode (M=1): what it costs, what it bounds\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} threads, ISA {native.get_isa()}, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}. int2 affine group 64, weights rotated over {args.rotate_gb:.1f} GB, "
+            f"best of {args.rounds} rounds. kernel = C kernel timed in C; op = `torch.ops.aipc.lowbit_linear` "
+            f"timed from Python; floor = a Python-registered op that only calls the C kernel (pre-built arguments, "
+            f"pre-allocated output); *_pct = weight bytes / time as a share of the read bandwidth probe "
+            f"(bound_pct: the floor's, the most an op registered from Python reaches).\n"
+            f"Command: `python bench/op_floor.py`\n\n" + markdown_table(rows, cols) + "\n")
+    write_report(args.out, text, rows)
+
+
+if __name__ == "__main__":
+    main()
