@@ -168,6 +168,8 @@ def time_lowbit_linear(vectors: list[array], calls: int, min_seconds: float = 0.
     """Seconds per call of the native kernel over argument vectors (:func:`lowbit_linear_args`, e.g. one
     per rotating weight copy) called in turn, best round; timed in C, so no interpreter runs between the
     calls (as in :func:`stream_read`'s probe). The caller keeps the vectors' tensors alive."""
+    if not vectors:
+        raise ValueError("time_lowbit_linear: vectors is empty; pass one lowbit_linear_args vector per weight set")
     t = _lib().aipc_time_lowbit_linear_v(_addresses([v.buffer_info()[0] for v in vectors]), len(vectors), calls, min_seconds)
     if t < 0:
         raise RuntimeError(f"aipc_lowbit_linear failed: {ERRORS.get(int(t), int(t))}")
@@ -177,6 +179,8 @@ def time_lowbit_linear(vectors: list[array], calls: int, min_seconds: float = 0.
 def time_stream_read(bufs: list[torch.Tensor], calls: int, min_seconds: float = 0.3, threads: Optional[int] = None) -> float:
     """Seconds per :func:`stream_read` of each contiguous buffer in turn (all of ``bufs[0]``'s size), best
     round, timed in C like :func:`time_lowbit_linear`."""
+    if not bufs:
+        raise ValueError("time_stream_read: bufs is empty; pass one buffer per rotating copy")
     nbytes = bufs[0].numel() * bufs[0].element_size()
     if any(b.numel() * b.element_size() != nbytes or not b.is_contiguous() for b in bufs):
         raise ValueError("time_stream_read: bufs must be contiguous and of one size")

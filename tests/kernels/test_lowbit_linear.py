@@ -188,5 +188,7 @@ def test_timing_helpers_run_the_kernel_and_report_errors():
     with pytest.raises(RuntimeError, match="bad group size"):
         native.time_lowbit_linear(bad, calls=1, min_seconds=0.0)
     assert 0 < native.time_stream_read([torch.ones(4096, dtype=torch.uint8)] * 2, calls=2, min_seconds=0.0) < 1
+    with pytest.raises(ValueError, match="vectors is empty"):
+        native.time_lowbit_linear([], calls=1)
     with pytest.raises(ValueError, match="one size"):
         native.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)
