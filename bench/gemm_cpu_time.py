@@ -10,7 +10,6 @@ affine (per-group zero) and ``int2`` (fixed zero) code books at groups 64 and 12
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from aipc_kernels.ops import lowbit_linear
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES as LLAMA_SHAPES  # bench/ is on sys.path when run as a script
+from report import write_report
 
 SHAPES = {k: v for k, v in LLAMA_SHAPES.items() if k in ("8B q/o 4096x4096", "8B gate/up 14336x4096", "8B down 4096x14336")}
 
@@ -63,18 +63,13 @@ def main() -> None:
                     rows.append(dict(shape=label, M=M, row=f"lowbit2 {cb} g{g} {isa}", ms=t * 1e3, x_bf16=t_bf16 / t))
                 native.set_isa(best)
         print(f"{label}: done", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     head = (f"# Low-bit GEMM (M >= 16) vs torch bf16, CPU time of one thread\n\nMachine: {native_cpu()}, "
             f"torch {torch.__version__}, best ISA {best}; load average {load0} before, {os.getloadavg()} after "
             f"(shared machine: CPU time, best of 5). x_bf16 = bf16 CPU time / row CPU time (>1: faster).\n"
             f"Command: `python bench/gemm_cpu_time.py`\n\n")
     lines = ["| shape | M | row | ms | x_bf16 |", "|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['M']} | {r['row']} | {r['ms']:.2f} | {r['x_bf16']:.2f} |" for r in rows]
-    text = head + "\n".join(lines) + "\n"
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(text)
+    write_report(args.out, head + "\n".join(lines) + "\n", rows)
 
 
 def native_cpu() -> str:

@@ -36,6 +36,7 @@ from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 from machine import cpu_name, llc_mib, read_bandwidth
+from report import markdown_table, write_report
 
 PEERS = ("fp32", "bf16", "int8", "int4")
 # a plain read (the bandwidth probe's loop) of the int2 group-64 bytes of the shape, rotated and called
@@ -231,7 +232,6 @@ def main() -> None:
         print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for r in rows:
         r["run"] = f"{stamp}, load {load_before[0]:.2f}"
@@ -261,10 +261,6 @@ def main() -> None:
         f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
     cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read", "x_bf16", "x_fp32",
             "x_int8", "x_int4"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else ("" if r.get(c) is None else str(r[c]))
-                                        for c in cols) + " |")
     summary = []
     for kind in OURS:
         for M in ms:
@@ -279,10 +275,7 @@ def main() -> None:
                                f"x_bf16 {min(r['x_bf16'] for r in sel):.2f}-{max(r['x_bf16'] for r in sel):.2f}, "
                                f"x_int8 {min(r['x_int8'] for r in sel):.2f}-{max(r['x_int8'] for r in sel):.2f}, "
                                f"x_int4 {min(r['x_int4'] for r in sel):.2f}-{max(r['x_int4'] for r in sel):.2f}")
-    text = head + "\n".join(summary) + "\n\n" + "\n".join(lines) + "\n"
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(text)
+    write_report(args.out, head + "\n".join(summary) + "\n\n" + markdown_table(rows, cols) + "\n", rows)
     plot(rows, out, threads)
 
 

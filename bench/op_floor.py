@@ -21,11 +21,11 @@ import time
 import torch
 
 from aipc_kernels import native
-from aipc_kernels.formats import get_codebook
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
-from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
+from gemv_cpu import kernel_args, time_rotating  # bench/ is on sys.path when run as a script
+from llama_shapes import SHAPES
 from report import markdown_table, write_report
 from machine import cpu_name, read_bandwidth
 
@@ -47,21 +47,6 @@ def _floor_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, ou
 _FLOOR_LIB.impl("floor_linear", _floor_cpu, "CPU")
 
 
-def time_calls(fn, sets, calls: int, min_s: float = 0.3) -> float:
-    """Best round's seconds per call of fn over the rotating weight sets (as bench/gemv_cpu.py)."""
-    for ws in sets[:2]:
-        fn(ws)
-    best, rounds, end = float("inf"), 0, time.perf_counter() + min_s
-    while rounds < 2 or time.perf_counter() < end:
-        n = max(calls, len(sets))
-        t = time.perf_counter()
-        for i in range(n):
-            fn(sets[i % len(sets)])
-        best = min(best, (time.perf_counter() - t) / n)
-        rounds += 1
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rotate-gb", type=float, default=1.2)
@@ -69,7 +54,6 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/op_floor")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cb = get_codebook("affine")
     rows = []
     for label, (N, K) in SHAPES.items():
         if not label.startswith("8B"):
@@ -78,8 +62,7 @@ def main() -> None:
         copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
         sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
         x = torch.randn(1, K, dtype=torch.bfloat16)
-        y = torch.empty(1, N, dtype=x.dtype)
-        vectors = [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, 64, cb.cmul, cb.zero or 0.0, K) for q, s, z in sets]
+        *vectors, y = kernel_args("int2", sets, x, N)  # bench/gemv_cpu.py's int2 row: affine, group 64
         _PLANS.clear()
         _PLANS.update({q.data_ptr(): (v.buffer_info()[0], y) for (q, _, _), v in zip(sets, vectors)})
         meta = (p.layout, p.codebook, p.group_size, p.out_features)
@@ -89,8 +72,8 @@ def main() -> None:
         for _ in range(args.rounds):  # round-robin, best of: the host's bandwidth drifts
             bw = max(bw, read_bandwidth(reps=3))
             best["kernel"] = min(best["kernel"], native.time_lowbit_linear(vectors, 8))
-            best["op"] = min(best["op"], time_calls(lambda ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, 8))
-            best["floor"] = min(best["floor"], time_calls(lambda ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, 8))
+            best["op"] = min(best["op"], time_rotating(lambda x, ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
+            best["floor"] = min(best["floor"], time_rotating(lambda x, ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
         nb = p.nbytes()
         pct = {k: 100 * nb / v / 1e9 / bw for k, v in best.items()}
         rows.append(dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, op_us=best["op"] * 1e6,
