@@ -484,7 +484,7 @@ def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bo
     ]
     if skipped:
         md += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())]
-    md += ["", "Bounds (Llama-3-8B): the x_bf16 target (5x at M=1, 3x at M=16) needs ours <= bf16 / target. read = the fastest "
+    md += ["", "Bounds (every shape run): the x_bf16 target (5x at M=1, 3x at M=16) needs ours <= bf16 / target. read = the fastest "
            "read-only kernel over the same int2 bytes, measured in this run (best of a sweep over grid, warps and loads in "
            "flight, and of torch's copy_ of as many bytes; the winner is in the json): no one-kernel op that reads these "
            "weights from DRAM has been faster here. bytes floor = bytes / copy BW; "

@@ -134,7 +134,8 @@ def test_dtypes_against_float64_dequantized_weights(dtype, scale_dtype, M):
 @pytest.mark.parametrize(
     "M, kernel",
     [(1, "dot"), (1, "fma"), (7, "dot"), (16, "dot"), (1, "dp4a"), (7, "dp4a"), (1, "stream"), (1, "stream_fused"),
-     (1, "stream_fullx"), (7, "mma"), (16, "mma"), (3, "group"), (16, "group")],
+     (1, "stream_fullx"), (7, "mma"), (16, "mma"), (3, "group"), (16, "group"), (3, "group_atomic"),
+     (16, "group_atomic")],
 )
 @pytest.mark.parametrize("block_n, split_k", [(16, 2), (32, 3), (16, 8)])
 def test_split_k(M, kernel, block_n, split_k):
@@ -144,11 +145,39 @@ def test_split_k(M, kernel, block_n, split_k):
     cfg = {"KERNEL": kernel, "BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
     if kernel.startswith("stream"):
         cfg.update(KERNEL="stream", XPACK=int(kernel != "stream_fused"), PDL=1, FULLX=int(kernel == "stream_fullx"))
-    if kernel == "group":
-        cfg.update(BLOCK_M=16, WA=1)
-    for _ in range(2):  # tickets are re-armed by the reducing program: a second call is right too
+    if kernel.startswith("group"):
+        cfg.update(KERNEL="group", BLOCK_M=16, WA=1, ATOMIC=int(kernel == "group_atomic"))
+    for _ in range(2):  # tickets (and the atomic sums) are re-armed by the reducing program: a second call is right too
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
+        if kernel == "group_atomic":
+            assert not tlin._sums[y.device].any()  # the reducing programs left the buffer zeroed
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_atomic_split_k_bf16_repeated_and_deterministic_mode(M):
+    """Atomic split-K (partials added into one zeroed fp32 buffer, read back and zeroed by one atomic
+    exchange) with bf16 activations and output, the case that first raced on the H200 (a load then a
+    zeroing store); under ``torch.use_deterministic_algorithms`` the same config takes the ticket path."""
+    N, K = 100, 1024
+    w, p = _case(N, K, "int2", 64, seed=9)
+    x = torch.randn(M, K).to(torch.bfloat16)
+    ref = ops.reference_linear_w8(x, w)
+    calls = 20 if ON_GPU else 2
+    for bn, nw, split in ((32, 2, 8), (128, 8, 4), (64, 4, 2)):
+        cfg = dict(GROUP16, BLOCK_N=bn, num_warps=nw, SPLIT_K=split, ATOMIC=1)
+        for _ in range(calls):
+            _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg).float(), ref, 8e-3)
+    assert tlin._split_plan(8, 4, 4, M, N, torch.empty(1, device=DEVICE), atomic=True)[4]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not tlin._split_plan(8, 4, 4, M, N, torch.empty(1, device=DEVICE), atomic=True)[4]
+        y1 = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg)
+        y2 = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg)
+        assert torch.equal(y1, y2)
+        _close(y1.float(), ref, 8e-3)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="large K: compiled on the GPU only (too slow for the interpreter)")
@@ -252,7 +281,8 @@ def test_cuda_graph_replay():
     w, p = _case(300, 1024, "int2", 64, seed=4)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, 300, device="cuda", dtype=torch.bfloat16)
-    for cfg in ({"BLOCK_N": 16, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}, dict(STREAM, SPLIT_K=2)):
+    for cfg in ({"BLOCK_N": 16, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}, dict(STREAM, SPLIT_K=2),
+                dict(GROUP16, BLOCK_N=64, SPLIT_K=4, num_stages=3, ATOMIC=1)):
         tlin.lowbit_linear_triton(x, p, config=cfg, out=out)  # compile and allocate before capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # the stream config: pre-pass + GEMV chained by PDL, twice

@@ -51,6 +51,7 @@ from ..packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 GEMV_MAX_M = 16  # M up to this runs the fused-quantization GEMV kernel
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOCK_SLOTS = 16384  # split-K tickets (output tiles) per device
+_SUMS_MIN = 1 << 20  # fp32 elements of the atomic split-K buffer allocated at first use (M=16 x N=65536)
 
 
 # ----------------------------------------------------------------------------------- kernels
@@ -125,18 +126,45 @@ def _group_scaled(dot, xsum, s_ptr, z_ptr, row_off, offs_n, n_mask, CMUL: tl.con
 
 
 @triton.jit
+def _fence_gpu(v):
+    """``v``, after a GPU-scope fence by every thread: its writes (atomic adds included) are visible
+    device-wide before the barrier and ticket that follow (CUDA only: PTX)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs, mask, split_stride, pid_k, lock_idx,
-                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr = False,
+                     FENCE: tl.constexpr = False):
     """Writes the fp32 tile ``acc`` (+ ``bias``, broadcast like ``acc``) to ``y[offs]``. With split-K:
     this program's partial goes to the workspace (``ws[pid_k * split_stride + offs]``) and the last
     program of the tile (atomic ticket ``lock[lock_idx]``) sums the partials, adds the bias, stores y and
-    re-arms the ticket (one launch, no zero-fill: CUDA-graph safe)."""
+    re-arms the ticket (one launch, no zero-fill: CUDA-graph safe). ``ATOMIC``: the partials are
+    instead added (fp32 atomics, in arrival order: not bit-reproducible) into one zeroed ``ws[offs]``
+    tile, which the last program takes (atomic exchange with 0: the buffer is zero again) and stores
+    to y. ``FENCE`` (compiled CUDA): every thread fences its partial writes before the ticket, the
+    CUDA pattern for a last-block reduction."""
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += bias
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif ATOMIC:
+        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
+        if FENCE:
+            lock_idx = _fence_gpu(lock_idx)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + lock_idx, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:  # read and zero in one atomic: a load then a store raced between threads
+            bits = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)) + offs, tl.zeros_like(acc.to(tl.int32, bitcast=True)), mask=mask, sem="relaxed")
+            tot = bits.to(tl.float32, bitcast=True)  # (on int32 bits: the interpreter has no fp32 exchange)
+            if HAS_BIAS:
+                tot += bias
+            tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + lock_idx, 0)
     else:
         tl.store(ws_ptr + pid_k * split_stride + offs, acc, mask=mask)
+        if FENCE:
+            lock_idx = _fence_gpu(lock_idx)
         tl.debug_barrier()
         ticket = tl.atomic_add(lock_ptr + lock_idx, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
@@ -604,7 +632,7 @@ def _lowbit_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WA: tl.constexpr, HW_ASM: tl.constexpr,
     ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1,
+    SPLIT_K: tl.constexpr = 1, ATOMIC: tl.constexpr = False,
 ):
     """GEMM (M > 16) on the int8 matrix units (wgmma on Hopper), activations from
     :func:`_quant_act_kernel`. Per 32-byte weight chunk: one [BLOCK_N, 32] byte load, each bit-plane
@@ -737,7 +765,7 @@ def _lowbit_gemm_kernel(
         bias = tl.load(b_ptr + rn).to(tl.float32)[None, :] if HAS_BIAS else 0.0
         out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         omask = m_mask[:, None] & n_mask[None, :]
-    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid, SPLIT_K, HAS_BIAS)
+    _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid, SPLIT_K, HAS_BIAS, ATOMIC, HW_ASM)
 
 
 def _int_codebook(cb) -> tuple[int, int, float]:
@@ -794,6 +822,7 @@ GEMV_GROUP_SPACE = [  # 1 < M <= 16: the GEMM's group kernel with 16 token colum
     ("group", bn, sk, nw, ns) for bn in (32, 64, 128, 256) for sk in (2, 4, 8, 16) for nw, ns in ((2, 3), (4, 3), (8, 3), (4, 4))
     if (nw == 2 and bn <= 64) or (nw == 4 and 64 <= bn <= 128) or (nw == 8 and bn >= 128)
 ]
+GEMV_GROUP_ATOMIC_SPLITS = (4, 8, 16, 32)  # the same tiles with atomic split-K (ATOMIC=1) at these splits
 GEMV_MMA_SPACE = [  # 1 < M <= 16: activation pre-pass + one int8 tl.dot per group
     ("mma", bn, sk, nw, ns) for bn in (32, 64, 128) for sk in (4, 8) for nw, ns in ((4, 3), (8, 3)) if nw == 4 or bn >= 64
 ]
@@ -967,18 +996,39 @@ def _pdl_ok(device: torch.device) -> bool:
     return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _split_plan(chunks: int, split: int, tiles: int, M: int, N: int, dummy: torch.Tensor):
-    """``(splits, chunks per split, partials workspace, tickets)`` for ``split`` requested K-splits of
-    ``chunks`` chunks over ``tiles`` output tiles: no empty splits, no split when the tiles outnumber
-    the split-K tickets; unsplit, the workspace and tickets are ``dummy`` (never touched)."""
+_sums: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeroed_sums(device: torch.device, numel: int) -> Optional[torch.Tensor]:
+    """The device's zeroed fp32 buffer that atomic split-K adds partials into (the reducing program
+    zeroes its tile again), grown to ``numel``; ``None`` where it would have to grow during a CUDA graph
+    capture (memory allocated there belongs to the graph)."""
+    buf = _sums.get(device)
+    if buf is None or buf.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _sums[device] = torch.zeros(max(numel, _SUMS_MIN), dtype=torch.float32, device=device)
+    return buf
+
+
+def _split_plan(chunks: int, split: int, tiles: int, M: int, N: int, dummy: torch.Tensor, atomic: bool = False):
+    """``(splits, chunks per split, partials workspace, tickets, atomic)`` for ``split`` requested
+    K-splits of ``chunks`` chunks over ``tiles`` output tiles: no empty splits, no split when the tiles
+    outnumber the split-K tickets; unsplit, the workspace and tickets are ``dummy`` (never touched).
+    ``atomic`` (partials added by fp32 atomics into one zeroed buffer) holds unless
+    ``torch.use_deterministic_algorithms`` is on or the buffer would grow inside a graph capture."""
     if tiles > _LOCK_SLOTS:
         split = 1
     per_split = -(-chunks // split)
     split = -(-chunks // per_split)  # no empty splits
     if split == 1:
-        return 1, chunks, dummy, dummy
+        return 1, chunks, dummy, dummy, False
+    if atomic and dummy.device.type != "xpu" and not torch.are_deterministic_algorithms_enabled():  # xpu: no fence
+        sums = _zeroed_sums(dummy.device, M * N)
+        if sums is not None:
+            return split, per_split, sums, _lock_buffer(dummy.device), True
     ws = torch.empty(split * M * N, dtype=torch.float32, device=dummy.device)
-    return split, per_split, ws, _lock_buffer(dummy.device)
+    return split, per_split, ws, _lock_buffer(dummy.device), False
 
 
 def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
@@ -1004,7 +1054,7 @@ def _launch_kernels(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
         _check_config(cfg, "gemv")
         bn = cfg["BLOCK_N"]
         tiles_n, tiles_m = triton.cdiv(N, bn), triton.cdiv(M, GEMV_MAX_M)
-        split, per_split, ws, locks = _split_plan(Kp // kc, cfg["SPLIT_K"], tiles_n * tiles_m, M, N, dummy)
+        split, per_split, ws, locks, _ = _split_plan(Kp // kc, cfg["SPLIT_K"], tiles_n * tiles_m, M, N, dummy)
         grid = (tiles_n, tiles_m, split)
         kernel = cfg.get("KERNEL", "dot")
         if kernel == "stream":
@@ -1117,7 +1167,9 @@ def _launch_group(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
     )  # fmt: skip
     bn, bm = cfg["BLOCK_N"], cfg["BLOCK_M"]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    split, per_split, ws, locks = _split_plan(Kp // triton_chunk(cb.bits), cfg.get("SPLIT_K", 1), tiles, M, N, y)
+    split, per_split, ws, locks, atomic = _split_plan(
+        Kp // triton_chunk(cb.bits), cfg.get("SPLIT_K", 1), tiles, M, N, y, atomic=bool(cfg.get("ATOMIC", 0))
+    )
     ca, cbias, fmul = _int_codebook(cb)
     hw = x2.device.type == "cuda" and not _INTERPRETED
     asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
@@ -1127,7 +1179,7 @@ def _launch_group(x2, weight: PackedLowBit, bias, y, cfg: dict) -> None:
         BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
         HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
-        SPLIT_K=split,
+        SPLIT_K=split, ATOMIC=atomic,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
     )  # fmt: skip
 
@@ -1142,6 +1194,8 @@ def _space(path: str, M: int) -> list[dict]:
         stream = [dict(zip(fields, c), XPACK=1, PDL=1) for c in GEMV_STREAM_SPACE]
         return stream + [dict(zip(fields, c)) for c in dp4a]
     group = [dict(zip(fields, c), BLOCK_M=GEMV_MAX_M, WA=1) for c in GEMV_GROUP_SPACE]
+    tiles = {(c["BLOCK_N"], c["num_warps"], c["num_stages"]): c for c in group}
+    group += [dict(c, SPLIT_K=sk, ATOMIC=1) for c in tiles.values() for sk in GEMV_GROUP_ATOMIC_SPLITS]
     return group + [dict(zip(fields, c)) for c in GEMV_MMA_SPACE + GEMV_SPACE + dp4a]
 
 
