@@ -148,29 +148,24 @@ def _store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs, mask, split_strid
         if HAS_BIAS:
             acc += bias
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    elif ATOMIC:
-        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-        if FENCE:
-            lock_idx = _fence_gpu(lock_idx)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(lock_ptr + lock_idx, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:  # read and zero in one atomic: a load then a store raced between threads
-            bits = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)) + offs, tl.zeros_like(acc.to(tl.int32, bitcast=True)), mask=mask, sem="relaxed")
-            tot = bits.to(tl.float32, bitcast=True)  # (on int32 bits: the interpreter has no fp32 exchange)
-            if HAS_BIAS:
-                tot += bias
-            tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr + lock_idx, 0)
     else:
-        tl.store(ws_ptr + pid_k * split_stride + offs, acc, mask=mask)
+        if ATOMIC:
+            tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(ws_ptr + pid_k * split_stride + offs, acc, mask=mask)
         if FENCE:
             lock_idx = _fence_gpu(lock_idx)
         tl.debug_barrier()
         ticket = tl.atomic_add(lock_ptr + lock_idx, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
-            tot = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(ws_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if ATOMIC:  # read and zero in one atomic (a load then a store raced between threads), on the
+                # int32 bits: the interpreter has no fp32 exchange
+                bits = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)) + offs, tl.zeros_like(acc).to(tl.int32, bitcast=True), mask=mask, sem="relaxed")
+                tot = bits.to(tl.float32, bitcast=True)
+            else:
+                tot = tl.zeros_like(acc)
+                for s in tl.static_range(SPLIT_K):
+                    tot += tl.load(ws_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 tot += bias
             tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
