@@ -1011,14 +1011,15 @@ def _split_plan(chunks: int, split: int, tiles: int, M: int, N: int, dummy: torc
     K-splits of ``chunks`` chunks over ``tiles`` output tiles: no empty splits, no split when the tiles
     outnumber the split-K tickets; unsplit, the workspace and tickets are ``dummy`` (never touched).
     ``atomic`` (partials added by fp32 atomics into one zeroed buffer) holds unless
-    ``torch.use_deterministic_algorithms`` is on or the buffer would grow inside a graph capture."""
+    ``torch.use_deterministic_algorithms`` is on, the device is an XPU (not run there) or the buffer
+    would grow inside a graph capture."""
     if tiles > _LOCK_SLOTS:
         split = 1
     per_split = -(-chunks // split)
     split = -(-chunks // per_split)  # no empty splits
     if split == 1:
         return 1, chunks, dummy, dummy, False
-    if atomic and dummy.device.type != "xpu" and not torch.are_deterministic_algorithms_enabled():  # xpu: no fence
+    if atomic and dummy.device.type != "xpu" and not torch.are_deterministic_algorithms_enabled():
         sums = _zeroed_sums(dummy.device, M * N)
         if sums is not None:
             return split, per_split, sums, _lock_buffer(dummy.device), True
