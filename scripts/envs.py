@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import shutil
-import sysconfig
 import subprocess
 import sys
 import time
@@ -118,8 +117,8 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 
 def _site_packages(vdir: Path) -> Path:
-    rel = Path(sysconfig.get_path("purelib")).relative_to(sysconfig.get_path("data"))
-    return vdir / rel
+    """A POSIX venv's site-packages (venvs are built by this interpreter: same version)."""
+    return vdir / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
 
 def _record_hash(data: bytes) -> str:
