@@ -47,7 +47,6 @@ class EnvSpec:
     uninstall: tuple[str, ...] = tuple(CUDA_ONLY_EXTRAS)
     vllm_metadata_shim: bool = False
     env: dict = field(default_factory=dict)
-    shared: tuple[str, ...] = SHARED_DISTS
 
 
 COMMON_TESTS = ("tests/kernels", "tests/foundation")
@@ -125,8 +124,61 @@ def _record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def seed_shared(vdir: Path, names: tuple[str, ...], log: Path) -> list[str]:
-    """Install ``names`` into the venv ``vdir`` as hard links to a venv built earlier.
+def _built_dist(name: str, vdir: Path) -> tuple[Path, Path] | None:
+    """``(site-packages, dist-info)`` of distribution ``name`` in a finished venv other than ``vdir``."""
+    for other in sorted(VENVS.iterdir()):
+        if other == vdir or not (other / ".aipc-env-key").exists():
+            continue
+        infos = list(_site_packages(other).glob(f"{name}-*.dist-info"))
+        if len(infos) == 1:
+            return _site_packages(other), infos[0]
+    return None
+
+
+def _link_dist(osite: Path, info: Path, site: Path, py: Path) -> int:
+    """Installs the distribution of ``info`` (in ``osite``) into ``site`` as hard links; console
+    scripts get ``py`` on their ``#!`` line. Writes its RECORD; returns the number of rows."""
+    with (info / "RECORD").open(newline="") as f:
+        record = list(csv.reader(f))
+    rows: list[list[str]] = []
+    for row in record:
+        rel = row[0] if row else ""
+        if not rel or rel.startswith(info.name + "/"):
+            continue  # the dist-info itself is copied below
+        src, dst = osite / rel, site / rel
+        if not src.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        data = src.read_bytes() if ".." in Path(rel).parts else b""
+        if data.startswith(b"#!"):  # a console script in bin/
+            data = b"#!" + str(py).encode() + data[data.index(b"\n") :]
+            dst.write_bytes(data)
+            dst.chmod(src.stat().st_mode)
+            rows.append([rel, _record_hash(data), str(len(data))])
+            continue
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+        rows.append(row)
+    dinfo = site / info.name
+    dinfo.mkdir()
+    for f in info.iterdir():
+        if f.is_dir():
+            shutil.copytree(f, dinfo / f.name)
+        elif f.name not in ("RECORD", "REQUESTED", "direct_url.json"):
+            shutil.copy2(f, dinfo / f.name)
+    for p in sorted(q for q in dinfo.rglob("*") if q.is_file()):
+        rows.append([str(p.relative_to(site)), _record_hash(p.read_bytes()), str(p.stat().st_size)])
+    rows.append([f"{info.name}/RECORD", "", ""])
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(rows)
+    (dinfo / "RECORD").write_text(out.getvalue())
+    return len(rows)
+
+
+def seed_shared(vdir: Path, log: Path) -> list[str]:
+    """Install :data:`SHARED_DISTS` into the venv ``vdir`` as hard links to a venv built earlier.
 
     Every file listed in the source distribution's RECORD is linked (byte-identical, same inode:
     compiled ``.pyc`` files stay valid), except console scripts, whose ``#!`` line names the other
@@ -135,57 +187,16 @@ def seed_shared(vdir: Path, names: tuple[str, ...], log: Path) -> list[str]:
     otherwise). Three venvs hold one copy of torch and triton instead of three (~3.5 GB less disk;
     triton's 290 MB wheel is not downloaded again). Returns the distributions seeded."""
     site = _site_packages(vdir)
-    py = venv_python(vdir.name)
     seeded = []
-    for name in names:
-        if list(site.glob(f"{name}-*.dist-info")):
+    for name in SHARED_DISTS:
+        found = None if any(site.glob(f"{name}-*.dist-info")) else _built_dist(name, vdir)
+        if found is None:
             continue
-        for other in sorted(VENVS.iterdir()):
-            osite = _site_packages(other)
-            infos = list(osite.glob(f"{name}-*.dist-info"))
-            if other == vdir or not (other / ".aipc-env-key").exists() or len(infos) != 1:
-                continue
-            info = infos[0]
-            rows: list[list[str]] = []
-            with (info / "RECORD").open(newline="") as f:
-                record = list(csv.reader(f))
-            for row in record:
-                rel = row[0] if row else ""
-                if not rel or rel.startswith(info.name + "/"):
-                    continue  # the dist-info itself is copied below
-                src, dst = osite / rel, site / rel
-                if not src.exists():
-                    continue
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                data = src.read_bytes() if ".." in Path(rel).parts else b""
-                if data.startswith(b"#!"):  # a console script in bin/
-                    data = b"#!" + str(py).encode() + data[data.index(b"\n") :]
-                    dst.write_bytes(data)
-                    dst.chmod(src.stat().st_mode)
-                    rows.append([rel, _record_hash(data), str(len(data))])
-                    continue
-                try:
-                    os.link(src, dst)
-                except OSError:
-                    shutil.copy2(src, dst)
-                rows.append(row)
-            dinfo = site / info.name
-            dinfo.mkdir()
-            for f in info.iterdir():
-                if f.is_dir():
-                    shutil.copytree(f, dinfo / f.name)
-                elif f.name not in ("RECORD", "REQUESTED", "direct_url.json"):
-                    shutil.copy2(f, dinfo / f.name)
-            for p in sorted(q for q in dinfo.rglob("*") if q.is_file()):
-                rows.append([str(p.relative_to(site)), _record_hash(p.read_bytes()), str(p.stat().st_size)])
-            rows.append([f"{info.name}/RECORD", "", ""])
-            out = io.StringIO()
-            csv.writer(out, lineterminator="\n").writerows(rows)
-            (dinfo / "RECORD").write_text(out.getvalue())
-            with log.open("a") as f:
-                f.write(f"\nseeded {info.name} from {other.name} ({len(rows)} files, hard links)\n")
-            seeded.append(info.name)
-            break
+        osite, info = found
+        n = _link_dist(osite, info, site, venv_python(vdir.name))
+        with log.open("a") as f:
+            f.write(f"\nseeded {info.name} from {osite} ({n} files, hard links)\n")
+        seeded.append(info.name)
     return seeded
 
 
@@ -236,7 +247,7 @@ def ensure_env(spec: EnvSpec, timings: dict[str, float]) -> Path:
         _run([sys.executable, "-m", "venv", str(vdir)], log)
         pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
         _run(pip + ["install", "-q", "-U", "pip", "setuptools>=77,<81", "wheel"], log)
-        seeded = seed_shared(vdir, spec.shared, log)
+        seeded = seed_shared(vdir, log)
         if seeded:
             print(f"[envs]   hard-linked from an earlier venv: {', '.join(seeded)}", flush=True)
         _run(pip + ["install", "-q", TORCH], log)
