@@ -350,3 +350,23 @@ def test_small_m_activation_pass_in_slices(codebook):
     x = torch.randn(M, K) * torch.linspace(0.1, 4, K)  # absmax far from the first slice
     y = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=dict(GROUP16, SPLIT_K=3))
     _close(y, ops.reference_linear_w8(x, w), 2e-5)
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("group", [64, -1], ids=["g64", "row"])
+@pytest.mark.parametrize("flag", ["AIPC_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"])
+def test_batch_invariant_mode_row_bits_independent_of_m(codebook, group, flag, monkeypatch):
+    """With the batch-invariant flag a row's output bits are the same alone (M = 1, where the default
+    is the stream kernel with split-K) and inside batches that take the M <= 16 and M > 16 tiles (without
+    the flag 24 of these 40 cases differ in float32 under the interpreter)."""
+    monkeypatch.setenv(flag, "1")
+    N, K = 48, 1024
+    w, p = _case(N, K, codebook, group, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(33, K, generator=g).to(DEVICE)
+    bias = torch.randn(N, generator=g).to(DEVICE)
+    alone = torch.cat([tlin.lowbit_linear_triton(x[i : i + 1], p, bias) for i in range(3)])
+    _close(alone, ops.reference_linear_w8(x[:3].cpu(), w, bias.cpu()), 2e-5)
+    for M in (3, 16, 17, 33):
+        y = tlin.lowbit_linear_triton(x[:M], p, bias)[:3]
+        assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), f"M={M}: rows differ in bits from M=1"

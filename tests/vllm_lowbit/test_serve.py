@@ -153,3 +153,29 @@ def test_bf16_hf_overrides_on_the_fly(llama_dir, logs, prompts, request):
         server.stop()
     check_teacher_forced(llama_dir, prompts, got, "lowbit", min_agree=0.8, max_gap_in_std=0.15, **q)
     check_teacher_forced(llama_dir, prompts, got, "dequantized", min_agree=0.8, max_gap_in_std=0.15, **q)
+
+
+def test_greedy_is_independent_of_server_load(llama_server):
+    """Batch invariance under load: 96 greedy requests sent one at a time, then by 16 concurrent
+    clients (the server batches up to 8 sequences, prefill and decode mixed). Token ids and their
+    log-probabilities must be bitwise the same: the low-bit kernels compute a row the same way
+    whatever the batch (tests/kernels/test_batch_invariance.py)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(19)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 48))] for _ in range(96)]
+
+    def complete(ids):
+        r = llama_server.post("/v1/completions", dict(model=llama_server.model, prompt=ids, max_tokens=12,
+                                                      temperature=0.0, ignore_eos=True, return_token_ids=True,
+                                                      logprobs=1))  # fmt: skip
+        choice = r["choices"][0]
+        return list(choice["token_ids"]), choice["logprobs"]["token_logprobs"]
+
+    alone = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        loaded = list(pool.map(complete, prompts))
+    tokens = sum(a[0] != b[0] for a, b in zip(alone, loaded))
+    logprobs = sum(a[1] != b[1] for a, b in zip(alone, loaded))
+    assert (tokens, logprobs) == (0, 0), f"under load {tokens}/96 completions and {logprobs}/96 log-probabilities differ"

@@ -141,15 +141,14 @@ static void quantize_row512(const void *x, int dt, int64_t K, int64_t G, int64_t
 
 /* Row m of quantize_activations; `row` is a float scratch of K values (unused with AVX-512). */
 static void quantize_row(const void *x, int dt, int64_t m, int64_t K, int64_t G, int64_t act_group, int isa, float *row,
-                         int8_t *xq, float *sx, int32_t *gsum, float *xs) {
+                         int8_t *xq, float *sx, int32_t *gsum) {
     const int64_t ng = K / G, nag = K / act_group;
     const void *xm = (const char *)x + m * K * (dt == DT_F32 ? 4 : 2);
     int8_t *qm = xq + m * K;
-    sx += m * ng, gsum += m * ng, xs += m * ng;
+    sx += m * ng, gsum += m * ng;
 #ifdef AIPC_X86
     if (isa >= ISA_AVX512_VNNI) {
         quantize_row512(xm, dt, K, G, act_group, qm, sx, gsum);
-        for (int64_t g = 0; g < ng; g++) xs[g] = sx[g] * (float)gsum[g];
         return;
     }
 #endif
@@ -163,22 +162,21 @@ static void quantize_row(const void *x, int dt, int64_t m, int64_t K, int64_t G,
         int32_t sum = 0;
         for (int64_t k = g * G; k < (g + 1) * G; k++) sum += qm[k];
         gsum[g] = sum;
-        xs[g] = sx[g] * (float)sum;
     }
 }
 
 /* Quantizes x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group.
- * xq: [M][K]; sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq;
- * xs: [M][K/G] = sx * gsum. With AVX-512 one fused pass per span (no float copy of the row).
+ * xq: [M][K]; sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq.
+ * With AVX-512 one fused pass per span (no float copy of the row).
  * One row (decode) is quantized by the calling thread: a parallel region, even an inactive one,
  * costs about half as much as the row itself (0.35 us of 0.6 us at K=4096). */
 static int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, int isa,
-                                int8_t *xq, float *sx, int32_t *gsum, float *xs, int nthreads) {
+                                int8_t *xq, float *sx, int32_t *gsum, int nthreads) {
     const int need_row = isa < ISA_AVX512_VNNI;
     if (M == 1) {
         float *row = need_row ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
         if (need_row && !row) return ERR_NOMEM;
-        quantize_row(x, dt, 0, K, G, act_group, isa, row, xq, sx, gsum, xs);
+        quantize_row(x, dt, 0, K, G, act_group, isa, row, xq, sx, gsum);
         free(row);
         return OK;
     }
@@ -192,7 +190,7 @@ static int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (row || !need_row) quantize_row(x, dt, m, K, G, act_group, isa, row, xq, sx, gsum, xs);
+            if (row || !need_row) quantize_row(x, dt, m, K, G, act_group, isa, row, xq, sx, gsum);
         free(row);
     }
     return status;
@@ -211,12 +209,15 @@ typedef struct {
     const int8_t *xq;   /* [M][K] */
     const int32_t *xt;  /* AVX-512 paths: [ceil(M/T)][K/4][T] quads, tokens of a tile interleaved */
     int64_t T;          /* tokens per tile of xt */
-    const float *sx, *xs;
-    /* one token with one activation scale (decode): [K/G] group sums of xq divided by cmul, the zero
-     * term in code units, so a group costs one scale FMA and the scale sx * cmul is applied once at
-     * the end; NULL otherwise */
-    const float *zq;
-    float out_scale;
+    /* The one epilogue every kernel computes (batch invariance: a row's bits do not depend on M, the
+     * tile or the ISA), per token m, output n and group g, in group order, with fused multiply-adds:
+     *   u = dot - z * zq[m,g];  acc = fma(s * ws[m,g], u, acc);  y = acc * outs[m] + bias
+     * zq = (group sum of xq) / cmul is the zero term in code units; ws is the group's activation
+     * scale (NULL with one scale per token: 1); outs[m] = cmul times the token's scale (per token) or
+     * cmul (per group). */
+    const float *zq;    /* [M][K/G] */
+    const float *ws;    /* [M][K/G], or NULL */
+    const float *outs;  /* [M] */
     const void *bias; /* [N] in out_dt, or NULL */
     void *y;          /* [M][N] */
     int out_dt;
@@ -224,10 +225,11 @@ typedef struct {
 
 static inline int64_t chunk_k(int bits) { return CHUNK_BYTES * 8 / bits / BLOCK_N; }
 
+/* Writes 16 outputs of token m: acc * outs[m] + bias, in the output dtype. */
 static void store_block(const lowbit_args *a, int64_t m, int64_t n0, const float *acc16) {
     const int64_t nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
     for (int64_t j = 0; j < nn; j++) {
-        float v = acc16[j];
+        float v = acc16[j] * a->outs[m];
         if (a->bias) v += load_f(a->bias, n0 + j, a->out_dt);
         store_f(a->y, m * a->N + n0 + j, a->out_dt, v);
     }
@@ -252,11 +254,12 @@ static void block_scalar(const lowbit_args *a, int64_t nb) {
                             dot[n] += ((wc[n * 4 + kk] >> (q * a->bits)) & mask) * xp[kk];
                 }
             }
-            const int64_t si = (nb * ng + g) * BLOCK_N;
+            const int64_t si = (nb * ng + g) * BLOCK_N, mg = m * ng + g;
+            const float w = a->ws ? a->ws[mg] : 1.f;
             for (int n = 0; n < BLOCK_N; n++) {
                 const float s = load_f(a->scales, si + n, a->scale_dt);
                 const float z = a->zeros ? load_f(a->zeros, si + n, a->scale_dt) : a->zero_const;
-                acc[n] += s * a->cmul * a->sx[m * ng + g] * (float)dot[n] - s * z * a->xs[m * ng + g];
+                acc[n] = fmaf(s * w, fmaf(-z, a->zq[mg], (float)dot[n]), acc[n]);
             }
         }
         store_block(a, m, nb * BLOCK_N, acc);
@@ -331,28 +334,20 @@ static inline T512 __m512i plane512(__m512i w, int q, int bits) {
     return _mm512_and_si512(q ? _mm512_srli_epi16(w, (unsigned)(q * bits)) : w, mask);
 }
 
+/* The epilogue of group g for MT tokens (see lowbit_args): u = dot - z * zq; acc += s * ws * u. */
 static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
                                           const __m512i *dot, __m512 *acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
     const __m512 s = load16_scales(a->scales, si, a->scale_dt);
-    const __m512 sz = _mm512_mul_ps(s, a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const));
-    const __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(a->cmul));
+    const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
     for (int i = 0; i < mt; i++) {
         const int64_t mg = (m0 + i) * ng + g;
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(a->sx[mg])), _mm512_cvtepi32_ps(dot[i]), acc[i]);
-        acc[i] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(a->xs[mg]), acc[i]);
+        const __m512 u = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[mg]), _mm512_cvtepi32_ps(dot[i]));
+        acc[i] = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s, u, acc[i]);
     }
 }
 
-/* Decode epilogue (a->zq set): acc += s * (dot - z * zq[g]), scaled by a->out_scale once at the end. */
-static inline T512 void decode_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, __m512i dot, __m512 *acc) {
-    const int64_t si = (nb * (a->K / a->G) + g) * BLOCK_N;
-    const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
-    const __m512 u = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[g]), _mm512_cvtepi32_ps(dot));
-    *acc = _mm512_fmadd_ps(load16_scales(a->scales, si, a->scale_dt), u, *acc);
-}
-
-/* Writes 16 outputs (+ bias) of row block nb for MT tokens, converting to the output dtype. */
+/* Writes 16 outputs of row block nb for MT tokens: acc * outs[m] + bias, in the output dtype. */
 static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64_t nb, const __m512 *acc) {
     const int64_t n0 = nb * BLOCK_N, nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
     const __mmask16 k = (__mmask16)((1u << nn) - 1u);
@@ -362,7 +357,7 @@ static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64
         else bias = load16_scales_masked(a->bias, n0, a->out_dt, k);
     }
     for (int i = 0; i < mt; i++) {
-        const __m512 v = _mm512_add_ps(acc[i], bias);
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(acc[i], _mm512_set1_ps(a->outs[m0 + i])), bias);
         const int64_t off = (m0 + i) * a->N + n0;
         if (a->out_dt == DT_F32) {
             _mm512_mask_storeu_ps((float *)a->y + off, k, v);
@@ -448,10 +443,8 @@ static T512 __attribute__((noinline)) void gemv512_2b(const lowbit_args *a, int6
         }
         __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, _mm512_srai_epi32(d1, 2)),
                                        _mm512_add_epi32(_mm512_srai_epi32(d2, 4), _mm512_srai_epi32(d3, 6)));
-        if (a->zq) decode_epilogue512(a, nb, g, dot, &acc);
-        else group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
     }
-    if (a->zq) acc = _mm512_mul_ps(acc, _mm512_set1_ps(a->out_scale));
     store512(a, m, 1, nb, &acc);
 }
 
@@ -485,10 +478,8 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
         __m512i hi = _mm512_add_epi32(_mm512_add_epi32(_mm512_srai_epi32(d4, 4), _mm512_srai_epi32(d5, 5)),
                                       _mm512_add_epi32(_mm512_srai_epi32(d6, 6), _mm512_srai_epi32(d7, 7)));
         __m512i dot = _mm512_add_epi32(lo, hi);
-        if (a->zq) decode_epilogue512(a, nb, g, dot, &acc);
-        else group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
     }
-    if (a->zq) acc = _mm512_mul_ps(acc, _mm512_set1_ps(a->out_scale));
     store512(a, m, 1, nb, &acc);
 }
 #undef PLANE_DOT
@@ -583,12 +574,10 @@ typedef struct {
 
 typedef struct {
     const int8_t *xa;  /* A tiles */
-    const float *qs;   /* [M][K/G] group sums of xq (affine only) */
     int64_t ks;        /* k per tile step */
     int level_mul;     /* fixed zero: up-converted byte = level_mul * c - level_sub; 0: affine (codes) */
     int level_sub;
-    float level_scale; /* 1 / r: value of one level step relative to s * cmul */
-    int per_token;     /* activation scale per token: applied at the end, not per group */
+    float level_scale; /* 1 / (r * cmul), 1 or 1/2: a dot of levels times it is exactly u = dot - z * zq */
     int64_t nblocks;
 } amx_plan;
 
@@ -637,40 +626,21 @@ static TAMX void amx_upconvert(const lowbit_args *a, const amx_plan *pl, int64_t
     }
 }
 
-/* acc[i][:] (tokens m0 + i, row block nb) += group g's contribution from the int32 dots c[i][:]. */
+/* acc[i][:] (tokens m0 + i, row block nb) += group g's contribution from the int32 dots c[i][:], the
+ * epilogue of lowbit_args bit for bit: with fixed-zero levels c is r * cmul * u exactly, else the dot of
+ * the codes (zq, ws: padded to whole tiles). */
 static inline TAMX void amx_epilogue(const lowbit_args *a, const amx_plan *pl, int64_t nb, int64_t g, int64_t m0,
                                      const int32_t *__restrict c, float *__restrict acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
     const __m512 s = load16_scales(a->scales, si, a->scale_dt);
-    const __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(a->cmul * pl->level_scale));
-    const float *__restrict sx = a->sx + m0 * ng + g;
-    if (pl->level_mul) {
-        if (pl->per_token) {
-            for (int i = 0; i < AMX_M; i++)
-                _mm512_store_ps(acc + i * BLOCK_N, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N)),
-                                                                   _mm512_load_ps(acc + i * BLOCK_N)));
-        } else {
-            for (int i = 0; i < AMX_M; i++)
-                _mm512_store_ps(acc + i * BLOCK_N,
-                                _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(sx[i * ng])),
-                                                _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N)), _mm512_load_ps(acc + i * BLOCK_N)));
-        }
-        return;
-    }
-    const __m512 sz = _mm512_mul_ps(s, load16_scales(a->zeros, si, a->scale_dt));
-    if (pl->per_token) { /* sx applied at the end: acc += sc * dot - sz * qsum */
-        const float *__restrict qs = pl->qs + m0 * ng + g;
-        for (int i = 0; i < AMX_M; i++) {
-            __m512 v = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N)), _mm512_load_ps(acc + i * BLOCK_N));
-            _mm512_store_ps(acc + i * BLOCK_N, _mm512_fnmadd_ps(sz, _mm512_set1_ps(qs[i * ng]), v));
-        }
-    } else {
-        const float *__restrict xs = a->xs + m0 * ng + g;
-        for (int i = 0; i < AMX_M; i++) {
-            __m512 v = _mm512_load_ps(acc + i * BLOCK_N);
-            v = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(sx[i * ng])), _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N)), v);
-            _mm512_store_ps(acc + i * BLOCK_N, _mm512_fnmadd_ps(sz, _mm512_set1_ps(xs[i * ng]), v));
-        }
+    const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
+    const __m512 ls = _mm512_set1_ps(pl->level_scale);
+    for (int i = 0; i < AMX_M; i++) {
+        const int64_t mg = (m0 + i) * ng + g;
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N));
+        const __m512 u = pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[mg]), d);
+        const __m512 sw = a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s;
+        _mm512_store_ps(acc + i * BLOCK_N, _mm512_fmadd_ps(sw, u, _mm512_load_ps(acc + i * BLOCK_N)));
     }
 }
 
@@ -722,13 +692,6 @@ static TAMX void amx_block_pair(const lowbit_args *a, const amx_plan *pl, int64_
             if (two_m && two_n) amx_epilogue(a, pl, nb + 1, g, mb0 + m0 + AMX_M, cbuf + 768, acc1 + (m0 + AMX_M) * BLOCK_N);
         }
     }
-    if (pl->per_token) {
-        for (int64_t i = 0; i < mbt; i++) {
-            const __m512 f = _mm512_set1_ps(a->sx[(mb0 + i) * ng]);
-            _mm512_store_ps(acc0 + i * BLOCK_N, _mm512_mul_ps(f, _mm512_load_ps(acc0 + i * BLOCK_N)));
-            _mm512_store_ps(acc1 + i * BLOCK_N, _mm512_mul_ps(f, _mm512_load_ps(acc1 + i * BLOCK_N)));
-        }
-    }
     store512(a, mb0, (int)mbt, nb, (const __m512 *)acc0);
     if (two_n) store512(a, mb0, (int)mbt, nb + 1, (const __m512 *)acc1);
 }
@@ -740,7 +703,7 @@ static void amx_levels(const lowbit_args *a, amx_plan *pl) {
     for (int r = 1; r <= 2; r++) {
         const float m = a->cmul * (float)r, z = a->zero_const * (float)r;
         if (m == (float)(int)m && z == (float)(int)z && (m == 1.f || m == 2.f) && fabsf(z) <= 64.f) {
-            pl->level_mul = (int)m, pl->level_sub = (int)z, pl->level_scale = 1.f / ((float)r * a->cmul);
+            pl->level_mul = (int)m, pl->level_sub = (int)z, pl->level_scale = 1.f / m;
             return;
         }
     }
@@ -812,12 +775,12 @@ static int amx_usable(void) {
                 const __m256 s = LOAD8_SCALES(a->scales, si + 8 * h, a->scale_dt);                           \
                 const __m256 z = a->zeros ? LOAD8_SCALES(a->zeros, si + 8 * h, a->scale_dt)                  \
                                           : _mm256_set1_ps(a->zero_const);                                   \
-                const __m256 sz = _mm256_mul_ps(s, z), sc = _mm256_mul_ps(s, _mm256_set1_ps(a->cmul));       \
-                for (int i = 0; i < MT; i++) {                                                               \
-                    const int64_t mg = (m0 + i) * ng + g;                                                    \
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(a->sx[mg])),                \
-                                                _mm256_cvtepi32_ps(dot[i][h]), acc[i][h]);                   \
-                    acc[i][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(a->xs[mg]), acc[i][h]);                  \
+                for (int i = 0; i < MT; i++) {                                                           \
+                    const int64_t mg = (m0 + i) * ng + g;                                                \
+                    const __m256 u = _mm256_fnmadd_ps(z, _mm256_set1_ps(a->zq[mg]),                      \
+                                                      _mm256_cvtepi32_ps(dot[i][h]));                    \
+                    const __m256 sw = a->ws ? _mm256_mul_ps(s, _mm256_set1_ps(a->ws[mg])) : s;           \
+                    acc[i][h] = _mm256_fmadd_ps(sw, u, acc[i][h]);                                       \
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
@@ -914,18 +877,23 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
-    /* per-group scratch, [M][K/G] each: sx, xs and zq (float), gsum (int32) */
-    float *sx = (float *)malloc(sizeof(float) * (size_t)(4 * M * ng));
+    /* scratch, zeroed: [Mp][K/G] each (AMX reads whole tiles of rows) sx and zq (float), gsum (int32);
+     * outs [Mp] */
+    float *sx = (float *)calloc((size_t)(3 * Mp * ng + Mp), sizeof(float));
     if (!xq || !sx) {
         free(xq); free(sx);
         return ERR_NOMEM;
     }
-    float *xs = sx + M * ng, *zq = NULL;
-    int32_t *gsum = (int32_t *)(sx + 3 * M * ng);
+    float *zq = sx + Mp * ng, *outs = sx + 3 * Mp * ng;
+    int32_t *gsum = (int32_t *)(sx + 2 * Mp * ng);
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
-    if (quantize_activations(x, dt, M, K, G, act_group, isa, xq, sx, gsum, xs, nthreads) != OK) {
+    if (quantize_activations(x, dt, M, K, G, act_group, isa, xq, sx, gsum, nthreads) != OK) {
         free(xq); free(sx);
         return ERR_NOMEM;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < ng; g++) zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
+        outs[m] = act_group == K ? sx[m * ng] * cmul : cmul;
     }
     /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
     const int64_t T = M == 1 ? 1 : M >= UP_MIN_M ? UP_M : bits == 2 ? OTF_M : OTF_M / 2, K4 = K / 4;
@@ -943,29 +911,23 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
                 for (int64_t i = 0; i < T; i++)
                     xt[(t * K4 + kq) * T + i] = t * T + i < M ? rows[(t * T + i) * K4 + kq] : 0;
     }
-    if (M == 1 && act_group == K && isa >= ISA_AVX512_VNNI) { /* the AVX-512 decode kernels' zero term */
-        zq = sx + 2 * M * ng;
-        for (int64_t g = 0; g < ng; g++) zq[g] = (float)gsum[g] / cmul;
-    }
-    const lowbit_args a = {w, scales, zeros, scale_dt, bits, M, N, K, G, cmul, zero_const, xq, xt, T, sx, xs,
-                           zq, sx[0] * cmul, bias, y, dt};
+    const lowbit_args a = {w, scales, zeros, scale_dt, bits, M, N, K, G, cmul, zero_const, xq, xt, T, zq,
+                           act_group == K ? NULL : sx, outs, bias, y, dt};
     int status = OK;
 #ifdef AIPC_AMX
     if (use_amx) {
         const int64_t ublock = K / 4 * CHUNK_BYTES;
         amx_plan pl;
         amx_levels(&a, &pl);
-        pl.ks = amx_kstep(G), pl.nblocks = nblocks, pl.per_token = act_group == K;
+        pl.ks = amx_kstep(G), pl.nblocks = nblocks;
         const int64_t npairs = (nblocks + 1) / 2;
         int8_t *xa = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
-        float *qs = (float *)malloc(sizeof(float) * (size_t)(Mp * ng));
-        if (!xa || !qs) {
-            free(xa); free(qs); free(xq); free(sx);
+        if (!xa) {
+            free(xq); free(sx);
             return ERR_NOMEM;
         }
         amx_tile_activations(xq, Mp, K, pl.ks, xa);
-        for (int64_t i = 0; i < Mp * ng; i++) qs[i] = i < M * ng ? (float)gsum[i] : 0.f; /* pad rows: 0 */
-        pl.xa = xa, pl.qs = qs;
+        pl.xa = xa;
         if (npairs < nthreads) nthreads = (int)npairs;
 #pragma omp parallel num_threads(nthreads)
         {
@@ -990,7 +952,6 @@ API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const ui
             free(acc);
         }
         free(xa);
-        free(qs);
         free(xq); free(sx);
         return status;
     }

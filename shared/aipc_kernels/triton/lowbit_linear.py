@@ -928,6 +928,25 @@ def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) ->
     return {"KERNEL": "group", "BLOCK_N": bn, "BLOCK_M": GEMV_MAX_M, "WA": 1, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
+def batch_invariant() -> bool:
+    """``AIPC_BATCH_INVARIANT=1`` (or vLLM's own ``VLLM_BATCH_INVARIANT=1``): every M runs the ``group``
+    kernel unsplit, so a row's output bits do not depend on the batch it is computed in (see
+    :func:`invariant_config`). Off by default: M <= 16 then loses the stream kernel and split-K."""
+    flag = os.environ.get("AIPC_BATCH_INVARIANT") or os.environ.get("VLLM_BATCH_INVARIANT") or "0"
+    return flag not in ("0", "false", "False")
+
+
+def invariant_config(cfg: dict, M: int, N: int) -> dict:
+    """The batch-invariant form of a selected config: the ``group`` kernel, one K range per program
+    (no split-K). Each output element is then the same sequence of operations whatever the tile or M:
+    an exact int32 dot per group, ``acc += dot * s`` (``- s * z * xsum``) in group order, ``* sx +
+    bias``; and every M uses the same row-wise activation pass. A tuned group tile is kept."""
+    if cfg.get("KERNEL") != "group":
+        cfg = {"KERNEL": "group", "BLOCK_N": 128 if N >= 2048 else 64, "BLOCK_M": GEMV_MAX_M if M <= GEMV_MAX_M else 64,
+               "WA": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
+    return dict({k: v for k, v in cfg.items() if k != "ATOMIC"}, SPLIT_K=1)
+
+
 def autotune_enabled(device: torch.device) -> bool:
     """``AIPC_TRITON_AUTOTUNE`` (default: on for GPUs, off in the interpreter)."""
     default = "0" if device.type == "cpu" else "1"
@@ -1273,9 +1292,10 @@ def lowbit_linear_triton(
     config: Optional[dict] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``x @ W^T + bias`` with int8 activations on the Triton kernels.
+    """``x @ W^T + bias`` with int8 activations on the Triton kernels (batch-invariant under
+    :func:`batch_invariant`).
 
-    ``config`` overrides the tuned tile configuration; ``out`` (contiguous, ``x``'s dtype, ``[..., N]``)
+    ``config`` overrides the tuned tile configuration (and the batch-invariant choice); ``out`` (contiguous, ``x``'s dtype, ``[..., N]``)
     receives the result instead of a new tensor."""
     _validate(x, weight, bias, act_group)
     K, N = x.shape[-1], weight.out_features
@@ -1295,7 +1315,12 @@ def lowbit_linear_triton(
         None if weight.zeros is None else weight.zeros.contiguous(),
         weight.codebook, weight.group_size, weight.out_features, weight.in_features,
     )  # fmt: skip
-    cfg = config if config is not None else select_config(x2, weight, bias, y)
+    if config is not None:
+        cfg = config
+    else:
+        cfg = select_config(x2, weight, bias, y)
+        if batch_invariant():
+            cfg = invariant_config(cfg, M, N)
     _launch(x2, weight, bias, y, cfg)
     return y.view(*x.shape[:-1], N)
 
@@ -1305,6 +1330,8 @@ __all__ = [
     "lowbit_linear_triton",
     "select_config",
     "heuristic_config",
+    "batch_invariant",
+    "invariant_config",
     "config_key",
     "cache_file",
     "device_name",

@@ -1,0 +1,59 @@
+"""Batch invariance of the native low-bit kernels: a row's output bits do not depend on how many rows
+are computed with it (decode kernel, token tiles of every width, up-converted tiles, AMX tiles and
+passes), on the thread count or on the instruction set, because every kernel computes the same
+integer group dots and the same per-group float epilogue in the same order (lowbit_gemv.c)."""
+import pytest
+import torch
+
+from aipc_kernels import native, ops, packing
+from aipc_kernels.formats import CODEBOOKS
+from aipc_kernels.quantizers import quantize_rtn
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
+
+ISAS = [i for i in native.ISAS if native.available() and native.ISAS[i] <= native.ISAS[native.best_isa()]]
+# batch sizes that reach every kernel and remainder: decode (1), on-the-fly tiles of 1-4 tokens (2-7),
+# up-converted tiles of 8 with every remainder (8-15, 23), AMX tiles of 16 with padding (16, 17, 33) and
+# a second AMX pass (AMX_MB = 256 tokens: 257)
+BATCHES = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 33, 257)
+
+
+def _rows_alone_and_in_batches(x: torch.Tensor, p, bias, act_group: int) -> list[tuple[str, torch.Tensor]]:
+    """The first rows of ``x`` computed as one batch of each size, and each row alone (M = 1)."""
+    alone = torch.cat([ops.lowbit_linear(x[i : i + 1], p, bias, act_group) for i in range(4)])
+    outs = [("alone", alone)]
+    for M in BATCHES:
+        outs.append((f"M={M}", ops.lowbit_linear(x[:M], p, bias, act_group)[:4]))
+    return outs
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group, act_group", [(64, 0), (32, 128), (-1, 0)], ids=["g64", "g32-act128", "row"])
+def test_row_bits_independent_of_batch_threads_and_isa(codebook, dtype, group, act_group):
+    N, K = 45, 256  # a partial last row block
+    g = torch.Generator().manual_seed(hash((codebook, group)) % 1000)
+    w = quantize_rtn(torch.randn(N, K, generator=g), codebook, group, scale_dtype=torch.bfloat16)
+    p = packing.pack_for_cpu(w)
+    x = torch.randn(max(BATCHES), K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for isa in ISAS:
+            native.set_isa(isa)
+            for t in sorted({1, 2, threads}):
+                torch.set_num_threads(t)
+                results += [(f"{isa} threads={t} {name}", y) for name, y in _rows_alone_and_in_batches(x, p, bias, act_group)]
+    finally:
+        native.set_isa(native.best_isa())
+        torch.set_num_threads(threads)
+    base_name, base = results[0]
+    # the bits are right, not only the same: float64 exact math of the kernel within float32 rounding
+    exact = ops.reference_linear_w8(x[:4], w, bias, act_group)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(base.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for name, y in results[1:]:
+        differ = (y.view(bits) != base[: len(y)].view(bits)).sum().item()
+        assert differ == 0, f"{name}: {differ} of {y.numel()} outputs differ in bits from {base_name}"
