@@ -41,7 +41,7 @@ from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
 EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
-ROWS = ("bf16", "ours_w2a8", "ours_v1", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
+ROWS = ("bf16", "ours_w2a8", "ours_invariant", "ours_v1", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 # the first (correct but slow) version's tuned H200 configs, kept as a row to compare against
 V1_CONFIGS = {
     (1, 4096, 4096): {"KERNEL": "fma", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
@@ -148,6 +148,19 @@ def row_ours(W, x, l2, state):
         for _ in range(n_copies(b, l2) - 1)
     ]
     return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
+
+
+def row_ours_invariant(W, x, l2, state):
+    """Ours in the batch-invariant mode (``AIPC_BATCH_INVARIANT=1``): the config the op would run with
+    the flag set, i.e. the group kernel unsplit at every M."""
+    from aipc_kernels.triton import lowbit_linear as tlin
+
+    calls, b, copies = row_ours(W, x, l2, state)
+    ws = [c.__defaults__[0] for c in calls]
+    y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
+    cfg = tlin.invariant_config(tlin.select_config(x, ws[0], None, y), x.shape[0], W.shape[0])
+    state.setdefault("invariant_configs", {})[x.shape[0]] = cfg
+    return [lambda w=w: tlin.lowbit_linear_triton(x, w, config=cfg) for w in ws], b, copies
 
 
 def row_ours_v1(W, x, l2, state):
@@ -377,6 +390,8 @@ def main() -> int:
                         calls, b, copies = row_bf16(W, x, l2)
                     elif row == "ours_w2a8":
                         calls, b, copies = row_ours(W, x, l2, state)
+                    elif row == "ours_invariant":
+                        calls, b, copies = row_ours_invariant(W, x, l2, state)
                     elif row == "ours_v1":
                         calls, b, copies = row_ours_v1(W, x, l2, state)
                     elif row == "int8_mm":
@@ -417,6 +432,8 @@ def main() -> int:
 
                 cfgs = tlin._configs_for(tlin.device_name(x.device))
                 entry["ours_w2a8"]["config"] = cfgs.get(tlin.config_key(M, N, K, GROUP, 2), "heuristic")
+            if isinstance(entry.get("ours_invariant"), dict) and "us" in entry["ours_invariant"]:
+                entry["ours_invariant"]["config"] = state["invariant_configs"][M]
             if isinstance(entry.get("read"), dict) and "read_config" in state:
                 entry["read"]["config"] = state["read_config"]
             if "ours_w2a8" in state and M == Ms[0]:
@@ -452,6 +469,9 @@ def summary(results, rows, Ms) -> list[str]:
         v1 = [e["ours_w2a8"]["us"] and e["ours_v1"]["us"] / e["ours_w2a8"]["us"] for e in ours if "us" in e.get("ours_v1", {})]
         if v1:
             line += f"; speed-up over v1 {min(v1):.2f}-{max(v1):.2f}x"
+        inv = [e["ours_invariant"]["us"] / e["ours_w2a8"]["us"] for e in ours if "us" in e.get("ours_invariant", {})]
+        if inv:
+            line += f"; batch-invariant mode {min(inv):.2f}-{max(inv):.2f}x the default's time"
         for peer in ("gemlite_a16w2", "gemlite_a8w8", "int8_mm"):
             px = [e[peer]["x_bf16"] for e in ours if "us" in e.get(peer, {})]
             if px:
@@ -475,6 +495,7 @@ def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bo
         f"Measured copy bandwidth (read + write): {info['copy_gbs']:.0f} GB/s. Each row: CUDA-graph replay over weight copies "
         f">= 4x L2 (capped at {MAX_COPIES} copies), median of 5 replays.",
         "ours_w2a8: int2 code book, group 64, fp16 scales, bf16 activations quantized to int8 per token inside the kernel. "
+        "ours_invariant: the same op with AIPC_BATCH_INVARIANT=1 (group kernel, no split-K, at every M). "
         "gemlite_a16w2: gemlite 2-bit weight-only (group 64, bf16 activations). gemlite_a8w8: gemlite int8 weights + dynamic int8 activations.",
         "Columns: us per call; GB/s of weight bytes (codes + scales/zeros); % of the copy bandwidth; floor_us = weight bytes / copy bandwidth; "
         "x_bf16 = bf16 time / row time (>1: faster); TFLOPS = 2MNK / time.",
