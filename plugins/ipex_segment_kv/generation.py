@@ -208,8 +208,8 @@ def install_generation_hooks() -> None:
     it unwrapped: without ``_prefill`` the segment cache stores a prompt per row, still correct, without the
     sharing; without ``_check_and_adjust_attn_implementation`` an unsupported model is refused at generate."""
     for (owner, name), hook in _TARGETS.items():
-        current = getattr(owner, name, None)
-        if current is None or getattr(current, _WRAPPED, None) is not None:
+        current = vars(owner).get(name)  # a plain method of that class (not a classmethod, not inherited)
+        if not inspect.isfunction(current) or getattr(current, _WRAPPED, None) is not None:
             continue
 
         @functools.wraps(current)
