@@ -40,7 +40,8 @@ def segment_kv_attention_forward(
         raise ValueError("segment_kv: attention dropout is not supported (it is an inference path); call model.eval()")
     for name in ("softcap", "position_bias", "s_aux"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"segment_kv: attention with {name} is not supported; use attn_implementation='sdpa'")
+            raise NotImplementedError(f"segment_kv: attention with {name} is not supported; load the model with "
+                                      "attn_implementation='eager'")
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(f"segment_kv: expected a 4-D attention mask, got shape {tuple(attention_mask.shape)}")
     Lq = query.shape[2]

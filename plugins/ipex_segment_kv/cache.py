@@ -276,6 +276,40 @@ class SegmentKVCache(Cache):
         self.path[t0 : t0 + q] = torch.arange(N, dtype=torch.int32, device=device)
         self.path_len = t0 + q
 
+    def adopt(self, other: Cache) -> bool:
+        """Takes over the K/V of ``other``, a transformers cache that the model built instead of this one;
+        returns False (and changes nothing) when ``other`` does not hold this cache's whole sequence.
+
+        Some models drop the cache in ``prepare_inputs_for_generation`` and recompute the whole sequence
+        (Phi-3 with LongRoPE, when the sequence passes ``original_max_position_embeddings``: every token's
+        rotary changes); the forward then returns a new ``DynamicCache``. Its rows are re-split here: the
+        prompt once per prompt (the first row of each), the rest as each row's response with a fresh path
+        table (row ``n``'s tokens are its own beam's: the recompute ran on the reordered sequences). Before
+        the first response token the whole of ``other`` is the prompt. (transformers before 5.24 drops
+        the cache without recomputing: ``other`` then holds the new token only.)"""
+        kv = [(layer.keys, layer.values) for layer in other.layers]
+        if len(kv) != len(self.layers) or any(not isinstance(k, torch.Tensor) or k.dim() != 4 for k, _ in kv):
+            return False
+        M, _, total, _ = kv[0][0].shape
+        prompt_len = total if self.is_empty else self.layers[0].prompt_key.shape[1]
+        prompts = M if self.is_empty else self.num_prompts
+        expected = total if self.is_empty else prompt_len + self.path_len + 1
+        if M % prompts or total != expected or any(k.shape[2] != total for k, _ in kv):
+            return False
+        per_prompt = M // prompts
+        self.reset()
+        self.num_prompts = prompts
+        for layer, (k, v) in zip(self.layers, kv, strict=True):
+            layer.lazy_initialization(k, v)
+            layer.prompt_key = k[::per_prompt, :, :prompt_len].transpose(1, 2).contiguous()
+            layer.prompt_value = v[::per_prompt, :, :prompt_len].transpose(1, 2).contiguous()
+        self.end_prompt()
+        if total > prompt_len:
+            for layer, (k, v) in zip(self.layers, kv):
+                self._store(layer, k[:, :, prompt_len:], v[:, :, prompt_len:])
+        self._note_bytes()
+        return True
+
     def _note_bytes(self, extra: int = 0) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes() + extra)
 

@@ -1,21 +1,31 @@
 """Generation-side hooks: stock ``model.generate`` builds a segment cache and prefills each prompt once.
 
-transformers has no extension point for the cache class of ``generate`` nor for its prefill, so two
-``GenerationMixin`` methods are wrapped (once, reversibly); the wrappers change nothing unless the
-model's ``attn_implementation`` is ``"segment_kv"``:
+transformers has no extension point for the cache class of ``generate`` nor for its prefill, so a few
+methods are wrapped (once, reversibly); the wrappers change nothing unless the model's
+``attn_implementation`` is ``"segment_kv"``:
+
+* ``PreTrainedModel._check_and_adjust_attn_implementation`` refuses, when the model is built, an
+  architecture the segment cache cannot serve (:func:`check_architecture`), naming an
+  ``attn_implementation`` that works for it;
 
 * ``_prepare_cache_for_generation`` puts a :class:`SegmentKVCache` in ``past_key_values`` (sized from
   ``num_beams`` / ``num_return_sequences`` and ``max_length``), after checking the architecture;
 * ``_prefill`` runs the forward on one row per prompt (stock generate has already repeated each
-  prompt ``num_beams`` times) and repeats the outputs (logits, ...) back to every row.
+  prompt ``num_beams`` times) and repeats the outputs (logits, ...) back to every row;
+* ``_update_model_kwargs_for_generation`` folds a cache that the model built instead of the segment
+  cache back into it (:meth:`SegmentKVCache.adopt`): Phi-3's ``prepare_inputs_for_generation`` drops
+  the cache when a sequence passes ``original_max_position_embeddings`` (LongRoPE) and recomputes it.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
 from transformers.generation.utils import GenerationMixin
+from transformers.modeling_utils import PreTrainedModel
 
 from aipc_kernels.segment_attention import max_group
 
@@ -23,6 +33,9 @@ from .attention import ATTN_NAME
 from .cache import DEFAULT_RESPONSE_STEP, SegmentKVCache
 
 _WRAPPED = "__aipc_segment_kv_original__"
+# generate's name for the cache in model_kwargs and model outputs: "cache" from transformers 5.24
+CACHE_KWARG = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+               else "past_key_values")  # fmt: skip
 # Model types whose attention goes through transformers' AttentionInterface, verified by the tests.
 TESTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt_neox", "opt")
 # Architectures with their own attention code in transformers 5.x: the cache would be misread.
@@ -35,20 +48,49 @@ def uses_segment_kv(model: Any) -> bool:
     return getattr(config, "_attn_implementation", None) == ATTN_NAME
 
 
+def working_attn_implementation(model: Any) -> str:
+    """An ``attn_implementation`` that transformers accepts for ``model`` (a model or its class) and that
+    computes its attention exactly: ``"sdpa"`` where the class supports it, else ``"eager"``; ``"eager"``
+    for attention logit soft-capping (transformers' sdpa path ignores the cap where it accepts it)."""
+    config = getattr(model, "config", None)
+    if config is not None and _softcap(config):
+        return "eager"
+    return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+
+
+def _softcap(config: Any) -> Any:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "attn_logit_softcapping", None)
+
+
 def check_architecture(model: Any) -> None:
-    """Raises ValueError when ``model``'s attention does not go through transformers' AttentionInterface
-    (its own attention would ignore the segment cache) or it is an encoder-decoder."""
+    """Raises ValueError naming the cause and an ``attn_implementation`` that works for ``model`` when the
+    segment cache cannot serve it: an encoder-decoder, attention that does not go through transformers'
+    AttentionInterface (it would ignore the segment cache), or attention logit soft-capping (Gemma-2)."""
     config = model.config
-    model_type = getattr(config, "model_type", type(model).__name__)
+    name = type(model).__name__
+    model_type = getattr(config, "model_type", name)
     supported = ", ".join(TESTED_MODEL_TYPES)
+    fix = f"load it with attn_implementation={working_attn_implementation(model)!r} instead"
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"segment_kv: encoder-decoder models ({model_type}) are not supported; decoder-only "
-                         f"architectures using transformers' AttentionInterface are (tested: {supported})")  # fmt: skip
-    if model_type in UNSUPPORTED_MODEL_TYPES or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"segment_kv: encoder-decoder models ({name}, model_type={model_type!r}) are not supported; "
+                         f"{fix}. segment_kv serves decoder-only architectures using transformers' "
+                         f"AttentionInterface (tested: {supported})")  # fmt: skip
+    if not getattr(model, "_supports_attention_backend", False) or model_type in UNSUPPORTED_MODEL_TYPES:
+        why = ("has its own attention code, not transformers' AttentionInterface"
+               if not getattr(model, "_supports_attention_backend", False) else
+               "is not supported by segment_kv (its attention was its own code, outside transformers' "
+               "AttentionInterface, in earlier transformers 5.x releases, and is not verified with the segment "
+               "cache)")  # fmt: skip
         raise ValueError(
-            f"segment_kv: {type(model).__name__} (model_type={model_type!r}) has its own attention code, not "
-            f"transformers' AttentionInterface, so it cannot use the segment KV cache. Supported: decoder-only "
-            f"models using the AttentionInterface (tested: {supported}); use attn_implementation='sdpa' here."
+            f"segment_kv: {name} (model_type={model_type!r}) {why}, so it cannot use the segment KV cache; {fix}. "
+            f"Supported: decoder-only models using the AttentionInterface (tested: {supported})."
+        )
+    softcap = _softcap(config)
+    if softcap:
+        raise ValueError(
+            f"segment_kv: {name} (model_type={model_type!r}) caps its attention logits (attn_logit_softcapping="
+            f"{softcap}), which the segment kernel does not implement; {fix}."
         )
 
 
@@ -56,7 +98,7 @@ def _prepare_cache_for_generation(original: Callable, self, generation_config, m
     if not uses_segment_kv(self):
         return original(self, generation_config, model_kwargs, *args, **kwargs)
     check_architecture(self)
-    user_cache = model_kwargs.get("past_key_values")
+    user_cache = model_kwargs.get(CACHE_KWARG)
     if isinstance(user_cache, SegmentKVCache) and not user_cache.is_empty:
         raise ValueError(
             "segment_kv: the SegmentKVCache passed as past_key_values was already used by an earlier generate call "
@@ -70,18 +112,20 @@ def _prepare_cache_for_generation(original: Callable, self, generation_config, m
             "attn_implementation='segment_kv', which brings its own cache; leave cache_implementation unset"
         )
     if getattr(generation_config, "is_assistant", False):
-        raise ValueError("segment_kv: assisted generation is not supported; use attn_implementation='sdpa'")
+        raise ValueError("segment_kv: assisted generation is not supported; use "
+                         f"attn_implementation={working_attn_implementation(self)!r}")
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     limit = max_group(self.device)
     if rows > limit:
         raise ValueError(
             f"segment_kv: num_beams={generation_config.num_beams} / num_return_sequences="
             f"{generation_config.num_return_sequences} puts {rows} rows on one prompt, more than the {limit} that "
-            f"the {self.device.type} segment kernel supports; lower num_beams or use attn_implementation='sdpa'"
+            f"the {self.device.type} segment kernel supports; lower num_beams or use "
+            f"attn_implementation={working_attn_implementation(self)!r}"
         )
     max_new = generation_config.max_new_tokens
     step = getattr(self, "_aipc_segment_kv_step", DEFAULT_RESPONSE_STEP)
-    model_kwargs["past_key_values"] = SegmentKVCache(
+    model_kwargs[CACHE_KWARG] = SegmentKVCache(
         self.config, num_beams=rows, max_new_tokens=max_new, response_step=step,
         max_length=None if max_new is not None else generation_config.max_length,
     )  # fmt: skip
@@ -97,7 +141,7 @@ def _expand_rows(value: Any, batch: int, repeats: int) -> Any:
 
 
 def _prefill(original: Callable, self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     if not isinstance(cache, SegmentKVCache) or not uses_segment_kv(self):
         return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
     E, N = cache.num_beams, input_ids.shape[0]
@@ -121,20 +165,51 @@ def _prefill(original: Callable, self, input_ids: torch.Tensor, generation_confi
     out = original(self, input_ids[one], generation_config, sliced, *args, **kwargs)
     cache.end_prompt()
     for key in list(out.keys()):
-        if key != "past_key_values":
+        if key != CACHE_KWARG:
             out[key] = _expand_rows(out[key], B, E)
     return out
 
 
-_TARGETS = {"_prepare_cache_for_generation": _prepare_cache_for_generation, "_prefill": _prefill}
+def _update_model_kwargs_for_generation(original: Callable, self, outputs, model_kwargs: dict, *args, **kwargs):
+    cache = model_kwargs.get(CACHE_KWARG)
+    returned = outputs.get(CACHE_KWARG) if hasattr(outputs, "get") else None
+    if isinstance(cache, SegmentKVCache) and returned is not None and returned is not cache and uses_segment_kv(self):
+        # the model dropped the segment cache (e.g. Phi-3 at its LongRoPE switch) and built its own
+        if cache.adopt(returned):
+            outputs[CACHE_KWARG] = cache
+        else:  # it did not recompute the whole sequence: continue with its cache, as stock transformers does
+            warnings.warn(
+                f"segment_kv: {type(self).__name__}.prepare_inputs_for_generation dropped the cache at "
+                f"{cache.get_seq_length()} tokens and the model built a {type(returned).__name__} that does not hold "
+                "the whole sequence; the rest of this generate call runs on that cache (as stock transformers does), "
+                "without the segment cache",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return original(self, outputs, model_kwargs, *args, **kwargs)
+
+
+def _check_and_adjust_attn_implementation(original: Callable, self, attn_implementation, *args, **kwargs):
+    if attn_implementation == ATTN_NAME:  # at model init (from_pretrained) and set_attn_implementation
+        check_architecture(self)
+    return original(self, attn_implementation, *args, **kwargs)
+
+
+_TARGETS = {
+    (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
+    (GenerationMixin, "_prefill"): _prefill,
+    (GenerationMixin, "_update_model_kwargs_for_generation"): _update_model_kwargs_for_generation,
+    (PreTrainedModel, "_check_and_adjust_attn_implementation"): _check_and_adjust_attn_implementation,
+}
 
 
 def install_generation_hooks() -> None:
-    """Wraps the GenerationMixin methods (idempotent). A transformers without one of them keeps it
-    unwrapped: the segment cache then stores a prompt per row, still correct, without the sharing."""
-    for name, hook in _TARGETS.items():
-        current = getattr(GenerationMixin, name, None)
-        if current is None or getattr(current, _WRAPPED, None) is not None:
+    """Wraps the transformers methods of ``_TARGETS`` (idempotent). A transformers without one of them keeps
+    it unwrapped: without ``_prefill`` the segment cache stores a prompt per row, still correct, without the
+    sharing; without ``_check_and_adjust_attn_implementation`` an unsupported model is refused at generate."""
+    for (owner, name), hook in _TARGETS.items():
+        current = vars(owner).get(name)  # a plain method of that class (not a classmethod, not inherited)
+        if not inspect.isfunction(current) or getattr(current, _WRAPPED, None) is not None:
             continue
 
         @functools.wraps(current)
@@ -142,13 +217,13 @@ def install_generation_hooks() -> None:
             return __hook(__original, self, *args, **kwargs)
 
         setattr(wrapper, _WRAPPED, current)
-        setattr(GenerationMixin, name, wrapper)
+        setattr(owner, name, wrapper)
 
 
 def uninstall_generation_hooks() -> None:
-    """Restores the original GenerationMixin methods."""
-    for name in _TARGETS:
-        current = getattr(GenerationMixin, name, None)
+    """Restores the original transformers methods."""
+    for owner, name in _TARGETS:
+        current = getattr(owner, name, None)
         original = getattr(current, _WRAPPED, None)
         if original is not None:
-            setattr(GenerationMixin, name, original)
+            setattr(owner, name, original)

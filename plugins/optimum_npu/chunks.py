@@ -31,12 +31,27 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def check_architecture(config) -> None:
-    """Raises a clear error for model types the exporter does not handle."""
+    """Raises a clear error for model types (and rotary scalings) the exporter does not handle."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHS:
         raise UnsupportedArchitectureError(
             f"model_type={model_type!r} is not supported by export_npu; supported: "
             f"{', '.join(SUPPORTED_ARCHS)}")
+    if longrope_switch(config) is not None and model_type != "phi3":
+        raise UnsupportedArchitectureError(
+            f"rope_scaling type 'longrope' is exported for model_type='phi3' only (its generate recomputes "
+            f"the cache at the switch, which the export reproduces), not {model_type!r}; use a phi3 "
+            "checkpoint or a rope_scaling other than longrope")
+
+
+def longrope_switch(config) -> int | None:
+    """``original_max_position_embeddings`` of a LongRoPE model (the sequence length past which
+    transformers uses the long factors), None for every other rotary embedding."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    return int(rope.get("original_max_position_embeddings")
+               or config.original_max_position_embeddings)
 
 
 GROUPED_ATTENTION = "npu_grouped_sdpa"
@@ -131,9 +146,42 @@ class EmbeddingChunk(nn.Module):
         return self.embed(token).to(torch.float32)
 
 
+class LongRopeRotary(nn.Module):
+    """LongRoPE (Phi-3.5) with both factor sets in the graph: the long inverse frequencies where the
+    sequence is longer than ``original_max_position_embeddings``, the short ones elsewhere, chosen
+    by a ``Select`` on the ``sequence_length`` input. transformers' rotary makes that choice with a
+    Python branch that re-registers ``inv_freq`` (a trace would freeze it, and the shared buffer
+    breaks TorchScript); the frequencies and the attention scaling come from transformers' own
+    ``longrope`` initialiser, the cos/sin computation is its forward's."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        init = ROPE_INIT_FUNCTIONS["longrope"]
+        self.switch = longrope_switch(config)
+        short, self.attention_scaling = init(config, None)
+        long, _ = init(config, None, seq_len=self.switch + 1)
+        self.register_buffer("short_inv_freq", short.float(), persistent=False)
+        self.register_buffer("long_inv_freq", long.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                sequence_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = torch.where(sequence_length > self.switch, self.long_inv_freq,
+                               self.short_inv_freq)
+        inv_freq = inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1)
+        freqs = (inv_freq @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
 class LayersChunk(nn.Module):
     """Decoder layers ``[first, last)``: ``(x [1,T,H], position [1], cache_k_i, cache_v_i, ...)
-    -> (x_out, cache_k_i_out, cache_v_i_out, ...)`` with in-graph rotary and mask."""
+    -> (x_out, cache_k_i_out, cache_v_i_out, ...)`` with in-graph rotary and mask. With a
+    :class:`LongRopeRotary`, ``sequence_length [1]`` follows ``position``: the length of the
+    sequence this call belongs to (the whole prompt while prefilling it), which picks the factors."""
 
     def __init__(self, layers: list[nn.Module], first: int, rotary: nn.Module,
                  windows: list[int | None]):
@@ -142,12 +190,20 @@ class LayersChunk(nn.Module):
         self.first = first
         self.rotary = rotary
         self.windows = windows
+        self.longrope = isinstance(rotary, LongRopeRotary)
 
-    def forward(self, x: torch.Tensor, position: torch.Tensor, *caches: torch.Tensor):
-        tokens, capacity = x.shape[1], caches[0].shape[2]
+    def forward(self, x: torch.Tensor, position: torch.Tensor, *inputs: torch.Tensor):
+        tokens = x.shape[1]
         pos = position + torch.arange(tokens, dtype=torch.int64)  # [T]
         position_ids = pos[None]
-        cos, sin = self.rotary(x, position_ids)
+        if self.longrope:
+            # not position + tokens: the last prefill block is padded past the prompt's end
+            cos, sin = self.rotary(x, position_ids, inputs[0])
+            caches = inputs[1:]
+        else:
+            caches = inputs
+            cos, sin = self.rotary(x, position_ids)
+        capacity = caches[0].shape[2]
         kv = StaticKV({self.first + i: (caches[2 * i], caches[2 * i + 1])
                        for i in range(len(self.layers))}, pos)
         masks: dict[int | None, torch.Tensor] = {}
@@ -323,7 +379,10 @@ def release_linears(module: nn.Module) -> None:
 
 
 def rotary_module(model: nn.Module, config) -> nn.Module:
-    """The architecture's rotary embedding, built on the CPU (its buffers are computed, not read)."""
+    """The architecture's rotary embedding, built on the CPU (its buffers are computed, not read);
+    :class:`LongRopeRotary` for LongRoPE."""
+    if longrope_switch(config) is not None:
+        return LongRopeRotary(config).eval()
     rotary = model.model.rotary_emb
     return type(rotary)(config=config).eval()
 

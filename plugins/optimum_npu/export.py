@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .manifest import (FORMAT_VERSION, LOGITS, POSITION, TOKEN, X, X_OUT, ChunkFile, LayerGroup,
-                       NPUExportManifest, cache_name, cache_out_name)
+from .manifest import (FORMAT_VERSION, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT, ChunkFile,
+                       LayerGroup, NPUExportManifest, cache_name, cache_out_name)
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +345,8 @@ def export_npu_model(
     model = ch.build_skeleton(config, ch.weight_dtype(weight_format, reader.dtype()))
     blocks = ch.parts(model)
     rotary = ch.rotary_module(model, config)
+    switch = ch.longrope_switch(config)
+    rope_inputs = [SEQUENCE_LENGTH] if switch is not None else []  # LongRoPE: factors chosen in-graph
     windows = ch.sliding_windows(config)
     n_layers = config.num_hidden_layers
     hidden = config.hidden_size
@@ -382,7 +384,7 @@ def export_npu_model(
         for layer in layers:
             ch.materialize(model, layer, reader)
         chunk = ch.cast_linears(ch.LayersChunk(layers, first, rotary, windows).eval())
-        in_names, out_names, states = [X, POSITION], [X_OUT], {}
+        in_names, out_names, states = [X, POSITION, *rope_inputs], [X_OUT], {}
         for i in range(first, last):
             for kind in ("k", "v"):
                 in_names.append(cache_name(kind, i))
@@ -391,11 +393,13 @@ def export_npu_model(
         n_caches = 2 * (last - first)
 
         def shapes(tokens: int, capacity: int) -> list[tuple[int, ...]]:
-            return [(1, tokens, hidden), (1,)] + [(1, kv_heads, capacity, head_dim)] * n_caches
+            return [(1, tokens, hidden), (1,)] + [(1,)] * len(rope_inputs) + \
+                [(1, kv_heads, capacity, head_dim)] * n_caches
 
         # traced once with the token count and KV capacity read from the input shapes, compressed
         # once; the prefill and every decode bucket are static reshapes of that one graph
         example = (torch.zeros(1, 2, hidden), torch.zeros(1, dtype=torch.int64),
+                   *(torch.full((1,), 2, dtype=torch.int64) for _ in rope_inputs),
                    *(torch.zeros(1, kv_heads, 4, head_dim) for _ in range(n_caches)))
         ov_model = writer.convert(chunk, example, shapes(-1, -1), in_names, out_names)
         if quant is not None:  # the graph now holds NNCF's copies of every linear weight
@@ -450,6 +454,8 @@ def export_npu_model(
         hidden_size=hidden, num_layers=n_layers, num_kv_heads=kv_heads, head_dim=head_dim,
         vocab_size=config.vocab_size, embedding=embed, head=head, layer_groups=groups,
         quantization=quant, tokenizer=tokenizer_info,
+        longrope=None if switch is None else dict(original_max_position_embeddings=switch,
+                                                  input=SEQUENCE_LENGTH),
         exporter=dict(aipc_plugins=_package_version(), openvino=openvino.__version__,
                       transformers=transformers.__version__, torch=torch.__version__,
                       target=target))

@@ -17,6 +17,8 @@ COMPILE_CACHE_DIR = "npu_compile_cache"  # OpenVINO CACHE_DIR inside the exporte
 
 # Names by convention on every Parameter / Result of the chunk IRs.
 TOKEN, X, X_OUT, POSITION, LOGITS = "token", "x", "x_out", "position", "logits"
+# Layer input of LongRoPE exports only: the length of the sequence a call belongs to.
+SEQUENCE_LENGTH = "sequence_length"
 
 
 def cache_name(kind: str, layer: int) -> str:
@@ -72,6 +74,9 @@ class NPUExportManifest:
         cache_k="cache_k_<layer>", cache_v="cache_v_<layer>"))
     tokenizer: dict[str, str] = field(default_factory=dict)
     exporter: dict[str, str] = field(default_factory=dict)
+    # LongRoPE: {"original_max_position_embeddings": N, "input": SEQUENCE_LENGTH}; the layer IRs
+    # take that input and use the long factors when it exceeds N (None: no such input)
+    longrope: dict[str, Any] | None = None
 
     def write(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / MANIFEST_NAME

@@ -5,6 +5,11 @@ One sequence (batch 1) at a time. The prompt goes through the prefill chunks ``p
 tokens per call (KV capacity ``prefill_capacity``); its KV states are then handed to the decode
 chunks of the smallest KV bucket that holds the context, and moved to the next bucket when the
 context outgrows it, so a decode step attends over what the context needs, not ``max_seq_len``.
+
+LongRoPE exports (Phi-3.5) take the sequence length as an input that picks the short or long
+factors in the graph. Once a sequence grows past ``original_max_position_embeddings``, the keys
+cached with the short factors are recomputed: the whole sequence is prefilled again with the long
+ones, once, as transformers' Phi-3 does when its ``generate`` crosses that length.
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, TOKEN, X, X_OUT, ChunkFile,
-                       NPUExportManifest, is_npu_export)
+from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT,
+                       ChunkFile, NPUExportManifest, is_npu_export)
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +90,10 @@ class OVNPUModelForCausalLM(GenerationMixin):
         self._compiled: dict[str, ov.CompiledModel] = {}
         self._requests: dict[str, list[ov.InferRequest]] = {}
         self._pos = 0
+        self._tokens: list[int] = []  # the sequence in the KV states (LongRoPE recomputes it)
         self._live: str | None = None  # the request set holding the KV: "prefill" or "kv<C>"
+        longrope = self.manifest.longrope or {}
+        self._rope_switch: int | None = longrope.get("original_max_position_embeddings")
         if compile:
             self.compile()
 
@@ -174,6 +182,7 @@ class OVNPUModelForCausalLM(GenerationMixin):
             for r in reqs:
                 r.reset_state()
         self._pos = 0
+        self._tokens = []
         self._live = None
 
     def _move_states(self, src: str, dst: str) -> None:
@@ -199,12 +208,20 @@ class OVNPUModelForCausalLM(GenerationMixin):
         return self.manifest.prefill_capacity if key == "prefill" else int(key[2:])
 
     # -- running the chunks -----------------------------------------------------------------
-    def _layers(self, key: str, x: np.ndarray, position: int) -> np.ndarray:
-        pos = np.array([position], dtype=np.int64)
+    def _layers(self, key: str, x: np.ndarray, position: int, sequence_length: int) -> np.ndarray:
+        inputs = {X: x, POSITION: np.array([position], dtype=np.int64)}
+        if self._rope_switch is not None:
+            inputs[SEQUENCE_LENGTH] = np.array([sequence_length], dtype=np.int64)
         for req in self._requests_for(key):
-            req.infer({X: x, POSITION: pos})
-            x = np.array(req.get_tensor(X_OUT).data)
-        return x
+            req.infer(inputs)
+            inputs[X] = np.array(req.get_tensor(X_OUT).data)
+        return inputs[X]
+
+    def _short_rope_cached(self, new_tokens: int) -> bool:
+        """Whether the KV states hold keys rotated with LongRoPE's short factors that ``new_tokens``
+        more tokens would take past ``original_max_position_embeddings`` (then all are recomputed)."""
+        switch = self._rope_switch
+        return switch is not None and 0 < self._pos <= switch < self._pos + new_tokens
 
     def _embed(self, ids: list[int]) -> np.ndarray:
         block = self.manifest.prefill_block
@@ -227,10 +244,12 @@ class OVNPUModelForCausalLM(GenerationMixin):
             self._move_states(self._live, "prefill")
         self._live = "prefill"
         x = None
+        total = self._pos + len(ids)
         for start in range(0, len(ids), block):
             part = ids[start:start + block]
-            x = self._layers("prefill", self._embed(part), self._pos)
+            x = self._layers("prefill", self._embed(part), self._pos, total)
             self._pos += len(part)
+            self._tokens.extend(part)
             last = len(part) - 1
         return self._head(x[:, last:last + 1])
 
@@ -240,8 +259,9 @@ class OVNPUModelForCausalLM(GenerationMixin):
         if self._live is not None and self._live != key:
             self._move_states(self._live, key)
         self._live = key
-        x = self._layers(key, self._embed([token])[:, :1], self._pos)
+        x = self._layers(key, self._embed([token])[:, :1], self._pos, self._pos + 1)
         self._pos += 1
+        self._tokens.append(token)
         return self._head(x)
 
     # -- transformers interface -------------------------------------------------------------
@@ -283,7 +303,10 @@ class OVNPUModelForCausalLM(GenerationMixin):
                 f"({self._pos} in the KV cache + {n} new); shorten the prompt or max_new_tokens, or "
                 "re-export with a larger max_seq_len")
         ids = input_ids[0].tolist()
-        logits = self._run_prompt(ids) if n > 1 else self._run_token(ids[0])
+        if self._short_rope_cached(n):
+            ids = self._tokens + ids
+            self.reset_state()
+        logits = self._run_prompt(ids) if len(ids) > 1 else self._run_token(ids[0])
         return CausalLMOutputWithPast(logits=torch.from_numpy(logits), past_key_values=((),))
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):

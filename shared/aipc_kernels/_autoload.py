@@ -6,7 +6,8 @@ meta-path finder (no framework is imported, nothing else runs). When one of the 
 :data:`POST_IMPORT_HOOKS` is imported later, its import completes normally and then the
 listed ``"package.module:function"`` hooks are called with the module object.
 
-Guarantees: a hook that raises becomes a warning (the framework import still succeeds); each
+Guarantees: a hook that raises (anything but KeyboardInterrupt, SystemExit included) becomes a
+warning naming the exception (the framework import still succeeds); each
 hook runs at most once per process; ``AIPC_PLUGINS_AUTOLOAD=0`` disables everything; a
 framework that is never imported costs nothing beyond this module's import.
 """
@@ -46,7 +47,9 @@ def run_hooks(module: types.ModuleType, hooks: Sequence[str]) -> None:
         try:
             target, _, attr = hook.partition(":")
             getattr(importlib.import_module(target), attr)(module)
-        except Exception as e:  # a plugin must never break the framework's import
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a plugin must never break (nor end: SystemExit) the import
             import warnings
 
             warnings.warn(
@@ -133,5 +136,7 @@ def _from_pth() -> None:
     """Entry from ``aipc_plugins.pth``: never lets an error escape into interpreter start-up."""
     try:
         install()
-    except Exception as e:  # pragma: no cover - defensive
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 # pragma: no cover - defensive
         print(f"aipc-plugins: import hooks disabled ({type(e).__name__}: {e})", file=sys.stderr)

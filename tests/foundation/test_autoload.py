@@ -64,6 +64,28 @@ def test_hooks_run_once_after_the_import_and_failures_only_warn():
     assert r.returncode == 0, r.stderr
 
 
+def test_a_hook_raising_system_exit_only_warns():
+    """SystemExit (not an Exception) from a hook must not end the process that imports the framework."""
+    code = """
+        import sys, types, warnings
+        from aipc_kernels import _autoload as a
+        a.uninstall()
+        hooks = types.ModuleType("hooks_for_test")
+        def leave(m):
+            raise SystemExit(3)
+        hooks.leave = leave
+        sys.modules["hooks_for_test"] = hooks
+        a.install({"email.parser": ("hooks_for_test:leave",)})
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            import email.parser
+        assert email.parser.Parser and "SystemExit: 3" in str(w[0].message), [str(x.message) for x in w]
+        print("still running")
+    """
+    r = _run(code)
+    assert r.returncode == 0 and "still running" in r.stdout, (r.returncode, r.stderr)
+
+
 def test_every_hook_names_an_importable_plugin_module():
     for target, hooks in _autoload.POST_IMPORT_HOOKS.items():
         for hook in hooks:

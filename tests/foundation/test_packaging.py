@@ -49,3 +49,22 @@ def test_plugin_hooks_report_missing_integrations_without_failing():
     assert import_integration("aipc_kernels", "no_such_module") is False
     with pytest.raises(ModuleNotFoundError):
         import_integration("no_such_package_xyz", "x")
+
+
+def test_plugin_hook_raising_system_exit_becomes_an_error(tmp_path, monkeypatch):
+    """An integration module whose import raises SystemExit is reported, not a silent end of the caller."""
+    import sys
+
+    from aipc_kernels.plugin_hooks import import_integration
+
+    pkg = tmp_path / "exiting_plugin_for_test"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "integration.py").write_text("raise SystemExit(4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match=r"exiting_plugin_for_test.integration raised SystemExit\(4\)"):
+            import_integration("exiting_plugin_for_test", "integration")
+    finally:
+        for name in ("exiting_plugin_for_test", "exiting_plugin_for_test.integration"):
+            sys.modules.pop(name, None)

@@ -9,18 +9,55 @@ def _enc(tok):
     return tok(["The old engineer reads a long letter"], return_tensors="pt")
 
 
-def test_architecture_without_attention_interface():
-    from transformers import GPTJConfig, GPTJForCausalLM
+def _load_with_the_advised_fix(error: Exception, load):
+    """The ``attn_implementation='...'`` an error advises, and the model loaded with it."""
+    import re
+
+    fix = re.search(r"attn_implementation='(\w+)'", str(error))
+    assert fix, str(error)
+    return fix.group(1), load(fix.group(1))
+
+
+def test_architecture_without_attention_interface(tmp_path):
+    """GPT-J (own attention code in transformers < 5.24; refused at load, not a KeyError inside GPT-J's
+    __init__) names the cause and an attn_implementation that GPT-J accepts."""
+    from transformers import AutoModelForCausalLM, GPTJConfig, GPTJForCausalLM
 
     import ipex_segment_kv
 
-    config = GPTJConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2, rotary_dim=8)
+    config = GPTJConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2, rotary_dim=8,
+                        bos_token_id=1, eos_token_id=2)
     model = GPTJForCausalLM(config).eval()
     with pytest.raises(ValueError, match=r"GPTJForCausalLM.*AttentionInterface.*tested: llama"):
         ipex_segment_kv.optimize(model)
     model.config._attn_implementation = "segment_kv"  # as a user forcing it would
-    with pytest.raises(ValueError, match="own attention code"):
+    with pytest.raises(ValueError, match=r"GPTJForCausalLM.*cannot use the segment KV cache"):
         model.generate(torch.tensor([[1, 2, 3]]), num_beams=2, max_new_tokens=2)
+
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"GPTJForCausalLM.*cannot use the segment KV cache") as e:
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="segment_kv")
+    fix, ok = _load_with_the_advised_fix(e.value, lambda impl: AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation=impl).eval())
+    assert ok.config._attn_implementation == fix
+    assert ok.generate(torch.tensor([[1, 2, 3]]), num_beams=2, max_new_tokens=2).shape == (1, 5)
+
+
+def test_attention_softcapping_is_refused_with_a_fix_gemma2_accepts():
+    """Gemma-2 caps its attention logits (the segment kernel does not); the error advises an
+    attn_implementation that transformers accepts for Gemma-2 and that then generates."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM.*attn_logit_softcapping=50") as e:
+        AutoModelForCausalLM.from_config(config, attn_implementation="segment_kv")
+    fix, ok = _load_with_the_advised_fix(e.value, lambda impl: AutoModelForCausalLM.from_config(
+        config, attn_implementation=impl).eval())
+    assert ok.config._attn_implementation == fix
+    assert ok.generate(torch.tensor([[1, 2, 3]]), num_beams=2, max_new_tokens=2).shape == (1, 5)
 
 
 def test_unsupported_dtype(pair):

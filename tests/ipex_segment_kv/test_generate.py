@@ -2,10 +2,12 @@
 attention and cache (float32 tiny models, random weights), with the prompt prefilled once per batch entry."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "gpt_neox", "opt")
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "phi3_longrope", "gpt_neox", "opt")
 PROMPTS = ["The old engineer reads a long letter", "Why is the sky blue? Maybe. The weather"]
 
 BEAM_KW = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True)
@@ -121,3 +123,75 @@ def test_plain_forward_without_cache(pair):
         b = seg(**enc, use_cache=False).logits
     keep = enc["attention_mask"].bool()
     torch.testing.assert_close(b[keep], a[keep], atol=1e-5, rtol=1e-5)
+
+
+# 41 tokens: past the tiny phi3_longrope's original_max_position_embeddings (32)
+LONG_PROMPT = ("The quiet river reads a long letter in the kitchen, and the old engineer checks the weights quickly in "
+               "the library before lunch on Monday, and every student prepares two cups of tea at the market")
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+@pytest.mark.parametrize("batch", ["batched", "single"])
+@pytest.mark.parametrize("switch", ["in-prompt", "while-decoding"])
+def test_longrope_switch_keeps_the_segment_cache(pair, switch, batch, num_beams):
+    """Phi-3 drops the cache in prepare_inputs_for_generation when a sequence passes
+    original_max_position_embeddings (its LongRoPE switches to the long factors) and recomputes it into a
+    DynamicCache: the plugin takes that over into the segment cache; output equal to stock."""
+    from aipc_kernels.testing.tiny_model import LONGROPE_ORIGINAL_MAX
+
+    stock, seg, tok = pair("phi3_longrope")
+    first = LONG_PROMPT if switch == "in-prompt" else PROMPTS[0]
+    enc = tok([first, PROMPTS[1]] if batch == "batched" else [first], return_tensors="pt", padding=True)
+    B, Np = enc["input_ids"].shape
+    new = 30
+    if switch == "in-prompt":
+        assert Np > LONGROPE_ORIGINAL_MAX
+    else:
+        assert Np < LONGROPE_ORIGINAL_MAX < Np + new - 1
+    kw = dict(BEAM_KW, max_new_tokens=new, min_new_tokens=new)
+    a = stock.generate(**enc, num_beams=num_beams, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = seg.generate(**enc, num_beams=num_beams, **kw)
+    _assert_same_beams(a, b, num_beams)
+    ours = [str(w.message) for w in caught if "segment_kv" in str(w.message)]
+    cache = b.past_key_values
+    if a.past_key_values.get_seq_length() < Np + new - 1:  # transformers < 5.24: stock did not recompute
+        assert switch == "while-decoding" and len(ours) == 1 and type(cache).__name__ == "DynamicCache", ours
+        return
+    assert not ours and type(cache).__name__ == "SegmentKVCache", ours
+    assert cache.layers[0].prompt_key.shape[:2] == (B, Np)  # the prompt still once per prompt
+    assert cache.get_seq_length() == Np + new - 1
+
+
+def test_dropped_cache_without_recompute_falls_back_with_one_warning(pair):
+    """transformers before 5.24: Phi-3 drops the cache at the switch but the model still gets only the new
+    token (its new cache lacks the sequence). The plugin cannot take that over: one warning, then the model's
+    own cache, with output equal to stock's (which continues from the same cache)."""
+    from transformers import GenerationMixin, Phi3ForCausalLM
+
+    from aipc_kernels.testing.tiny_model import LONGROPE_ORIGINAL_MAX
+    from ipex_segment_kv.generation import CACHE_KWARG
+
+    class OlderPhi3(Phi3ForCausalLM):
+        """Phi-3's cache drop as in transformers 5.5-5.19 (next_sequence_length kept: one token goes in)."""
+
+        def prepare_inputs_for_generation(self, input_ids, **kwargs):
+            cache = kwargs.get(CACHE_KWARG)
+            if cache is not None and input_ids.shape[1] > LONGROPE_ORIGINAL_MAX >= cache.get_seq_length():
+                kwargs[CACHE_KWARG] = None
+            return GenerationMixin.prepare_inputs_for_generation(self, input_ids, **kwargs)
+
+    _, seg, tok = pair("phi3_longrope")
+    stock = OlderPhi3.from_pretrained(seg.name_or_path, attn_implementation="sdpa").eval()
+    older = OlderPhi3.from_pretrained(seg.name_or_path, attn_implementation="segment_kv").eval()
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(BEAM_KW, num_beams=4, max_new_tokens=30, min_new_tokens=30)
+    a = stock.generate(**enc, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = older.generate(**enc, **kw)
+    ours = [w for w in caught if "segment_kv" in str(w.message)]
+    assert len(ours) == 1 and "without the segment cache" in str(ours[0].message), [str(w.message) for w in ours]
+    _assert_same_beams(a, b, 4)
+    assert type(b.past_key_values).__name__ == "DynamicCache"

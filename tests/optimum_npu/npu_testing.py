@@ -8,7 +8,7 @@ from pathlib import Path
 EXPORT_KW = dict(max_seq_len=128, prefill_block=16, kv_buckets=[32, 64], layers_per_chunk=1,
                  weight_format="fp32")
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "gemma")
 PROMPT = "The quiet river reads a long letter in the kitchen, and the old engineer checks"
 
 
@@ -42,10 +42,19 @@ def build_qwen3(out: Path) -> Path:
 
 
 def eager_greedy(src: Path, ids, new_tokens: int):
-    """transformers eager, float32: greedy continuation of ``ids``."""
+    """transformers eager, float32: greedy continuation of ``ids``. LongRoPE models: transformers'
+    forward over the whole sequence at every step (what transformers >= 5.24 generate computes;
+    5.5's Phi-3 generate drops the cache at original_max_position_embeddings and then continues
+    from the new token alone)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                attn_implementation="eager")
-    return ref.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    if getattr(ref.config, "rope_parameters", {}).get("rope_type") != "longrope":
+        return ref.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            nxt = ref(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids

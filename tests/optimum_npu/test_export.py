@@ -39,6 +39,45 @@ def test_greedy_matches_eager_after_save_and_reload(arch, source_model, exported
     assert (saved / "npu_compile_cache").is_dir()
 
 
+def test_longrope_switch_in_graph_and_prompt_past_it(source_model, exported):
+    """LongRoPE (Phi-3.5 style): both factor sets in the layer IRs, chosen in the graph by the
+    sequence_length input (not frozen by the trace); a prompt longer than
+    original_max_position_embeddings prefills with the long factors: greedy equals transformers."""
+    import numpy as np
+    import openvino as ov
+    from transformers import AutoTokenizer
+
+    from aipc_kernels.testing.tiny_model import LONGROPE_ORIGINAL_MAX as SWITCH
+    from optimum_npu import OVNPUModelForCausalLM
+    from optimum_npu.manifest import NPUExportManifest
+
+    src, out = source_model("phi3_longrope"), exported("phi3_longrope")
+    m = NPUExportManifest.read(out)
+    assert m.longrope == dict(original_max_position_embeddings=SWITCH, input="sequence_length")
+    f = m.layer_groups[0].decode["64"]
+    ir = ov.Core().read_model(out / f.xml, out / f.weights)
+    assert [p.get_any_name() for p in ir.inputs] == ["x", "position", "sequence_length"]
+    req = ov.Core().compile_model(ir, "CPU", F32).create_infer_request()
+    x = np.random.default_rng(0).standard_normal((1, 1, m.hidden_size)).astype(np.float32)
+
+    def key_written(length: int) -> np.ndarray:
+        req.reset_state()
+        req.infer({"x": x, "position": np.array([20], dtype=np.int64),
+                   "sequence_length": np.array([length], dtype=np.int64)})
+        return {s.name: np.array(s.state.data) for s in req.query_state()}["cache_k_0"][0, :, 20]
+
+    short, long = key_written(SWITCH), key_written(SWITCH + 1)
+    assert np.array_equal(short, key_written(21)) and np.array_equal(long, key_written(60))
+    assert not np.allclose(short, long, atol=1e-3)
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok(" ".join([PROMPT] * 3), return_tensors="pt").input_ids[:, :SWITCH + 8]
+    assert ids.shape[1] == SWITCH + 8  # three prefill blocks, the first ones before the switch
+    want = eager_greedy(src, ids, 24)
+    model = OVNPUModelForCausalLM(out, device="CPU", ov_config=F32)
+    assert model.generate(ids, max_new_tokens=24, do_sample=False)[0].tolist() == want[0].tolist()
+
+
 def test_names_and_layout(exported):
     import openvino as ov
 

@@ -96,6 +96,26 @@ def test_export_arguments_are_validated(source_model, tmp_path):
         export_npu_model(source_model("gpt_neox") if False else _opt(source_model), tmp_path / "y")
 
 
+def test_longrope_outside_phi3_is_refused_before_any_work(source_model, tmp_path):
+    """transformers' Llama keeps the short-factor cache at the LongRoPE switch (Phi-3 recomputes it,
+    which the export reproduces): a Llama with rope_scaling longrope is refused, naming it."""
+    import json
+    import shutil
+
+    from aipc_kernels.testing.tiny_model import longrope_scaling
+    from optimum_npu import export_npu_model
+    from optimum_npu.chunks import UnsupportedArchitectureError
+
+    src = shutil.copytree(source_model("llama"), tmp_path / "llama-longrope")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(original_max_position_embeddings=32, rope_scaling=longrope_scaling(32))
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match=r"rope_scaling type 'longrope'.*phi3"):
+        export_npu_model(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def _opt(source_model):
     from aipc_kernels.testing.tiny_model import build_tiny_model
 

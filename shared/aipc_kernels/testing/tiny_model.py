@@ -2,7 +2,7 @@
 
 Tests and benchmarks need Hugging Face checkpoints without access to the Hub. This module trains
 a small byte-level BPE tokenizer on an embedded corpus and writes randomly initialised models of
-seven architectures with ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(path)``
+seven architectures (and ``phi3_longrope``, Phi-3 with LongRoPE) with ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(path)``
 and ``AutoTokenizer.from_pretrained(path)`` load them like downloaded ones. The same arguments
 give byte-identical files; without an explicit output directory, models are built once into a
 per-machine cache (``$AIPC_CACHE_DIR``, default ``~/.cache/aipc-plugins``) and reused.
@@ -31,17 +31,22 @@ from typing import Any
 BUILDER_VERSION = 1
 MANIFEST = "aipc_tiny_model.json"
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt_neox", "opt")
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "phi3_longrope", "gemma", "gpt_neox", "opt")
 _CONFIG_CLASSES = {
     "llama": "LlamaConfig",
     "qwen2": "Qwen2Config",
     "mistral": "MistralConfig",
     "phi3": "Phi3Config",
+    "phi3_longrope": "Phi3Config",
     "gemma": "GemmaConfig",
     "gpt_neox": "GPTNeoXConfig",
     "opt": "OPTConfig",
 }
 _NO_GQA = ("gpt_neox", "opt")  # multi-head attention only: kv_heads must equal heads
+# phi3_longrope: Phi-3.5-style LongRoPE (short and long factor lists; transformers switches to the
+# long factors once a sequence is longer than original_max_position_embeddings). The switch is
+# placed at LONGROPE_ORIGINAL_MAX tokens so that tests generate across it.
+LONGROPE_ORIGINAL_MAX = 32
 DTYPES = ("bfloat16", "float16", "float32")
 
 # Real model geometries for benchmarks: random weights; the tokenizer's 1024 trained tokens are
@@ -306,7 +311,23 @@ def _make_config(spec: dict[str, Any]):
         kwargs["num_key_value_heads"] = spec["kv_heads"]
     if arch == "gemma":
         kwargs["head_dim"] = spec["hidden"] // spec["heads"]  # GemmaConfig defaults to 256
+    if arch == "phi3_longrope":
+        kwargs.update(original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
+                      rope_scaling=longrope_scaling(spec["hidden"] // spec["heads"]))
     return getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs)
+
+
+def longrope_scaling(head_dim: int) -> dict[str, Any]:
+    """Phi-3.5-style ``rope_scaling``: one short and one long factor per rotary frequency (short
+    near 1, long growing to ~head_dim, as in the released models' lists)."""
+    n = head_dim // 2
+    return dict(type="longrope", short_factor=[round(1.0 + 0.05 * i, 4) for i in range(n)],
+                long_factor=[round(1.0 + 2.0 * i, 4) for i in range(n)])
+
+
+def model_type(arch: str) -> str:
+    """The transformers ``model_type`` of a builder architecture (a variant's base type)."""
+    return "phi3" if arch == "phi3_longrope" else arch
 
 
 def _param_seed(seed: int, name: str) -> int:
