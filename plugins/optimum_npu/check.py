@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import NPUExportManifest, is_npu_export
+from .manifest import NPUExportManifest, check_export_complete, is_npu_export
 
 #: op types the NPU plugin cannot compile statically (data-dependent shapes or control flow)
 REJECTED_OPS = frozenset({"NonZero", "Loop", "TensorIterator", "If", "Unique", "NonMaxSuppression",
@@ -64,6 +64,7 @@ def check_npu_ready(directory: str | os.PathLike) -> ReadinessReport:
     import openvino as ov
 
     path = Path(directory)
+    check_export_complete(path)
     if not is_npu_export(path):
         raise NPUReadinessError(f"{path} is not an export_npu directory (no npu_export.json)")
     manifest = NPUExportManifest.read(path)

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .manifest import (FORMAT_VERSION, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT, ChunkFile,
-                       LayerGroup, NPUExportManifest, cache_name, cache_out_name)
+from aipc_kernels.atomic_output import atomic_output_dir
+
+from .manifest import (ALWAYS_WRITTEN, FORMAT_VERSION, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT,
+                       ChunkFile, LayerGroup, NPUExportManifest, cache_name, cache_out_name,
+                       legacy_export_files)
 
 logger = logging.getLogger(__name__)
 
@@ -317,8 +320,7 @@ def export_npu_model(
     ``weight_format``: fp32 / fp16 (storage only) / int8 / int4 through NNCF (int4 defaults to
     symmetric, group 128, ratio 1.0, all layers; INT4 asymmetric is refused for ``target="NPU"``).
     """
-    import torch
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     from . import chunks as ch
 
@@ -336,10 +338,22 @@ def export_npu_model(
                          f"max_position_embeddings={max_pos}; choose max_seq_len <= {max_pos}")
 
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stale = [p for p in out.glob("npu_*") if p.is_file()]
-    for p in stale:
-        p.unlink()
+    with atomic_output_dir(out, what="export", redo="export again", param="output_dir",
+                           keep_others=True, always_writes=ALWAYS_WRITTEN,
+                           legacy_owned=legacy_export_files) as part:
+        _write_export(part, src, config, quant, weight_format, target, max_seq_len, prefill_block,
+                      buckets, layers_per_chunk)
+    return out
+
+
+def _write_export(out: Path, src: Path, config, quant: dict[str, Any] | None, weight_format: str,
+                  target: str, max_seq_len: int, prefill_block: int, buckets: list[int],
+                  layers_per_chunk: int) -> None:
+    """Writes every file of the export into the staging directory ``out``, the manifest last."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from . import chunks as ch
 
     reader = ch.CheckpointReader(src)
     model = ch.build_skeleton(config, ch.weight_dtype(weight_format, reader.dtype()))
@@ -460,7 +474,6 @@ def export_npu_model(
                       transformers=transformers.__version__, torch=torch.__version__,
                       target=target))
     manifest.write(out)
-    return out
 
 
 def _save_tokenizers(src: Path, out: Path, auto_tokenizer) -> dict[str, str]:
@@ -490,18 +503,26 @@ def _save_tokenizers(src: Path, out: Path, auto_tokenizer) -> dict[str, str]:
 
 
 def copy_export(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Copies an exported directory (without its compile cache) to ``dst``."""
+    """Copies the files of an exported directory (those the export wrote; not the compile cache or
+    files added later) to ``dst``, like an export: whole or not at all, replacing only files this
+    package wrote there."""
+    from aipc_kernels.atomic_output import RECORD_NAME, read_record
+
     from .manifest import COMPILE_CACHE_DIR
 
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for p in src.iterdir():
-        if p.name == COMPILE_CACHE_DIR:
-            continue
-        if p.is_dir():
-            shutil.copytree(p, dst / p.name, dirs_exist_ok=True)
-        else:
-            shutil.copy2(p, dst / p.name)
+    record = read_record(src)
+    ours = None if record is None else set(record.get("files", ()))
+    with atomic_output_dir(dst, what="export", redo="save again", param="save_directory",
+                           keep_others=True, always_writes=ALWAYS_WRITTEN,
+                           legacy_owned=legacy_export_files) as part:
+        for p in src.iterdir():
+            if p.name in (COMPILE_CACHE_DIR, RECORD_NAME) or (ours is not None and p.name not in ours):
+                continue
+            if p.is_dir():
+                shutil.copytree(p, part / p.name)
+            else:
+                shutil.copy2(p, part / p.name)
     return dst
 
 

@@ -12,7 +12,7 @@ import types
 import warnings
 from typing import Any
 
-from .manifest import is_npu_export
+from .manifest import check_export_complete, is_npu_export
 
 #: optimum-intel versions whose from_pretrained/GenerationMixin contract this was built against
 SUPPORTED_OPTIMUM_INTEL = ((2, 2), (2, 3))  # >= 2.2, < 2.3
@@ -65,6 +65,8 @@ def install(module: types.ModuleType) -> None:
         if export_npu not in (None, True, False):
             raise TypeError(f"export_npu={export_npu!r} must be True or False")
         ours = sorted(k for k in kwargs if k in EXPORT_KWARGS + ("max_compiled_buckets", "export_dir"))
+        if export_npu is not False:
+            check_export_complete(model_id)  # an interrupted export, named as such
         if export_npu is None and is_npu_export(model_id):
             export_npu = True
         if not export_npu:

@@ -1,7 +1,7 @@
 """The exported directory's manifest (``npu_export.json``): what was exported and where it lies.
 
-Standard library only: the hook reads it to recognise an exported directory without importing
-torch or OpenVINO.
+Standard library only: the hook reads it to recognise an exported directory (and one whose export
+was interrupted) without importing torch or OpenVINO.
 """
 from __future__ import annotations
 
@@ -11,9 +11,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aipc_kernels.atomic_output import IncompleteOutputError, check_complete
+
 MANIFEST_NAME = "npu_export.json"
 FORMAT_VERSION = 1
 COMPILE_CACHE_DIR = "npu_compile_cache"  # OpenVINO CACHE_DIR inside the exported directory
+#: files every export writes (an existing one this package did not write stops an export early)
+ALWAYS_WRITTEN = (MANIFEST_NAME, "config.json", "generation_config.json")
+#: side files that exports written before the ``aipc_output.json`` record existed also wrote
+_LEGACY_SIDE_FILES = ALWAYS_WRITTEN + (
+    COMPILE_CACHE_DIR, "openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
+    "openvino_detokenizer.bin", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 # Names by convention on every Parameter / Result of the chunk IRs.
 TOKEN, X, X_OUT, POSITION, LOGITS = "token", "x", "x_out", "position", "logits"
@@ -104,6 +113,47 @@ class NPUExportManifest:
             files.append(g.prefill)
             files.extend(g.decode.values())
         return files
+
+
+def legacy_export_files(directory: Path) -> set[str]:
+    """Files an export written before the record existed holds: its manifest's IRs and the side
+    files every export writes (nothing when ``directory`` holds no manifest)."""
+    try:
+        manifest = NPUExportManifest.read(directory)
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {n for f in manifest.all_files() for n in (f.xml, f.weights)} | set(_LEGACY_SIDE_FILES)
+
+
+def check_export_complete(path: Any) -> None:
+    """Raises :class:`IncompleteOutputError` ("incomplete export: ... delete DIR and export
+    again") when ``path`` is an export directory whose writing did not finish: its record says
+    so, it holds chunk IRs but no manifest (written last), or a file the manifest lists is missing."""
+    try:
+        path = Path(path)
+        if not path.is_dir():
+            return
+    except (TypeError, OSError):
+        return
+    check_complete(path, "export", "export again")
+    if not (path / MANIFEST_NAME).is_file():
+        chunks = sorted(p.name for p in path.glob("npu_*.xml"))
+        if chunks:
+            raise IncompleteOutputError(
+                f"incomplete export: {path} holds {chunks[0]} but no {MANIFEST_NAME}, which the "
+                f"exporter writes last: the export was interrupted; delete {path} and export again")
+        return
+    try:
+        listed = {n for f in NPUExportManifest.read(path).all_files() for n in (f.xml, f.weights)}
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise IncompleteOutputError(
+            f"incomplete export: {path / MANIFEST_NAME} cannot be read ({type(e).__name__}: {e}); "
+            f"delete {path} and export again") from None
+    missing = sorted(n for n in listed if not (path / n).is_file())
+    if missing:
+        raise IncompleteOutputError(
+            f"incomplete export: {path} lacks {', '.join(missing[:3])}, listed in {MANIFEST_NAME}: "
+            f"the export was interrupted or files were removed; delete {path} and export again")
 
 
 def is_npu_export(path: str | os.PathLike) -> bool:

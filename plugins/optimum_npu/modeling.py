@@ -26,8 +26,10 @@ import torch
 from transformers import AutoConfig, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT,
-                       ChunkFile, NPUExportManifest, is_npu_export)
+from aipc_kernels.atomic_output import signals_raise, temporary_output_dir
+
+from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT, ChunkFile,
+                       NPUExportManifest, check_export_complete, is_npu_export)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class OVNPUModelForCausalLM(GenerationMixin):
                  generation_config: GenerationConfig | None = None,
                  _owned_dir: tempfile.TemporaryDirectory | None = None):
         self.model_dir = Path(directory)
+        check_export_complete(self.model_dir)
         if not is_npu_export(self.model_dir):
             raise ValueError(f"{self.model_dir} is not an export_npu directory (no npu_export.json); "
                              "export it first: OVModelForCausalLM.from_pretrained(id, export_npu=True)")
@@ -105,23 +108,34 @@ class OVNPUModelForCausalLM(GenerationMixin):
                         export_dir: str | os.PathLike | None = None,
                         **export_kwargs: Any) -> "OVNPUModelForCausalLM":
         """Loads an exported directory, or exports ``model_id`` first (into ``export_dir``, else a
-        temporary directory kept while the model lives) when it is not one."""
+        temporary directory ``$TMPDIR/optimum_npu_<pid>_*/model`` kept while the model lives and
+        removed when the export fails or is interrupted) when it is not one."""
         from .export import export_npu_model
 
         load = dict(device=device, ov_config=ov_config, compile=compile,
                     max_compiled_buckets=max_compiled_buckets)
+        check_export_complete(model_id)
         if is_npu_export(model_id) and not export:
             check_export_matches(model_id, export_kwargs)
             return cls(model_id, **load)
         if export is False:
             raise ValueError(f"{model_id} is not an export_npu directory and export=False; "
                              "pass export=True to export it")
-        owned = None
-        if export_dir is None:
-            owned = tempfile.TemporaryDirectory(prefix="optimum_npu_")
-            export_dir = owned.name
-        export_npu_model(model_id, export_dir, **export_kwargs)
-        return cls(export_dir, _owned_dir=owned, **load)
+        with signals_raise():  # SIGTERM, too, removes a temporary export
+            owned = None
+            if export_dir is None:
+                owned = temporary_output_dir("optimum_npu_")
+                export_dir = Path(owned.name) / "model"
+                logger.info("exporting %s into the temporary directory %s (removed with the model; "
+                            "pass export_dir= or call save_pretrained() to keep it)", model_id,
+                            export_dir)
+            try:
+                export_npu_model(model_id, export_dir, **export_kwargs)
+                return cls(export_dir, _owned_dir=owned, **load)
+            except BaseException:
+                if owned is not None:
+                    owned.cleanup()
+                raise
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
         """Copies the exported directory (IRs, manifest, config, tokenizers) to ``save_directory``."""

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
 from aipc_kernels.formats import FORMAT_NAME, FORMAT_VERSION, LowBitWeight, get_codebook, pack_codes, save_lowbit
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.quantizers import quantize_weight
@@ -194,7 +195,7 @@ def _bitnet_weight(name: str, packed: torch.Tensor, weight_scale: torch.Tensor, 
 def _copy_side_files(src: Path, out: Path) -> None:
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt")) and f.name not in (
-            "model.safetensors.index.json", "config.json", "aipc_tiny_model.json",
+            "model.safetensors.index.json", "config.json", "aipc_tiny_model.json", RECORD_NAME,
         ):  # fmt: skip
             shutil.copy2(f, out / f.name)
 
@@ -250,11 +251,22 @@ def convert_checkpoint(
     skip = tuple(DEFAULT_SKIP) + tuple(modules_to_not_convert or ())
     linears = _linear_names(config, skip)
     files = _weight_files(src)
-    sdtype = SCALE_DTYPES[scale_dtype]
 
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"out_dir={str(out)!r} is not empty; pass a new or empty directory")
-    out.mkdir(parents=True, exist_ok=True)
+    with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
+        n_quant = _write_checkpoint(part, src, config, files, linears, source, codebook, group_size,
+                                    quantizer, scale_dtype, modules_to_not_convert, act_group, progress)
+    log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    return out
+
+
+def _write_checkpoint(
+    out: Path, src: Path, config: dict[str, Any], files: list[Path], linears: set[str], source: Optional[str],
+    codebook: str, group_size: int, quantizer: str, scale_dtype: str,
+    modules_to_not_convert: Optional[list[str]], act_group: int, progress: bool,
+) -> int:
+    """Writes the checkpoint into the staging directory ``out``, config.json last (a directory
+    without it is never taken for a model); returns the number of quantized linears."""
+    sdtype = SCALE_DTYPES[scale_dtype]
     writer = _ShardWriter(out)
     from safetensors import safe_open
 
@@ -296,11 +308,10 @@ def convert_checkpoint(
         raise ValueError(f"{src}: no linear weight was found to quantize (linear modules: {sorted(linears)[:5]}...)")
     writer.close()
 
+    _copy_side_files(src, out)
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
         modules_to_not_convert=list(modules_to_not_convert or []), source=source,
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _copy_side_files(src, out)
-    log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
-    return out
+    return n_quant

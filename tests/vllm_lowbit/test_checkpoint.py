@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -90,6 +91,27 @@ def test_converter_refuses_other_quantized_checkpoints(llama_dir, tmp_path):
     assert res.returncode == 2
     assert "quant_method='gptq' cannot be converted to lowbit2" in res.stderr
     assert "BitNet" in res.stderr
+
+
+def test_converter_killed_while_writing(llama_dir, tmp_path, interrupt_while_writing):
+    """SIGKILL while the converter writes: nothing at OUT_DIR, the leftover is the visible staging
+    directory, which reads as incomplete and which the next run names with the command that
+    removes it; SIGTERM leaves nothing behind."""
+    from aipc_kernels.atomic_output import IncompleteOutputError, check_complete
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--threads", "1", "--no-progress"]
+    staging = interrupt_while_writing(cmd, out, signal.SIGKILL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [staging.name]  # no OUT_DIR, no hidden file
+    assert not (staging / "config.json").exists()  # never taken for a model
+    with pytest.raises(IncompleteOutputError, match=f"incomplete lowbit2 checkpoint: writing {staging} was interrupted"):
+        check_complete(staging, "lowbit2 checkpoint", "convert again")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and not out.exists(), res.stderr[-3000:]
+    assert f"was interrupted and left {staging}" in res.stderr and f"`rm -rf {staging}`" in res.stderr
+    shutil.rmtree(staging)
+    interrupt_while_writing(cmd, out, signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------- BitNet b1.58 import
