@@ -28,6 +28,10 @@ ERRORS = {
     -4: "unsupported dtype",
     -5: "ISA not supported by this CPU",
     -6: "out of memory",
+    -7: "bad code book constants (cmul must be finite and positive, zero finite, or NaN for per-group zeros)",
+    -8: "zeros missing: the code book stores a zero point per group (zero=NaN) but zeros is None",
+    -9: "a tensor pointer is NULL",
+    -10: "nthreads out of range (0 for OpenMP's default, up to 4096)",
 }
 
 
@@ -115,8 +119,9 @@ def lowbit_linear_args(
     act_group: int,
 ) -> array:
     """The argument vector of the C entry point ``aipc_lowbit_linear_v`` for dense operands (x and y with
-    their leading dimensions flattened to M rows); pass ``vector.buffer_info()[0]``. The caller keeps
-    the tensors alive while the kernel runs."""
+    their leading dimensions flattened to M rows); pass ``vector.buffer_info()[0]``. ``zero``: the code
+    book's fixed zero point, or NaN when it stores one per group (the C entry then requires ``zeros``).
+    The caller keeps the tensors alive while the kernel runs."""
     K = x.shape[-1]
     return array("q", (
         x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, y.shape[-1],

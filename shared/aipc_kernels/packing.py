@@ -19,6 +19,7 @@ from .formats import LowBitWeight, get_codebook, pack_codes
 
 BLOCK_N = 16
 CPU_LAYOUT = "cpu_vnni16"
+CANONICAL_LAYOUT = "canonical"  # the canonical format wrapped as a PackedLowBit (reference path)
 
 
 def _planes(bits: int) -> int:
@@ -145,9 +146,27 @@ def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
     )
 
 
+LAYOUTS = (CPU_LAYOUT, TRITON_LAYOUT, CANONICAL_LAYOUT)
+
+
+def packed_shapes(layout: str, bits: int, out_features: int, in_features: int, group_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(qweight shape, scales/zeros shape)`` of an ``[out_features, in_features]`` weight with groups of
+    ``group_size`` (effective: ``in_features`` for one group per row) packed in ``layout``."""
+    N, K, G = out_features, in_features, group_size
+    if layout == CPU_LAYOUT:
+        nb = -(-N // BLOCK_N)
+        return (nb, K * bits // 32, BLOCK_N, 4), (nb, K // G, BLOCK_N)
+    if layout == TRITON_LAYOUT:
+        kc = triton_chunk(bits)
+        return (N, -(-K // kc) * kc * bits // 8), (K // G, N)
+    if layout == CANONICAL_LAYOUT:
+        return (N, K * bits // 8), (N, K // G)
+    raise ValueError(f"layout={layout!r} is not known to aipc_kernels.packing; use one of {LAYOUTS}")
+
+
 def to_canonical(p: PackedLowBit) -> LowBitWeight:
     """Any supported device layout -> canonical (for the reference path and round-trip tests)."""
-    if p.layout == "canonical":
+    if p.layout == CANONICAL_LAYOUT:
         return LowBitWeight(p.qweight, p.scales, p.zeros, p.codebook, p.group_size, p.in_features)
     if p.layout == TRITON_LAYOUT:
         codes = unpack_triton_codes(p.qweight, p.bits, p.in_features)
@@ -163,12 +182,15 @@ def to_canonical(p: PackedLowBit) -> LowBitWeight:
 
 def as_canonical_packed(w: LowBitWeight) -> PackedLowBit:
     """Wraps a canonical weight as a :class:`PackedLowBit` with layout ``canonical`` (reference path)."""
-    return PackedLowBit("canonical", w.qweight, w.scales, w.zeros, w.codebook, w.group_size, w.out_features, w.in_features)
+    return PackedLowBit(CANONICAL_LAYOUT, w.qweight, w.scales, w.zeros, w.codebook, w.group_size, w.out_features, w.in_features)
 
 
 __all__ = [
     "BLOCK_N",
     "CPU_LAYOUT",
+    "CANONICAL_LAYOUT",
+    "LAYOUTS",
+    "packed_shapes",
     "PackedLowBit",
     "pack_cpu_codes",
     "unpack_cpu_codes",

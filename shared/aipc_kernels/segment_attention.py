@@ -11,8 +11,9 @@ The KV cache of ``E`` beams (or samples) of ``B`` prompts is held in two segment
 the ``Np + Nr`` logical positions of its row, one softmax over both segments, ``Hq / Hkv`` query
 heads per KV head (GQA). ``attn_mask`` (bool, True = attend, or additive float) broadcasts to
 ``[N, Hq, Lq, Np + Nr]`` and is indexed by logical position; ``is_causal`` lets query ``l`` see
-positions ``<= Np + Nr - Lq + l``. Fully masked queries give zeros. Math in float32, output in the
-query's dtype (float32, bfloat16 or float16).
+positions ``<= Np + Nr - Lq + l``. Fully masked queries give zeros. NaN in the query, keys, values,
+scale or mask gives NaN where :func:`reference_segment_sdpa` does (a NaN value even at a masked position:
+``0 * NaN``). Math in float32, output in the query's dtype (float32, bfloat16 or float16).
 
 Backends (one op, dispatched by device): CPU -> the native C kernel (``csrc/segment_sdpa.c``;
 prompt-only prefill goes to PyTorch's fused SDPA); CUDA / XPU -> the Triton kernel
@@ -34,7 +35,8 @@ from . import native
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows (beams or samples) sharing one prompt that each backend handles; the cache checks it early.
 MAX_GROUP = {"native": 256, "reference": 1 << 30, "triton": 64}
-_ERRORS = {-2: "bad shape", -4: "unsupported dtype", -6: "out of memory", -7: "path entry out of range [0, N)"}
+_ERRORS = {-2: "bad shape", -4: "unsupported dtype", -6: "out of memory", -7: "path entry out of range [0, N)",
+           -9: "a tensor pointer is NULL"}
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,14 @@ def check_args(
     path: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
 ) -> SegmentDims:
-    """Validates shapes and dtypes; raises ValueError naming the offending argument."""
+    """Validates every argument against the others (shapes, dtypes, devices) before any kernel runs; raises
+    ValueError naming the offending argument. Every backend and the reference call it first."""
     if query.dim() != 4:
         raise ValueError(f"segment_sdpa: query must be [N, Hq, Lq, D], got shape {tuple(query.shape)}")
     N, Hq, Lq, D = query.shape
+    for dim, size in (("rows N", N), ("heads Hq", Hq), ("length Lq", Lq), ("head dim D", D)):
+        if size == 0:
+            raise ValueError(f"segment_sdpa: query {dim} is 0 (query shape {tuple(query.shape)} = [N, Hq, Lq, D]); it must be positive")
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"segment_sdpa: query dtype {query.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if prompt_key.dim() != 4 or prompt_key.shape != prompt_value.shape:
@@ -90,6 +96,9 @@ def check_args(
         )
     if path.dim() != 2 or path.dtype != torch.int32:
         raise ValueError(f"segment_sdpa: path must be an int32 [Nr, N] table, got {path.dtype} {tuple(path.shape)}")
+    for name, t in (("path", path), ("attn_mask", attn_mask)):
+        if t is not None and t.device != query.device:
+            raise ValueError(f"segment_sdpa: {name} is on {t.device}, query on {query.device}")
     Nr = path.shape[0]
     if Nr and (path.shape[1] != N or tuple(response_key.shape[1:]) != (N, Hkv, D) or response_key.shape[0] < Nr):
         raise ValueError(
@@ -301,7 +310,7 @@ def ipex_index_kernel():
 _LIB = torch.library.Library("aipc", "FRAGMENT")
 _LIB.define(
     "segment_sdpa(Tensor query, Tensor prompt_key, Tensor prompt_value, Tensor response_key, "
-    "Tensor response_value, Tensor path, Tensor? attn_mask, float scale, bool is_causal) -> Tensor"
+    "Tensor response_value, Tensor path, Tensor? attn_mask, float? scale, bool is_causal) -> Tensor"
 )
 
 
@@ -357,8 +366,9 @@ def segment_sdpa(
     scale: Optional[float] = None,
     is_causal: bool = False,
 ) -> torch.Tensor:
-    """Segment attention ``[N, Lq, Hq, D]`` (see the module docstring), through the custom op."""
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    """Segment attention ``[N, Lq, Hq, D]`` (see the module docstring), through the custom op. ``scale``
+    defaults to ``D ** -0.5``, computed by the backend once the arguments are checked."""
+    scale = None if scale is None else float(scale)
     return torch.ops.aipc.segment_sdpa(
         query, prompt_key, prompt_value, response_key, response_value, path, attn_mask, scale, is_causal
     )

@@ -163,6 +163,81 @@ def test_clear_errors():
             sa.native_segment_sdpa(q, pk, pv, rk, rv, bad)
 
 
+# (B, E, Hq, Hkv, Lq, D, Np, Nr, cap): a decode step, and a longer one that 3 threads split into chunks
+NAN_SHAPES = [(1, 2, 4, 2, 1, 16, 40, 6, 8), (1, 2, 4, 2, 2, 32, 300, 20, 24)]
+NAN_CASES = ["query", "query_inf", "scale", "prompt_key", "prompt_value", "response_key", "response_value", "mask",
+             "masked_value", "future_key", "future_value"]  # fmt: skip
+
+
+def _poison(args, where, scale):
+    """``args`` of :func:`_case` (float-heads mask: the first L // 3 positions masked for every row, so
+    whole blocks no row sees) with one NaN (or Inf) put at ``where``; returns (args, scale, is_causal)."""
+    q, pk, pv, rk, rv, path, mask = (None if t is None else t.clone() for t in args)
+    nan, L = float("nan"), mask.shape[-1]
+    causal = where.startswith("future")
+    if where == "query":
+        q[0, 1, 0, 3] = nan
+    elif where == "query_inf":
+        q[1, 2, -1, 0] = float("inf")
+    elif where == "scale":
+        scale = nan
+    elif where == "prompt_key":
+        pk[0, L // 2, 1, 2] = nan
+    elif where == "prompt_value":
+        pv[0, L // 2, 0, 5] = nan
+    elif where in ("response_key", "response_value"):
+        t = rk if where == "response_key" else rv
+        t[1, int(path[1, 1]), 1, 0] = nan  # row 1's second response token (row 0's too if its path meets it)
+    elif where == "mask":
+        mask[0, 3, 0, L - 2] = nan
+    elif where == "masked_value":
+        pv[0, 2, 1, 1] = nan  # position 2: masked for every row, in a block no row sees (0 * NaN in the reference)
+    elif where == "future_key":  # the last position: after every query but the last under the causal rule
+        rk[path.shape[0] - 1, :, 0, 0] = nan
+    elif where == "future_value":  # the reference still gives NaN there (0 * NaN)
+        rv[path.shape[0] - 1, :, 1, 0] = nan
+    return (q, pk, pv, rk, rv, path, mask), scale, causal
+
+
+@pytest.mark.parametrize("shape", NAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", NAN_CASES)
+def test_nan_and_inf_propagate_as_in_the_reference(isa, shape, dtype, where):
+    """NaN (or Inf) in the query, a key, a value, the scale or the mask gives NaN exactly where the float64
+    reference does, and the same values elsewhere, on every ISA, split into chunks (3 threads) or not."""
+    args, scale, causal = _poison(_case(*shape, dtype, "float-heads", seed=4), where, 0.3)
+    ref = _reference(args, scale, causal)
+    assert torch.isnan(ref).any()  # each case poisons something the reference sees
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        got = sa.native_segment_sdpa(*args, scale=scale, is_causal=causal)
+    finally:
+        torch.set_num_threads(before)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan), f"NaN at {torch.isnan(got).sum()} outputs, reference {nan.sum()}"
+    torch.testing.assert_close(got[~nan].double(), ref[~nan].double(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_zero_sizes_and_foreign_devices_are_refused():
+    """A head dim of 0 (ZeroDivisionError before), no heads, no queries: a ValueError naming the size, from
+    the op and the reference alike; so is an index table or mask on another device than the query."""
+    q, pk, pv, rk, rv, path, _ = _case(1, 2, 4, 2, 1, 16, 5, 3, 4, torch.float32, None)
+    d0 = (q[..., :0], pk[..., :0], pv[..., :0], rk[..., :0], rv[..., :0], path)
+    with pytest.raises(ValueError, match=r"query head dim D is 0"):
+        sa.segment_sdpa(*d0)
+    with pytest.raises(ValueError, match=r"query head dim D is 0"):
+        sa.reference_segment_sdpa(*d0)
+    with pytest.raises(ValueError, match=r"query heads Hq is 0"):
+        sa.segment_sdpa(q[:, :0], pk, pv, rk, rv, path, scale=0.25)
+    with pytest.raises(ValueError, match=r"query length Lq is 0"):
+        sa.segment_sdpa(q[:, :, :0], pk, pv, rk, rv, path)
+    with pytest.raises(ValueError, match=r"path is on meta"):
+        sa.reference_segment_sdpa(q, pk, pv, rk, rv, path.to("meta"))
+    with pytest.raises(ValueError, match=r"attn_mask is on meta"):
+        sa.reference_segment_sdpa(q, pk, pv, rk, rv, path, torch.ones(4, 1, 1, 8, dtype=torch.bool, device="meta"))
+
+
 @pytest.fixture(scope="module")
 def triton_kernel():
     """The Triton kernel module: compiled on a CUDA machine, else imported under TRITON_INTERPRET=1

@@ -73,7 +73,12 @@ enum {
     ERR_DTYPE = -4,
     ERR_ISA = -5,
     ERR_NOMEM = -6,
+    ERR_CODEBOOK = -7, /* cmul not finite and positive, or zero_const infinite */
+    ERR_ZEROS = -8,    /* zero_const NaN (per-group zero points) without zeros */
+    ERR_NULL = -9,     /* a pointer the call reads or writes is NULL */
+    ERR_THREADS = -10, /* nthreads outside [0, MAX_THREADS] */
 };
+#define MAX_THREADS 4096
 
 /* ------------------------------------------------------------------ scalar conversions */
 
@@ -859,18 +864,29 @@ API int aipc_set_isa(int isa) {
 
 /*
  * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt` (DT_F32/BF16/F16); scales and
- * zeros use `scale_dt` (DT_BF16 or DT_F16). act_group: K for per-token activation scales, or the
- * weight group size (or a multiple of it dividing K) for per-group ones. Returns 0 or a negative error.
+ * zeros use `scale_dt` (DT_BF16 or DT_F16). Levels are cmul * code - zero point: zero_const for a code
+ * book with a fixed zero point (zeros NULL, or ignored), NaN for one with per-group zero points (then
+ * zeros is required). act_group: K for per-token activation scales, or the weight group size (or a
+ * multiple of it dividing K) for per-group ones. nthreads: 0 for OpenMP's default. bias may be NULL.
+ * Returns 0 or a negative error (the ERR_ values; native.ERRORS words them).
  */
 API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                            const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
                            float zero_const, const void *bias, void *y, int64_t act_group, int nthreads) {
     if (bits != 1 && bits != 2) return ERR_BITS;
-    if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits)) return ERR_SHAPE;
+    /* sizes: every index (m * K + k, block offsets, scratch) stays far from int64 / size_t overflow */
+    if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits) || K > (INT64_C(1) << 40) / (M > N ? M : N)) return ERR_SHAPE;
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return ERR_GROUP;
     if (dt < DT_F32 || dt > DT_F16 || (scale_dt != DT_BF16 && scale_dt != DT_F16)) return ERR_DTYPE;
+    if (!(isfinite(cmul) && cmul > 0.f) || isinf(zero_const)) return ERR_CODEBOOK;
+    if (isnan(zero_const)) { /* per-group zero points: the kernels read zeros, never zero_const */
+        if (!zeros) return ERR_ZEROS;
+        zero_const = 0.f;
+    }
+    if (nthreads < 0 || nthreads > MAX_THREADS) return ERR_THREADS;
     if (M == 0) return OK;
-    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    if (!x || !w || !scales || !y) return ERR_NULL;
+    if (nthreads == 0) nthreads = omp_get_max_threads();
     const int64_t ng = K / G, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
     const int isa = aipc_get_isa();
     const int use_amx = isa == ISA_AMX_INT8 && M >= AMX_MIN_M;

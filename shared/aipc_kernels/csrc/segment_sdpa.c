@@ -51,7 +51,7 @@
 #endif
 
 enum { S_F32 = 0, S_BF16 = 1, S_F16 = 2 };
-enum { S_OK = 0, S_ERR_SHAPE = -2, S_ERR_DTYPE = -4, S_ERR_NOMEM = -6, S_ERR_PATH = -7 };
+enum { S_OK = 0, S_ERR_SHAPE = -2, S_ERR_DTYPE = -4, S_ERR_NOMEM = -6, S_ERR_PATH = -7, S_ERR_NULL = -9 };
 
 /* ------------------------------------------------------------------ scalar helpers */
 
@@ -113,10 +113,11 @@ static T512 void cvt_512(float *dst, const void *src, int dt, int64_t D) {
     }
 }
 
-/* exp(x) for x <= 0 (softmax arguments): Cody-Waite reduction, degree-6 polynomial, scalef; -inf -> 0 */
+/* exp(x) for x <= 0 (softmax arguments): Cody-Waite reduction, degree-6 polynomial, scalef; -inf -> 0,
+ * NaN -> NaN (as expf: a NaN score or running max must reach the output, as in the reference) */
 static inline T512 __m512 exp_512(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* vmaxps returns its second operand, x, for a NaN */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -433,10 +434,31 @@ static void load_block(const seg_args *a, seg_scratch *w, const char *const *kro
             for (int j = nk; j < KB; j++) w->kT[d * KB + j] = 0.f;
 }
 
+/* The largest of the nk scores, NaN if one is NaN (the reference's max propagates NaN). Four independent
+ * max chains and a separate NaN test: one chain of compare-selects (with the NaN test in it) made the
+ * decode kernel 60% slower, this loop being on its critical path once per row and block. */
+static inline float block_max(const float *sc, int nk) {
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int nan = 0, j = 0;
+    for (; j + 4 <= nk; j += 4)
+        for (int i = 0; i < 4; i++) {
+            m[i] = sc[j + i] > m[i] ? sc[j + i] : m[i];
+            nan |= sc[j + i] != sc[j + i];
+        }
+    for (; j < nk; j++) {
+        m[0] = sc[j] > m[0] ? sc[j] : m[0];
+        nan |= sc[j] != sc[j];
+    }
+    const float a = m[0] > m[1] ? m[0] : m[1], b = m[2] > m[3] ? m[2] : m[3];
+    return nan ? NAN : a > b ? a : b;
+}
+
 /* Mask, causal rule and online-softmax update of row r (state index rt) given its scores sc against the
  * block of nk positions from logical position pos0: writes p = exp(sc - m_new) and *alpha, the factor
  * for the row's old accumulator. Returns 0, leaving the state and p alone, when no position of the
- * block is visible to the row. */
+ * block is visible to the row. NaN propagates as in the reference: a NaN score (from q, k, the scale or
+ * the mask) makes the block max, and so the row's sum and accumulator, NaN; NaN stays in them through
+ * every later rescale (NaN * alpha), so the output is NaN. */
 static int softmax_step(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int64_t pos0,
                         int nk, float *sc, float *p, float *alpha) {
     int64_t e, g, l;
@@ -451,8 +473,7 @@ static int softmax_step(const seg_args *a, seg_scratch *w, int64_t b, int64_t kv
         for (int j = 0; j < nk; j++)
             if (pos0 + j > limit) sc[j] = -INFINITY;
     }
-    float bmax = -INFINITY;
-    for (int j = 0; j < nk; j++) bmax = sc[j] > bmax ? sc[j] : bmax;
+    const float bmax = block_max(sc, nk);
     if (bmax == -INFINITY) return 0;
     const float mold = w->m[rt], mnew = mold > bmax ? mold : bmax;
     *alpha = mold == -INFINITY ? 0.f : expf(mold - mnew);
@@ -462,12 +483,17 @@ static int softmax_step(const seg_args *a, seg_scratch *w, int64_t b, int64_t kv
     return 1;
 }
 
-/* One row against a block of nk positions starting at logical position pos0 (online softmax update). */
+/* One row against a block of nk positions starting at logical position pos0 (online softmax update).
+ * A block the row cannot see is still accumulated with weights 0, as the reference's p @ v does: a NaN
+ * value anywhere gives NaN (0 * NaN), whatever the block boundaries (only masked inputs pay for it). */
 static void row_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh, int64_t r, int64_t rt, int64_t pos0, int nk) {
     float alpha;
     a->isa.dots(w->sc, w->qf + rt * a->D, w->kT, nk, a->D);
-    if (softmax_step(a, w, b, kvh, r, rt, pos0, nk, w->sc, w->p, &alpha))
-        a->isa.accum(w->acc + rt * a->D, alpha, w->p, w->vp, nk, a->D);
+    if (!softmax_step(a, w, b, kvh, r, rt, pos0, nk, w->sc, w->p, &alpha)) {
+        alpha = 1.f;
+        memset(w->p, 0, (size_t)nk * sizeof(float));
+    }
+    a->isa.accum(w->acc + rt * a->D, alpha, w->p, w->vp, nk, a->D);
 }
 
 /* Rows r .. r + nr - 1 (tile rows rt ..) against a block: row_block for nr rows at once. */
@@ -479,17 +505,14 @@ static void rows_block(const seg_args *a, seg_scratch *w, int64_t b, int64_t kvh
     }
     a->isa.dots_rows(w->sc, w->qf + rt * a->D, w->kT, nr, a->D);
     float alpha[RB];
-    int live = 0;
     for (int i = 0; i < nr; i++) {
         float *p = w->p + i * KB;
-        if (softmax_step(a, w, b, kvh, r + i, rt + i, pos0, nk, w->sc + i * KB, p, &alpha[i])) {
-            live = 1;
-        } else { /* nothing visible: the row's accumulator stays as it is */
-            alpha[i] = 1.f;
+        if (!softmax_step(a, w, b, kvh, r + i, rt + i, pos0, nk, w->sc + i * KB, p, &alpha[i])) {
+            alpha[i] = 1.f; /* nothing visible: weights 0 (a NaN value still propagates, as in row_block) */
             memset(p, 0, (size_t)nk * sizeof(float));
         }
     }
-    if (live) a->isa.accum_rows(w->acc + rt * a->D, alpha, w->p, w->vr, a->dt, nk, nr, a->D);
+    a->isa.accum_rows(w->acc + rt * a->D, alpha, w->p, w->vr, a->dt, nk, nr, a->D);
 }
 
 /* Work item (b, rows [r0, r1) of every kv head, positions [j0, j1)): leaves m, s, acc of the tile in w,
@@ -581,13 +604,13 @@ static void scratch_free(seg_scratch *w) {
     free(w->vbuf);
 }
 
-/* Final value of one row: acc / s, or zeros when every position was masked. */
+/* Final value of one row: acc / s, or zeros when every position was masked (s == 0); NaN when s is. */
 static void write_row(const seg_args *a, float *out, int64_t b, int64_t kvh, int64_t r, const float *acc, float s) {
     int64_t e, g, l;
     row_coords(a, r, &e, &g, &l);
     const int64_t n = b * a->E + e, h = kvh * a->G + g;
     float *o = out + ((n * a->Lq + l) * a->Hq + h) * a->D;
-    const float inv = s > 0.f ? 1.f / s : 0.f;
+    const float inv = s > 0.f ? 1.f / s : s == 0.f ? 0.f : s;
     for (int64_t d = 0; d < a->D; d++) o[d] = acc[d] * inv;
 }
 
@@ -601,8 +624,10 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
                           int64_t Hkv, int64_t Lq, int64_t D, int64_t Np, int64_t Nr, float scale, int causal,
                           int isa, int nthreads) {
     if (dt < S_F32 || dt > S_F16) return S_ERR_DTYPE;
-    if (B <= 0 || N <= 0 || N % B || Hkv <= 0 || Hq % Hkv || Lq <= 0 || D <= 0 || Np < 0 || Nr < 0 || Np + Nr <= 0)
+    if (B <= 0 || N <= 0 || N % B || Hkv <= 0 || Hq <= 0 || Hq % Hkv || Lq <= 0 || D <= 0 || Np < 0 || Nr < 0 ||
+        Np + Nr <= 0)
         return S_ERR_SHAPE;
+    if (!q || !out || (Np && (!pk || !pv)) || (Nr && (!rk || !rv || !path))) return S_ERR_NULL;
     for (int64_t i = 0; i < Nr * N; i++)
         if (path[i] < 0 || path[i] >= N) return S_ERR_PATH;
     seg_args a = {
@@ -693,20 +718,17 @@ API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_s
                     float M = -INFINITY;
                     for (int64_t c = 0; c < nchunks; c++) {
                         const float mc = part[(u * nchunks + c) * part_stride + rr];
-                        M = mc > M ? mc : M;
+                        M = mc > M || mc != mc ? mc : M; /* a NaN sticks */
                     }
                     float S = 0.f;
                     float *acc = w.acc; /* D floats of scratch */
                     memset(acc, 0, (size_t)D * sizeof(float));
-                    if (M != -INFINITY) {
-                        for (int64_t c = 0; c < nchunks; c++) {
-                            const float *pp = part + (u * nchunks + c) * part_stride;
-                            if (pp[rr] == -INFINITY) continue;
-                            const float f = expf(pp[rr] - M);
-                            S += pp[tile + rr] * f;
-                            const float *ac = pp + 2 * tile + rr * D;
-                            for (int64_t d = 0; d < D; d++) acc[d] += ac[d] * f;
-                        }
+                    for (int64_t c = 0; c < nchunks; c++) { /* a chunk that saw nothing: weight 0 (NaN stays) */
+                        const float *pp = part + (u * nchunks + c) * part_stride;
+                        const float f = pp[rr] == -INFINITY ? 0.f : expf(pp[rr] - M);
+                        S += pp[tile + rr] * f;
+                        const float *ac = pp + 2 * tile + rr * D;
+                        for (int64_t d = 0; d < D; d++) acc[d] += ac[d] * f;
                     }
                     write_row(&a, out, b, kvh, r, acc, S);
                 }

@@ -49,7 +49,6 @@ from ..formats import get_codebook
 from ..packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 
 GEMV_MAX_M = 16  # M up to this runs the fused-quantization GEMV kernel
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOCK_SLOTS = 16384  # split-K tickets (output tiles) per device
 _SUMS_MIN = 1 << 20  # fp32 elements of the atomic split-K buffer allocated at first use (M=16 x N=65536)
 
@@ -1260,6 +1259,9 @@ def select_config(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.T
 
 
 def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int) -> None:
+    """The Triton kernels' own limits, then every operand against the others (``ops.check_operands``)."""
+    from ..ops import check_operands  # the op's module imports this one lazily
+
     if weight.layout != TRITON_LAYOUT:
         raise ValueError(
             f"weight.layout={weight.layout!r}: the Triton kernels need {TRITON_LAYOUT!r}; "
@@ -1267,21 +1269,13 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
         )
     if act_group > 0:
         raise ValueError(f"act_group={act_group}: the Triton kernels quantize activations per token; use act_group=0")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; the Triton kernels take {SUPPORTED_DTYPES}")
-    K = x.shape[-1]
-    bits = weight.bits
-    if K != weight.in_features or weight.qweight.shape != (weight.out_features, -(-K // triton_chunk(bits)) * triton_chunk(bits) * bits // 8):
-        raise ValueError(
-            f"lowbit_linear: qweight of shape {tuple(weight.qweight.shape)} ({TRITON_LAYOUT}) does not match "
-            f"x's K={K} and out_features={weight.out_features}"
-        )
-    G = weight.group_size
-    if G != K and triton_chunk(bits) % G:
-        raise ValueError(f"group_size={G} must divide {triton_chunk(bits)} (or be the whole row) for {TRITON_LAYOUT}")
-    for name, t in (("qweight", weight.qweight), ("scales", weight.scales), ("zeros", weight.zeros), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move the weight with the module")
+    if x.dim() and x.shape[-1] != weight.in_features:
+        raise ValueError(f"lowbit_linear: weight of in_features={weight.in_features} does not match x's K={x.shape[-1]}")
+    check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
+                   weight.group_size, weight.out_features, act_group)  # fmt: skip
+    K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
+    if G != K and chunk % G:
+        raise ValueError(f"group_size={G} must divide {chunk} (or be the whole row) for {TRITON_LAYOUT}")
 
 
 def lowbit_linear_triton(
