@@ -21,8 +21,11 @@ import torch
 from transformers import AutoConfig, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from aipc_kernels.config_schema import parse
+
 from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, TOKEN, X, X_OUT, ChunkFile,
                        NPUExportManifest, is_npu_export)
+from .options import NAMING, LoadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +74,8 @@ class OVNPUModelForCausalLM(GenerationMixin):
             except OSError:
                 generation_config = GenerationConfig.from_model_config(self.config)
         self.generation_config = generation_config
-        if max_compiled_buckets is not None and (not isinstance(max_compiled_buckets, int)
-                                                 or max_compiled_buckets < 1):
-            raise ValueError(f"max_compiled_buckets={max_compiled_buckets!r} must be an int >= 1 "
-                             "(or None to keep every compiled KV bucket)")
-        if ov_config is not None and not isinstance(ov_config, dict):
-            raise ValueError(f"ov_config={ov_config!r} must be a dict of OpenVINO properties")
+        parse(LoadOptions, dict(device=device, ov_config=ov_config, compile=compile,
+                                max_compiled_buckets=max_compiled_buckets), NAMING)
         self.core = ov.Core()
         self.ov_device = pick_device(device, self.core)
         self.ov_config = {"CACHE_DIR": str(self.model_dir / COMPILE_CACHE_DIR), **(ov_config or {})}
