@@ -1,16 +1,28 @@
 """``ipex_segment_kv.optimize(model)`` / ``undo(model)``: the explicit form, mirroring ``ipex.llm.optimize``."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from aipc_kernels.config_schema import Naming, option, parse
 from aipc_kernels.segment_attention import SUPPORTED_DTYPES
 
 from .cache import DEFAULT_RESPONSE_STEP
 from .hook import install
 
 _PREVIOUS = "_aipc_segment_kv_previous_attn"
+NAMING = Naming("ipex_segment_kv.optimize", "python")
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """The keywords of :func:`optimize`."""
+
+    response_step: int = option(DEFAULT_RESPONSE_STEP, ge=1, example=DEFAULT_RESPONSE_STEP)
+    inplace: bool = option(True, choices=(True,), note="it would copy the weights; call optimize(model) "
+                                                      "and undo(model) instead")  # fmt: skip
 
 
 def optimize(model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, inplace: bool = True) -> Any:
@@ -20,11 +32,7 @@ def optimize(model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, inplace:
 
     Raises ValueError for architectures whose attention bypasses transformers' AttentionInterface and
     for dtypes the kernels do not support."""
-    if not inplace:
-        raise ValueError("ipex_segment_kv.optimize: inplace=False is not supported (it would copy the weights); "
-                         "call optimize(model) and undo(model) instead")  # fmt: skip
-    if not isinstance(response_step, int) or response_step < 1:
-        raise ValueError(f"ipex_segment_kv.optimize: response_step must be a positive integer, got {response_step!r}")
+    options = parse(OptimizeOptions, dict(response_step=response_step, inplace=inplace), NAMING)
     install()
     from .attention import ATTN_NAME
     from .generation import check_architecture
@@ -40,7 +48,7 @@ def optimize(model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, inplace:
     if current != ATTN_NAME:
         setattr(model, _PREVIOUS, current)
         model.set_attn_implementation(ATTN_NAME)
-    model._aipc_segment_kv_step = response_step
+    model._aipc_segment_kv_step = options.response_step
     return model
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .export import WEIGHT_FORMATS
+from .options import TARGETS, WEIGHT_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--group-size", type=int, default=None,
                      help="int4 group size, -1 per channel (default 128)")
     opt.add_argument("--ratio", type=float, default=None, help="int4 ratio (default 1.0)")
-    opt.add_argument("--target", choices=("NPU", "CPU", "GPU"), default="NPU",
+    opt.add_argument("--target", choices=TARGETS, default="NPU",
                      help="device the export is meant for (NPU refuses INT4 asymmetric)")
 
 

@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from aipc_kernels.atomic_output import atomic_output_dir
+from aipc_kernels.config_schema import parse
 
 from .manifest import (ALWAYS_WRITTEN, FORMAT_VERSION, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT,
                        ChunkFile, LayerGroup, NPUExportManifest, cache_name, cache_out_name,
                        legacy_export_files)
+from .options import NAMING, ExportOptions
 
 logger = logging.getLogger(__name__)
-
-WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,9 @@ class WeightCompression:
     all_layers: bool | None = None
 
     def resolved(self, target: str) -> dict[str, Any] | None:
-        """The settings actually used (None: no compression); raises on invalid or NPU-unsafe ones."""
+        """The settings actually used (None: no compression); raises on NPU-unsafe or contradictory
+        ones (each value's type and range: :class:`~optimum_npu.options.ExportOptions`)."""
         fmt = self.weight_format
-        if fmt not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format={fmt!r} is not supported; use one of "
-                             f"{', '.join(WEIGHT_FORMATS)}")
         if fmt in ("fp32", "fp16"):
             given = {k: v for k, v in (("sym", self.sym), ("group_size", self.group_size),
                                         ("ratio", self.ratio), ("all_layers", self.all_layers))
@@ -59,19 +57,17 @@ class WeightCompression:
                 raise ValueError(f"{', '.join(given)} only apply to weight_format='int8'/'int4', "
                                  f"not {fmt!r}; drop them or choose an integer weight format")
             return None
-        sym = True if self.sym is None else bool(self.sym)
+        sym = True if self.sym is None else self.sym
         if fmt == "int4":
             if not sym and target == "NPU":
                 raise ValueError(
                     "weight_format='int4' with sym=False (INT4 asymmetric) crashes the NPU compiler "
                     "(openvino#34450); use sym=True (the default), or weight_format='int8'")
-            group = 128 if self.group_size is None else int(self.group_size)
+            group = 128 if self.group_size is None else self.group_size
             if group != -1 and group <= 0:
                 raise ValueError(f"group_size={group} must be positive or -1 (per channel)")
-            ratio = 1.0 if self.ratio is None else float(self.ratio)
-            if not 0.0 < ratio <= 1.0:
-                raise ValueError(f"ratio={ratio} must be in (0, 1]")
-            all_layers = True if self.all_layers is None else bool(self.all_layers)
+            ratio = 1.0 if self.ratio is None else self.ratio
+            all_layers = True if self.all_layers is None else self.all_layers
             return dict(weight_format="int4", mode="int4_sym" if sym else "int4_asym",
                         group_size=group, ratio=ratio, all_layers=all_layers)
         if self.group_size not in (None, -1) or self.ratio not in (None, 1.0):
@@ -95,23 +91,17 @@ def default_buckets(max_seq_len: int, prefill_block: int) -> list[int]:
     return buckets + [max_seq_len]
 
 
-def validate_shape_args(max_seq_len: Any, prefill_block: Any, kv_buckets: Any,
-                        layers_per_chunk: Any) -> tuple[int, int, list[int], int]:
-    """Checks the shape arguments; returns them normalised (buckets sorted, ending at max_seq_len)."""
-    for name, v in (("max_seq_len", max_seq_len), ("prefill_block", prefill_block),
-                    ("layers_per_chunk", layers_per_chunk)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+def validate_shape_args(max_seq_len: int, prefill_block: int, kv_buckets: list[int] | None,
+                        layers_per_chunk: int) -> tuple[int, int, list[int], int]:
+    """Checks the shape arguments against each other (each one's type and range:
+    :class:`~optimum_npu.options.ExportOptions`); returns them normalised (buckets sorted, ending at
+    max_seq_len)."""
     if prefill_block > max_seq_len:
         raise ValueError(f"prefill_block={prefill_block} is larger than max_seq_len={max_seq_len}; "
                          "choose a smaller block")
     if kv_buckets is None:
         buckets = default_buckets(max_seq_len, prefill_block)
     else:
-        if isinstance(kv_buckets, (int, str)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in kv_buckets):
-            raise ValueError(f"kv_buckets={kv_buckets!r} must be a list of positive ints "
-                             "(KV capacities), e.g. [256, 512, 1024]")
         bad = [b for b in kv_buckets if b > max_seq_len]
         if bad:
             raise ValueError(f"kv_buckets {bad} exceed max_seq_len={max_seq_len}; "
@@ -324,10 +314,12 @@ def export_npu_model(
 
     from . import chunks as ch
 
+    o = parse(ExportOptions, dict(
+        max_seq_len=max_seq_len, prefill_block=prefill_block, kv_buckets=kv_buckets,
+        layers_per_chunk=layers_per_chunk, weight_format=weight_format, sym=sym, group_size=group_size,
+        ratio=ratio, all_layers=all_layers, target=target), NAMING)
     max_seq_len, prefill_block, buckets, layers_per_chunk = validate_shape_args(
-        max_seq_len, prefill_block, kv_buckets, layers_per_chunk)
-    if target not in ("NPU", "CPU", "GPU"):
-        raise ValueError(f"target={target!r} must be 'NPU', 'CPU' or 'GPU'")
+        o.max_seq_len, o.prefill_block, o.kv_buckets, o.layers_per_chunk)
     quant = WeightCompression(weight_format, sym, group_size, ratio, all_layers).resolved(target)
     src = resolve_model_dir(model_id, revision, token, cache_dir, local_files_only)
     config = AutoConfig.from_pretrained(src)

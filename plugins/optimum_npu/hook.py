@@ -12,21 +12,15 @@ import types
 import warnings
 from typing import Any
 
+from aipc_kernels.config_schema import parse
+
 from .manifest import check_export_complete, is_npu_export
+from .options import (EXPORT_KWARGS, HUB_KWARGS, LOAD_KWARGS, NAMING, STOCK_KWARGS, ExportOptions, HubOptions,
+                      LoadOptions, StockOptions)
 
 #: optimum-intel versions whose from_pretrained/GenerationMixin contract this was built against
 SUPPORTED_OPTIMUM_INTEL = ((2, 2), (2, 3))  # >= 2.2, < 2.3
 _MARK = "_optimum_npu_original_from_pretrained"
-
-#: keywords of the NPU export (export_npu_model) and of loading it (OVNPUModelForCausalLM)
-EXPORT_KWARGS = ("max_seq_len", "prefill_block", "kv_buckets", "layers_per_chunk", "weight_format",
-                 "sym", "group_size", "ratio", "all_layers", "target")
-LOAD_KWARGS = ("device", "ov_config", "compile", "max_compiled_buckets", "export_dir")
-HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only")
-# stock keywords that keep their meaning, or are accepted when they ask what the export does anyway
-_PASSIVE = {"export": (None, True, False), "use_cache": (None, True), "stateful": (None, True),
-            "trust_remote_code": (None, False), "config": None, "force_download": (None, False),
-            "subfolder": (None, "")}
 
 
 def _version_ok() -> tuple[bool, str]:
@@ -62,7 +56,7 @@ def install(module: types.ModuleType) -> None:
     original = inspect.getattr_static(cls, "from_pretrained").__func__
 
     def from_pretrained(klass, model_id, *args, export_npu: bool | None = None, **kwargs):
-        if export_npu not in (None, True, False):
+        if export_npu is not None and not isinstance(export_npu, bool):
             raise TypeError(f"export_npu={export_npu!r} must be True or False")
         ours = sorted(k for k in kwargs if k in EXPORT_KWARGS + ("max_compiled_buckets", "export_dir"))
         if export_npu is not False:
@@ -100,7 +94,7 @@ def quantization_kwargs(quantization_config: Any, load_in_8bit: bool | None) -> 
         raise TypeError(f"quantization_config={quantization_config!r}: pass an "
                         "OVWeightQuantizationConfig or a dict with bits/sym/group_size/ratio")
     bits = q.get("bits")
-    if bits not in (4, 8):
+    if type(bits) is not int or bits not in (4, 8):
         raise ValueError(f"quantization_config bits={bits!r}: export_npu compresses weights to 4 or 8 "
                          "bits (or pass weight_format='fp16')")
     out["weight_format"] = f"int{bits}"
@@ -111,28 +105,26 @@ def quantization_kwargs(quantization_config: Any, load_in_8bit: bool | None) -> 
 
 
 def load_npu_model(model_id: Any, **kwargs: Any):
-    """``from_pretrained(model_id, export_npu=True, **kwargs)``: validates the keywords (unknown
-    ones raise, naming the accepted ones) and exports or loads through OVNPUModelForCausalLM."""
-    from .modeling import OVNPUModelForCausalLM
-
-    for key, allowed in _PASSIVE.items():
-        if key in kwargs:
-            value = kwargs.pop(key)
-            if allowed is not None and value not in allowed:
-                raise ValueError(f"{key}={value!r} is not supported with export_npu=True "
-                                 f"(accepted: {allowed})")
+    """``from_pretrained(model_id, export_npu=True, **kwargs)``: checks every keyword before any
+    work (unknown ones raise naming the accepted ones; values against
+    :mod:`optimum_npu.options`) and exports or loads through OVNPUModelForCausalLM."""
+    parse(StockOptions, {k: kwargs.pop(k) for k in STOCK_KWARGS if k in kwargs}, NAMING)
     kwargs.update(quantization_kwargs(kwargs.pop("quantization_config", None),
                                       kwargs.pop("load_in_8bit", None)))
     accepted = EXPORT_KWARGS + LOAD_KWARGS + HUB_KWARGS
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise TypeError(f"from_pretrained(export_npu=True) got unexpected keyword(s) "
-                        f"{', '.join(unknown)}; accepted: {', '.join(accepted + tuple(_PASSIVE))}, "
+                        f"{', '.join(unknown)}; accepted: {', '.join(accepted + STOCK_KWARGS)}, "
                         "quantization_config, load_in_8bit")
-    load = {k: kwargs.pop(k) for k in LOAD_KWARGS if k in kwargs}
+    export = {k: kwargs[k] for k in EXPORT_KWARGS if k in kwargs}
+    load = {k: kwargs[k] for k in LOAD_KWARGS if k in kwargs}
+    hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    for schema, given in ((ExportOptions, export), (LoadOptions, load), (HubOptions, hub)):
+        parse(schema, given, NAMING)
+    from .modeling import OVNPUModelForCausalLM
+
     exporting = not is_npu_export(model_id)
     if not exporting:
-        hub = [k for k in HUB_KWARGS if k in kwargs]
-        for k in hub:
-            kwargs.pop(k)
-    return OVNPUModelForCausalLM.from_pretrained(model_id, export=exporting, **load, **kwargs)
+        hub = {}  # a local exported directory: nothing to fetch
+    return OVNPUModelForCausalLM.from_pretrained(model_id, export=exporting, **load, **export, **hub)

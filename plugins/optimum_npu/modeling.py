@@ -27,9 +27,11 @@ from transformers import AutoConfig, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from aipc_kernels.atomic_output import signals_raise, temporary_output_dir
+from aipc_kernels.config_schema import parse
 
 from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT, ChunkFile,
                        NPUExportManifest, check_export_complete, is_npu_export)
+from .options import NAMING, LoadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +81,8 @@ class OVNPUModelForCausalLM(GenerationMixin):
             except OSError:
                 generation_config = GenerationConfig.from_model_config(self.config)
         self.generation_config = generation_config
-        if max_compiled_buckets is not None and (not isinstance(max_compiled_buckets, int)
-                                                 or max_compiled_buckets < 1):
-            raise ValueError(f"max_compiled_buckets={max_compiled_buckets!r} must be an int >= 1 "
-                             "(or None to keep every compiled KV bucket)")
-        if ov_config is not None and not isinstance(ov_config, dict):
-            raise ValueError(f"ov_config={ov_config!r} must be a dict of OpenVINO properties")
+        parse(LoadOptions, dict(device=device, ov_config=ov_config, compile=compile,
+                                max_compiled_buckets=max_compiled_buckets), NAMING)
         self.core = ov.Core()
         self.ov_device = pick_device(device, self.core)
         self.ov_config = {"CACHE_DIR": str(self.model_dir / COMPILE_CACHE_DIR), **(ov_config or {})}

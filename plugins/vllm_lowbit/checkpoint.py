@@ -20,41 +20,16 @@ from typing import Any, Callable, Optional
 import torch
 
 from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
-from aipc_kernels.formats import FORMAT_NAME, FORMAT_VERSION, LowBitWeight, get_codebook, pack_codes, save_lowbit
+from aipc_kernels.config_schema import parse
+from aipc_kernels.formats import FORMAT_NAME, LowBitWeight, pack_codes, save_lowbit
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.quantizers import quantize_weight
 
+from .options import API_NAMING, SCALE_DTYPES, LowBit2Options, quantization_config_dict
+
 QUANT_ROW_BLOCK = 4096  # rows quantized at once (bounds the quantizer's float32 temporaries)
 SHARD_BYTES = 2 << 30
-SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 BITNET_VALUES_PER_BYTE = 4
-
-
-def quantization_config_dict(
-    codebook: str,
-    group_size: int,
-    quantizer: str = "optimized",
-    scale_dtype: str = "float16",
-    act_group: int = 0,
-    modules_to_not_convert: Optional[list[str]] = None,
-    prequantized: bool = True,
-    source: Optional[str] = None,
-) -> dict[str, Any]:
-    """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json."""
-    d = {
-        "quant_method": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "codebook": codebook,
-        "group_size": group_size,
-        "quantizer": quantizer,
-        "scale_dtype": scale_dtype,
-        "act_group": act_group,
-        "modules_to_not_convert": list(modules_to_not_convert or []),
-        "prequantized": prequantized,
-    }
-    if source:
-        d["source"] = source
-    return d
 
 
 def quantize_rows(
@@ -218,14 +193,14 @@ def convert_checkpoint(
     b1.58 checkpoint is imported into the ``ternary`` code book (``codebook`` must then be
     ``ternary``); any other ``quantization_config`` is refused. ``act_group`` is recorded for the
     server (0: one int8 activation scale per token; else per that many K)."""
+    parse(LowBit2Options, dict(codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
+                               act_group=act_group, modules_to_not_convert=modules_to_not_convert or []),
+          API_NAMING)  # fmt: skip
     src, out = Path(model_dir), Path(out_dir)
     cfg_path = src / "config.json"
     if not cfg_path.exists():
         raise ValueError(f"{src} has no config.json; pass a Hugging Face model directory")
     config = json.loads(cfg_path.read_text())
-    if scale_dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype={scale_dtype!r} is not supported; use one of {sorted(SCALE_DTYPES)}")
-    get_codebook(codebook)
     qcfg = config.get("quantization_config")
     source = None
     if qcfg is not None:

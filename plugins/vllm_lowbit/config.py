@@ -11,6 +11,8 @@ Two ways in, one config:
 * ``vllm serve LOWBIT2_MODEL``: a checkpoint written by ``python -m vllm_lowbit.quantize`` carries
   ``quantization_config`` with ``quant_method: lowbit2`` and ``prequantized: true``; vLLM picks the
   method from it (no flag needed) and loads the packed codes and group scales, sharded for TP.
+  An ``--hf-overrides`` quantization_config updates its config instead of replacing it
+  (:meth:`LowBit2Config.maybe_update_config`), so it stays prequantized.
 
 Config keys (``quantization_config`` of config.json, ``--hf-overrides`` or a JSON file given as
 ``--hf-overrides '{"quantization_config_file": "PATH"}'``): ``codebook`` (affine, int2, sym, ternary,
@@ -19,10 +21,12 @@ on-the-fly only), ``scale_dtype`` (float16, bfloat16), ``act_group`` (0: one int
 per token; else per K-group), ``modules_to_not_convert`` (name fragments that stay unquantized;
 ``lm_head`` and the embeddings stay unquantized), ``quantize_lm_head`` (opt-in: the output
 projection quantized at load too; decode of small models is dominated by it), ``prequantized``.
+Their types, choices and ranges are declared once in :mod:`vllm_lowbit.options`.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -32,59 +36,40 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from aipc_kernels.formats import FORMAT_VERSION, GROUP_SIZES, get_codebook
+from aipc_kernels.config_schema import to_dict
 from aipc_kernels.modules import DEFAULT_SKIP
-from aipc_kernels.quantizers import QUANTIZERS
 
 from . import PLUGIN_NAME
-from .checkpoint import SCALE_DTYPES, quantization_config_dict
-KNOWN_KEYS = {
-    "quant_method", "codebook", "group_size", "quantizer", "scale_dtype", "act_group",
-    "modules_to_not_convert", "prequantized", "quantize_lm_head", "format_version", "source",
-}  # fmt: skip
+from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, SCALE_DTYPES, QuantizationConfigOptions,
+                      parse_quantization_config, quantization_config_dict)  # fmt: skip
+
+#: --hf-overrides keys that carry a quantization_config in a file or a JSON string
+OVERRIDE_FILE_KEYS = ("quantization_config_file", "quantization_config_dict_json")
 
 
 @register_quantization_config(PLUGIN_NAME)
 class LowBit2Config(QuantizationConfig):
-    """2-bit (and 1-bit) group-quantized weights in the shared ``lowbit2`` format, W2A8 on CPU."""
+    """2-bit (and 1-bit) group-quantized weights in the shared ``lowbit2`` format, W2A8 on CPU.
 
-    def __init__(
-        self,
-        codebook: str = "affine",
-        group_size: int = 64,
-        quantizer: str = "optimized",
-        scale_dtype: str = "float16",
-        act_group: int = 0,
-        modules_to_not_convert: Optional[list[str]] = None,
-        prequantized: bool = False,
-        quantize_lm_head: bool = False,
-    ) -> None:
+    Built from ``quantization_config`` keys (``LowBit2Config(**keys)``, :meth:`from_config`), all
+    checked by :class:`vllm_lowbit.options.QuantizationConfigOptions`: exact types, choices, ranges."""
+
+    def __init__(self, /, **config: Any) -> None:
         super().__init__()
-        get_codebook(codebook)  # error lists the known code books
-        if group_size != -1 and group_size not in GROUP_SIZES:
-            raise ValueError(
-                f"lowbit2 quantization_config.group_size={group_size} is not supported; "
-                f"use one of {GROUP_SIZES} or -1 (one group per row)"
-            )
-        if quantizer not in QUANTIZERS:
-            raise ValueError(f"lowbit2 quantization_config.quantizer={quantizer!r} is unknown; use one of {QUANTIZERS}")
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(
-                f"lowbit2 quantization_config.scale_dtype={scale_dtype!r} is not supported; use one of {sorted(SCALE_DTYPES)}"
-            )
-        if act_group < 0 or (act_group and group_size != -1 and act_group % group_size):
-            raise ValueError(
-                f"lowbit2 quantization_config.act_group={act_group} must be 0 (per token) or a multiple of group_size={group_size}"
-            )
-        self.codebook = codebook
-        self.group_size = group_size
-        self.quantizer = quantizer
-        self.scale_dtype_name = scale_dtype
-        self.scale_dtype = SCALE_DTYPES[scale_dtype]
-        self.act_group = act_group
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
-        self.prequantized = prequantized
-        self.quantize_lm_head = quantize_lm_head
+        self._given = dict(config)  # the keys as vLLM passed them (see maybe_update_config)
+        self._apply(parse_quantization_config(config))
+
+    def _apply(self, o: QuantizationConfigOptions) -> None:
+        self.options = o
+        self.codebook = o.codebook
+        self.group_size = o.group_size
+        self.quantizer = o.quantizer
+        self.scale_dtype_name = o.scale_dtype
+        self.scale_dtype = SCALE_DTYPES[o.scale_dtype]
+        self.act_group = o.act_group
+        self.modules_to_not_convert = list(o.modules_to_not_convert)
+        self.prequantized = o.prequantized
+        self.quantize_lm_head = o.quantize_lm_head
 
     def __repr__(self) -> str:
         return (
@@ -116,55 +101,72 @@ class LowBit2Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LowBit2Config":
-        unknown = set(config) - KNOWN_KEYS
-        if unknown:
-            raise ValueError(
-                f"lowbit2 quantization_config has unknown keys {sorted(unknown)}; known keys: {sorted(KNOWN_KEYS)}"
-            )
-        method = config.get("quant_method", PLUGIN_NAME)
-        if method != PLUGIN_NAME:
-            raise ValueError(f"quantization_config.quant_method={method!r} is not {PLUGIN_NAME!r}")
-        version = int(config.get("format_version", FORMAT_VERSION))
-        if version > FORMAT_VERSION:
-            raise ValueError(
-                f"lowbit2 checkpoint format_version {version} is newer than this aipc-plugins "
-                f"({FORMAT_VERSION}); upgrade aipc-plugins"
-            )
-        defaults = cls()
-        return cls(
-            codebook=config.get("codebook", defaults.codebook),
-            group_size=int(config.get("group_size", defaults.group_size)),
-            quantizer=config.get("quantizer", defaults.quantizer),
-            scale_dtype=config.get("scale_dtype", defaults.scale_dtype_name),
-            act_group=int(config.get("act_group", defaults.act_group)),
-            modules_to_not_convert=config.get("modules_to_not_convert"),
-            prequantized=bool(config.get("prequantized", False)),
-            quantize_lm_head=bool(config.get("quantize_lm_head", False)),
-        )
+        """A ``quantization_config`` dict (config.json or ``--hf-overrides``); errors name the key."""
+        if not isinstance(config, dict):
+            parse_quantization_config(config)  # raises: must be a JSON object
+        if config.get("quant_method") == "":  # vLLM's model_arch_config writes "" for a missing quant_method
+            config = {k: v for k, v in config.items() if k != "quant_method"}
+        return cls(**config)
 
     @classmethod
     def from_config_file(cls, path: str) -> "LowBit2Config":
         """``--hf-overrides '{"quantization_config_file": PATH}'``: a JSON file of config keys."""
-        with open(path) as f:
-            return cls.from_config(json.load(f))
+        return cls.from_config(_read_json("quantization_config_file", path, from_file=True))
 
     @classmethod
     def from_config_dict_json(cls, text: str) -> "LowBit2Config":
         """``--hf-overrides '{"quantization_config_dict_json": "{...}"}'``."""
-        return cls.from_config(json.loads(text))
+        return cls.from_config(_read_json("quantization_config_dict_json", text, from_file=False))
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> Optional[str]:
-        """A checkpoint with ``quant_method: lowbit2`` selects this method without ``--quantization``."""
-        if hf_quant_cfg.get("quant_method") == PLUGIN_NAME and user_quant in (None, PLUGIN_NAME):
+        """A checkpoint with ``quant_method: lowbit2`` selects this method without ``--quantization``;
+        so does a converted checkpoint whose ``quantization_config`` an ``--hf-overrides`` without
+        ``quant_method`` replaced (the checkpoint's own config.json says what its tensors are)."""
+        if user_quant not in (None, PLUGIN_NAME):
+            return None
+        method = hf_quant_cfg.get("quant_method")
+        if method == PLUGIN_NAME:
+            return PLUGIN_NAME
+        if not method and hf_config is not None and _is_converted(
+            _checkpoint_quantization_config(getattr(hf_config, "name_or_path", ""), None)
+        ):  # fmt: skip
             return PLUGIN_NAME
         return None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Optional[str] = None) -> None:
+        """Reconciles this config with the checkpoint's own (vLLM calls it once the config is built).
+
+        vLLM's ``--hf-overrides '{"quantization_config": {...}}'`` replaces the checkpoint's whole
+        ``quantization_config``, and ignores ``quantization_config_file`` when the checkpoint has one.
+        For a checkpoint converted by ``python -m vllm_lowbit.quantize`` the override instead updates
+        the checkpoint's own config.json entry: it may set ``act_group`` and ``quantize_lm_head``, and a
+        value that differs from what the tensors were written with (:data:`~vllm_lowbit.options.
+        CHECKPOINT_KEYS`: code book, group size, scale dtype, modules kept unquantized,
+        ``prequantized``) is refused, naming the key. ``prequantized: true`` for a checkpoint that was
+        not converted is refused too."""
+        stored = _checkpoint_quantization_config(model_name, revision)
+        override = _override_from_hf_config(hf_config) if stored is not None else None
+        if override is None and stored is not None and self._given != stored:
+            override = self._given
+        converted = stored if _is_converted(stored) else None
+        if override is not None:
+            config = _merge_with_checkpoint(parse_quantization_config(converted), override) if converted else override
+            self._given = config
+            self._apply(parse_quantization_config(config))
+        if self.prequantized and converted is None:
+            raise ValueError(
+                f"{CONFIG_NAMING.setting('prequantized', True)}, but {model_name} is not a checkpoint converted by "
+                f"python -m vllm_lowbit.quantize (its config.json has no quantization_config with quant_method "
+                f"{PLUGIN_NAME!r} and prequantized true); drop prequantized to quantize its weights while they "
+                f"load, or convert it first: python -m vllm_lowbit.quantize {model_name} OUT_DIR"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The ``quantization_config`` entry that describes this config in a checkpoint."""
         d = quantization_config_dict(
             self.codebook, self.group_size, self.quantizer, self.scale_dtype_name, self.act_group,
-            self.modules_to_not_convert, self.prequantized,
+            self.modules_to_not_convert, self.prequantized, self.options.source,
         )  # fmt: skip
         if self.quantize_lm_head:
             d["quantize_lm_head"] = True
@@ -187,6 +189,72 @@ class LowBit2Config(QuantizationConfig):
         from .linear_method import LowBit2LinearMethod, LowBit2OnlineLinearMethod
 
         return LowBit2LinearMethod(self) if self.prequantized else LowBit2OnlineLinearMethod(self)
+
+
+# ---------------------------------------------------------------------- the checkpoint's own config
+
+
+def _read_json(key: str, source: str, from_file: bool) -> Any:
+    """``--hf-overrides`` ``quantization_config_file`` (a path) or ``quantization_config_dict_json``
+    (JSON text) -> its value; errors name the key and the file."""
+    try:
+        if from_file:
+            with open(source) as f:
+                return json.load(f)
+        return json.loads(source)
+    except OSError as e:
+        raise ValueError(f"{CONFIG_NAMING.owner}: cannot read {key}={source!r}: {e.strerror}; pass an existing JSON file") from None
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{CONFIG_NAMING.owner}: {key}={source!r} is not valid JSON ({e}); write a JSON object "
+                         f'such as {{"quant_method": "{PLUGIN_NAME}", "group_size": 64}}') from None  # fmt: skip
+
+
+def _checkpoint_quantization_config(model: str, revision: Optional[str]) -> Optional[dict[str, Any]]:
+    """The ``quantization_config`` of ``model``'s own config.json (before ``--hf-overrides``), or None."""
+    path = Path(model) / "config.json"
+    try:
+        if path.is_file():
+            config = json.loads(path.read_text())
+        else:  # a Hub id: vLLM has fetched config.json already
+            from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+            config = get_hf_file_to_dict("config.json", model, revision) or {}
+    except (OSError, ValueError):
+        return None
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    return q if isinstance(q, dict) else None
+
+
+def _is_converted(stored: Optional[dict[str, Any]]) -> bool:
+    """Whether a checkpoint's quantization_config is the converter's (packed lowbit2 tensors)."""
+    return bool(stored) and stored.get("quant_method") == PLUGIN_NAME and stored.get("prequantized") is True
+
+
+def _override_from_hf_config(hf_config: Any) -> Optional[dict[str, Any]]:
+    """The keys of ``--hf-overrides`` ``quantization_config_file`` / ``quantization_config_dict_json``
+    (vLLM sets them as config attributes; it reads them only when the checkpoint has no quantization_config)."""
+    for key in OVERRIDE_FILE_KEYS:
+        value = getattr(hf_config, key, None)
+        if value is not None:
+            config = _read_json(key, value, from_file=key.endswith("_file"))
+            parse_quantization_config(config)  # type errors name the key before the merge
+            return config
+    return None
+
+
+def _merge_with_checkpoint(checkpoint: QuantizationConfigOptions, override: dict[str, Any]) -> dict[str, Any]:
+    """The converted checkpoint's config updated by ``override``; raises when the override changes a
+    key the checkpoint's tensors fix."""
+    stored = to_dict(checkpoint)
+    fixed = {k: v for k, v in stored.items() if k in CHECKPOINT_KEYS}
+    for key, value in override.items():
+        if key in fixed and not (type(value) is type(fixed[key]) and value == fixed[key]):
+            raise ValueError(
+                f"{CONFIG_NAMING.setting(key, value)} conflicts with the converted checkpoint, whose tensors were "
+                f"written with {key}={fixed[key]!r}; drop {key!r} from --hf-overrides (the checkpoint's value is "
+                f"used), or convert the original model again with python -m vllm_lowbit.quantize to change it"
+            )
+    return {**stored, **override, **fixed}
 
 
 __all__ = ["LowBit2Config"]

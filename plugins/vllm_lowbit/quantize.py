@@ -10,34 +10,38 @@ import argparse
 import sys
 import time
 
-from aipc_kernels.formats import CODEBOOKS, GROUP_SIZES
-from aipc_kernels.quantizers import QUANTIZERS
+from aipc_kernels.config_schema import OptionError, choices_of, field_names, parse
 
-from .checkpoint import SCALE_DTYPES, convert_checkpoint
+from .checkpoint import convert_checkpoint
+from .options import CLI_NAMING, ConverterOptions
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_lowbit.quantize", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", help="Hugging Face model directory (safetensors; bf16/fp16/fp32, or BitNet b1.58)")
     ap.add_argument("out_dir", help="new or empty output directory")
-    ap.add_argument("--codebook", default="affine", choices=sorted(CODEBOOKS))
-    ap.add_argument("--group-size", type=int, default=64, choices=list(GROUP_SIZES) + [-1],
+    ap.add_argument("--codebook", default="affine", choices=choices_of(ConverterOptions, "codebook"))
+    ap.add_argument("--group-size", type=int, default=64, choices=choices_of(ConverterOptions, "group_size"),
                     help="weights per scale along K (-1: one group per row)")
-    ap.add_argument("--quantizer", default="optimized", choices=QUANTIZERS,
+    ap.add_argument("--quantizer", default="optimized", choices=choices_of(ConverterOptions, "quantizer"),
                     help="optimized: least-squares scale/zero fit (default); rtn: min-max round to nearest")
-    ap.add_argument("--scale-dtype", default="float16", choices=sorted(SCALE_DTYPES))
+    ap.add_argument("--scale-dtype", default="float16", choices=choices_of(ConverterOptions, "scale_dtype"))
     ap.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
                     help="name fragments of linear layers to keep unquantized (lm_head and embeddings always are)")
     ap.add_argument("--act-group", type=int, default=0,
                     help="int8 activation scale per token (0, default) or per this many K: a multiple of the "
                          "group size that divides K/tp makes tensor-parallel results identical to TP=1")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if args.threads:
+    try:  # the checks the server applies to the same keys, before any work
+        opts = parse(ConverterOptions, {k: getattr(args, k) for k in field_names(ConverterOptions)}, CLI_NAMING)
+    except OptionError as e:
+        ap.error(str(e))  # usage + message, exit status 2
+    if opts.threads is not None:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(opts.threads)
     t0 = time.time()
     try:
         convert_checkpoint(

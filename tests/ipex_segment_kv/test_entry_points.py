@@ -7,6 +7,7 @@ import sys
 import sysconfig
 import textwrap
 
+import pytest
 import torch
 
 SCRIPT = textwrap.dedent(
@@ -84,3 +85,25 @@ def test_package_import_is_light():
     env = dict(os.environ, AIPC_PLUGINS_AUTOLOAD="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(response_step=True), "ipex_segment_kv.optimize: response_step=True must be an integer >= 1, e.g. 16"),
+    (dict(response_step=16.0), "response_step=16.0 must be an integer >= 1"),
+    (dict(response_step="16"), "response_step='16' must be an integer >= 1"),
+    (dict(response_step=0), "response_step=0 must be an integer >= 1"),
+    (dict(inplace="no"), "inplace='no' is not supported; use one of True (it would copy the weights"),
+    (dict(inplace=0), "inplace=0 is not supported"),
+    (dict(inplace=False), "inplace=False is not supported"),
+])  # fmt: skip
+def test_optimize_keywords_are_checked(pair, kw, message):
+    """optimize's keywords: exact types (True is not a step, "no" is not a bool), checked before the
+    model is touched (issue 19)."""
+    import ipex_segment_kv
+
+    stock, _, _ = pair("llama")
+    model = type(stock).from_pretrained(stock.name_or_path, attn_implementation="sdpa").eval()
+    with pytest.raises(ValueError) as e:
+        ipex_segment_kv.optimize(model, **kw)
+    assert message in str(e.value)
+    assert model.config._attn_implementation == "sdpa"

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from aipc_kernels.formats import load_lowbit
 from aipc_kernels.quantizers import quantize_weight
-from vllm_serving import TINY, run_vllm_script
+from vllm_serving import TINY, hf_greedy, run_vllm_script
 
 LINEAR = "model.layers.0.self_attn.k_proj"
 
@@ -112,6 +112,48 @@ def test_converter_killed_while_writing(llama_dir, tmp_path, interrupt_while_wri
     shutil.rmtree(staging)
     interrupt_while_writing(cmd, out, signal.SIGTERM)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--act-group", "48"], "--act-group=48 must be 0 (per token) or a multiple of --group-size=64"),
+    (["--act-group", "-5"], "--act-group=-5 must be an integer >= 0"),
+    (["--act-group", "32", "--group-size", "64"], "--act-group=32 must be 0 (per token) or a multiple of --group-size=64"),
+    (["--threads", "-1"], "--threads=-1 must be an integer >= 1"),
+    (["--threads", "0"], "--threads=0 must be an integer >= 1"),
+])  # fmt: skip
+def test_converter_refuses_what_the_server_refuses(llama_dir, tmp_path, capsys, args, message):
+    """The converter checks its options with the server's schema, before any work: argparse's exit
+    status 2 and usage line, the option named, no output directory."""
+    from vllm_lowbit.quantize import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(llama_dir), str(tmp_path / "out"), "--no-progress", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("usage: python -m vllm_lowbit.quantize")
+    assert not (tmp_path / "out").exists()
+
+
+def test_converter_bad_threads_exit_2_without_traceback(llama_dir, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(tmp_path / "out"),
+                          "--threads", "-1"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "error: --threads=-1 must be an integer >= 1" in res.stderr
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(modules_to_not_convert="lm_head"), "convert_checkpoint: modules_to_not_convert='lm_head' must be a list of strings"),
+    (dict(act_group=48), "convert_checkpoint: act_group=48 must be 0 (per token) or a multiple of group_size=64"),
+    (dict(group_size=64.0), "convert_checkpoint: group_size=64.0 is not supported"),
+    (dict(scale_dtype="float32"), "convert_checkpoint: scale_dtype='float32' is not supported"),
+])  # fmt: skip
+def test_convert_checkpoint_keywords_are_checked(llama_dir, tmp_path, kw, message):
+    from vllm_lowbit.checkpoint import convert_checkpoint
+
+    with pytest.raises(ValueError) as e:
+        convert_checkpoint(llama_dir, tmp_path / "out", progress=False, **kw)
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------- BitNet b1.58 import
@@ -225,7 +267,18 @@ def test_mismatched_group_size_names_the_tensor(llama_prequantized, tmp_path):
 def test_unknown_codebook_fails(llama_prequantized, tmp_path):
     model = _copy(llama_prequantized, tmp_path / "m")
     _edit_config(model, codebook="int3")
-    _expect_load_error(model, re.escape("codebook='int3' is unknown; use one of"))
+    _expect_load_error(model, re.escape("lowbit2 quantization_config.codebook='int3' is not supported; use one of"))
+
+
+def test_converted_checkpoint_with_partial_hf_overrides(llama_prequantized, llama_dir):
+    """``hf_overrides`` replacing the converted checkpoint's quantization_config with one that lacks
+    ``prequantized``/``codebook``/... (issue 19: vLLM then failed with "no module or parameter named
+    ...qweight"): the checkpoint's own config.json keeps it prequantized; the override's act_group
+    (128, the checkpoint says 64) applies. Greedy tokens equal transformers with the same op."""
+    overrides = {"quantization_config": {"quant_method": "lowbit2", "act_group": 128}}
+    got = _tokens(run_vllm_script(_generate_script(llama_prequantized, hf_overrides=overrides)))
+    ref = hf_greedy(llama_dir, [[1, 45, 541, 84], [1, 298, 272, 452, 282]], 8, "lowbit", act_group=128)
+    assert got == ref
 
 
 def test_group_size_not_dividing_k_names_the_layer(tiny_model):

@@ -35,15 +35,120 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"codebook": "int3"}, "codebook='int3' is unknown"),
+    ({"codebook": "int3"}, "codebook='int3' is not supported; use one of \"affine\", \"binary\""),
     ({"group_size": 96}, "group_size=96 is not supported"),
-    ({"quantizer": "gptq"}, "quantizer='gptq' is unknown"),
+    ({"quantizer": "gptq"}, "quantizer='gptq' is not supported; use one of \"rtn\", \"optimized\""),
     ({"scale_dtype": "float32"}, "scale_dtype='float32' is not supported"),
     ({"act_group": 32}, "act_group=32 must be 0 (per token) or a multiple of group_size=64"),
-    ({"group_sise": 64}, "unknown keys ['group_sise']"),
-    ({"format_version": 99}, "format_version 99 is newer"),
+    ({"group_sise": 64}, "unknown keys ['group_sise'] (did you mean 'group_size'?)"),
+    ({"format_version": 99}, "format_version=99 is newer than this aipc-plugins"),
+    # issue 19: values that were coerced with list(), bool(), int() instead of refused
+    ({"modules_to_not_convert": "lm_head"}, 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]'),
+    ({"modules_to_not_convert": ["lm_head", 3]}, "must be a list of strings"),
+    ({"quantize_lm_head": "false"}, "quantize_lm_head='false' must be true or false (a JSON boolean, without quotes)"),
+    ({"prequantized": 1}, "prequantized=1 must be true or false"),
+    ({"group_size": 64.5}, "group_size=64.5 is not supported; use one of 32, 64, 128, -1"),
+    ({"group_size": "abc"}, "group_size='abc' is not supported; use one of 32, 64, 128, -1"),
+    ({"group_size": True}, "group_size=True is not supported"),
+    ({"act_group": "64"}, "act_group='64' must be an integer >= 0, e.g. 64"),
+    ({"act_group": True}, "act_group=True must be an integer >= 0"),
+    ({"act_group": 48}, "act_group=48 must be 0 (per token) or a multiple of group_size=64"),
+    ({"act_group": -5}, "act_group=-5 must be an integer >= 0"),
+    ({"format_version": "1"}, "format_version='1' must be an integer >= 1"),
+    ({"source": "gptq"}, "source='gptq' is not supported"),
+    ({"quant_method": "gptq"}, "quant_method='gptq' is not supported; use one of \"lowbit2\""),
 ])  # fmt: skip
 def test_bad_config_names_the_key(config_cls, cfg, message):
     with pytest.raises(ValueError) as e:
         config_cls.from_config(dict({"quant_method": "lowbit2"}, **cfg))
+    assert str(e.value).startswith("lowbit2 quantization_config")
     assert message in str(e.value)
+
+
+def test_exact_values_are_kept(config_cls):
+    c = config_cls.from_config({"quant_method": "lowbit2", "modules_to_not_convert": ["mlp.down_proj"],
+                                "quantize_lm_head": False, "group_size": 128, "act_group": 256})  # fmt: skip
+    assert (c.modules_to_not_convert, c.quantize_lm_head, c.group_size, c.act_group) == (["mlp.down_proj"], False, 128, 256)
+    assert c.is_skipped("model.layers.0.mlp.down_proj") and not c.is_skipped("model.layers.0.mlp.up_proj")
+    assert not c.is_skipped("model.layers.0.self_attn.o_proj")  # letters of a string would have matched
+
+
+def test_config_file_and_json_errors_name_the_source(config_cls, tmp_path):
+    bad = tmp_path / "q.json"
+    bad.write_text('{"quant_method": "lowbit2", "quantize_lm_head": "yes"}')
+    with pytest.raises(ValueError, match="quantize_lm_head='yes' must be true or false"):
+        config_cls.from_config_file(str(bad))
+    bad.write_text("{group_size: 64}")
+    with pytest.raises(ValueError, match="quantization_config_file=.* is not valid JSON"):
+        config_cls.from_config_file(str(bad))
+    with pytest.raises(ValueError, match="cannot read quantization_config_file=.*: No such file"):
+        config_cls.from_config_file(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="quantization_config must be a JSON object"):
+        config_cls.from_config_dict_json("[64]")
+
+
+# ---------------------------------------------------------------------- through vLLM's own config path
+
+_ENGINE_CONFIG_SCRIPT = """
+import json
+from vllm.engine.arg_utils import EngineArgs
+if __name__ == "__main__":
+    out = []
+    for model, overrides in {cases!r}:
+        try:
+            q = EngineArgs(model=model, max_model_len=256, enforce_eager=True,
+                           hf_overrides=overrides).create_engine_config().quant_config
+            out.append(None if q is None else dict(
+                method=q.get_name(), codebook=q.codebook, group_size=q.group_size, act_group=q.act_group,
+                prequantized=q.prequantized, quantize_lm_head=q.quantize_lm_head,
+                modules_to_not_convert=q.modules_to_not_convert))
+        except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
+            out.append(dict(error=str(e)))
+    print("RESULT=" + json.dumps(out))
+"""
+
+
+def _engine_quant_configs(cases: list) -> list:
+    """``EngineArgs(model, hf_overrides=...).create_engine_config().quant_config`` for each case, in
+    a fresh interpreter: what ``vllm serve MODEL --hf-overrides ...`` builds before loading weights."""
+    import json
+
+    from vllm_serving import run_vllm_script
+
+    cases = [(str(m), o) for m, o in cases]
+    res = run_vllm_script(_ENGINE_CONFIG_SCRIPT.format(cases=cases), timeout=300)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT="):])
+
+
+def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_path):
+    """vLLM replaces the whole quantization_config with an --hf-overrides one (and ignores
+    quantization_config_file when the checkpoint has one). A converted checkpoint stays prequantized
+    whatever keys the override lacks; keys its tensors fix cannot change; a bf16 checkpoint is not
+    taken for a converted one; a string for a list is refused before any weight loads."""
+    qfile = tmp_path / "q.json"
+    qfile.write_text('{"quant_method": "lowbit2", "quantize_lm_head": true}')
+    qc = lambda **k: {"quantization_config": k}  # noqa: E731
+    got = _engine_quant_configs([
+        (llama_dir, qc(quant_method="lowbit2", modules_to_not_convert="lm_head")),
+        (llama_dir, qc(quant_method="lowbit2", modules_to_not_convert=["lm_head"], act_group=128)),
+        (llama_dir, qc(quant_method="lowbit2", prequantized=True)),
+        (llama_prequantized, {}),
+        (llama_prequantized, qc(quant_method="lowbit2", act_group=0)),
+        (llama_prequantized, qc(act_group=0)),  # no quant_method: vLLM alone would load it unquantized
+        (llama_prequantized, qc(quant_method="lowbit2", group_size=128)),
+        (llama_prequantized, qc(quant_method="lowbit2", prequantized=False)),
+        (llama_prequantized, {"quantization_config_file": str(qfile)}),
+    ])  # fmt: skip
+    converted = dict(method="lowbit2", codebook="affine", group_size=64, act_group=64, prequantized=True,
+                     quantize_lm_head=False, modules_to_not_convert=[])  # fmt: skip
+    assert 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]' in got[0]["error"]
+    assert got[1] == dict(converted, act_group=128, prequantized=False, modules_to_not_convert=["lm_head"])
+    assert "prequantized=True, but" in got[2]["error"] and "is not a checkpoint converted by" in got[2]["error"]
+    assert got[3] == converted
+    assert got[4] == dict(converted, act_group=0)
+    assert got[5] == dict(converted, act_group=0)
+    assert "group_size=128 conflicts with the converted checkpoint, whose tensors were written with group_size=64" in got[6]["error"]
+    assert "prequantized=False conflicts with the converted checkpoint" in got[7]["error"]
+    assert got[8] == dict(converted, quantize_lm_head=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_serving import check_teacher_forced, completion_tokens, hf_greedy, start_server
+from vllm_serving import VllmServer, check_teacher_forced, completion_tokens, hf_greedy, start_server
 
 N_NEW = 16
 COMMON = ["--max-model-len", "512", "--seed", "0", "--max-num-seqs", "8"]
@@ -179,3 +179,17 @@ def test_greedy_is_independent_of_server_load(llama_server):
     tokens = sum(a[0] != b[0] for a, b in zip(alone, loaded))
     logprobs = sum(a[1] != b[1] for a, b in zip(alone, loaded))
     assert (tokens, logprobs) == (0, 0), f"under load {tokens}/96 completions and {logprobs}/96 log-probabilities differ"
+
+
+def test_string_for_a_list_is_refused_at_startup(llama_dir, logs):
+    """issue 19: ``"modules_to_not_convert": "lm_head"`` became the letters of "lm_head", which match
+    every layer name, and the server ran unquantized without a word. Now ``vllm serve`` exits before
+    loading any weight, naming the key and the fix."""
+    overrides = '{"quantization_config": {"quant_method": "lowbit2", "modules_to_not_convert": "lm_head"}}'
+    server = VllmServer(llama_dir, ["--hf-overrides", overrides, "--enforce-eager", *COMMON], logs / "llama-bad-override.log")
+    try:
+        with pytest.raises(RuntimeError, match="vllm serve exited") as e:
+            server.wait_ready()
+    finally:
+        server.stop()
+    assert 'lowbit2 quantization_config.modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]' in str(e.value)

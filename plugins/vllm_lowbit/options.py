@@ -1,0 +1,115 @@
+"""The ``lowbit2`` options, declared once for the server and the converter (no vLLM import).
+
+:class:`LowBit2Options` holds what both take (code book, group size, quantizer, scale dtype,
+activation groups, modules kept unquantized); :class:`QuantizationConfigOptions` is the whole
+``quantization_config`` entry (config.json, ``--hf-overrides``, ``quantization_config_file``) that
+``LowBit2Config`` parses; :class:`ConverterOptions` adds the converter's ``--threads``. All are
+checked by :func:`aipc_kernels.config_schema.parse`: exact types, choices, ranges, and
+``act_group`` against ``group_size``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from aipc_kernels.config_schema import Naming, option, parse, to_dict
+from aipc_kernels.formats import CODEBOOKS, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES
+from aipc_kernels.quantizers import QUANTIZERS
+
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
+CONFIG_NAMING = Naming(f"{FORMAT_NAME} quantization_config", "json")
+#: errors about the converter's command-line options
+CLI_NAMING = Naming("python -m vllm_lowbit.quantize", "cli")
+#: errors about convert_checkpoint's keyword arguments
+API_NAMING = Naming("convert_checkpoint", "python")
+
+
+@dataclass(frozen=True)
+class LowBit2Options:
+    """How weights are quantized: the options the converter and the server share."""
+
+    codebook: str = option("affine", choices=sorted(CODEBOOKS))
+    group_size: int = option(64, choices=GROUP_SIZES + (-1,), note="-1: one group per row")
+    quantizer: str = option("optimized", choices=QUANTIZERS)
+    scale_dtype: str = option("float16", choices=tuple(SCALE_DTYPES))
+    act_group: int = option(0, ge=0, example=64)
+    modules_to_not_convert: list[str] = option([], example=["lm_head"])
+
+    def check(self, naming: Naming) -> None:
+        """``act_group``: 0 (one int8 activation scale per token) or a multiple of ``group_size``."""
+        if self.act_group and self.group_size != -1 and self.act_group % self.group_size:
+            raise naming.error(
+                "act_group", self.act_group,
+                f"must be 0 (per token) or a multiple of {naming.ref('group_size')}={self.group_size}, "
+                f"e.g. {self.group_size}",
+            )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuantizationConfigOptions(LowBit2Options):
+    """The ``quantization_config`` entry of a ``lowbit2`` checkpoint or ``--hf-overrides``."""
+
+    quant_method: str = option(FORMAT_NAME, choices=(FORMAT_NAME,))
+    format_version: int = option(FORMAT_VERSION, ge=1)
+    prequantized: bool = option(False)
+    quantize_lm_head: bool = option(False)
+    source: Optional[str] = option(None, choices=(None, "bitnet"))
+
+    def check(self, naming: Naming) -> None:
+        super().check(naming)
+        if self.format_version > FORMAT_VERSION:
+            raise naming.error(
+                "format_version", self.format_version,
+                f"is newer than this aipc-plugins ({FORMAT_VERSION}); upgrade aipc-plugins",
+            )  # fmt: skip
+
+
+#: keys fixed by the tensors of a converted checkpoint (an override may not change them)
+CHECKPOINT_KEYS = ("quant_method", "format_version", "codebook", "group_size", "scale_dtype",
+                   "modules_to_not_convert", "prequantized", "source")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ConverterOptions(LowBit2Options):
+    """``python -m vllm_lowbit.quantize`` options: the shared ones plus the quantizer's threads."""
+
+    threads: Optional[int] = option(None, ge=1, example=4)
+
+
+def parse_quantization_config(config: dict[str, Any]) -> QuantizationConfigOptions:
+    """A ``quantization_config`` dict -> checked options (errors name ``lowbit2 quantization_config.KEY``)."""
+    return parse(QuantizationConfigOptions, config, CONFIG_NAMING)
+
+
+def quantization_config_dict(
+    codebook: str,
+    group_size: int,
+    quantizer: str = "optimized",
+    scale_dtype: str = "float16",
+    act_group: int = 0,
+    modules_to_not_convert: Optional[list[str]] = None,
+    prequantized: bool = True,
+    source: Optional[str] = None,
+) -> dict[str, Any]:
+    """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json."""
+    d = to_dict(
+        parse_quantization_config(dict(
+            codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
+            act_group=act_group, modules_to_not_convert=list(modules_to_not_convert or []),
+            prequantized=prequantized, source=source,
+        ))
+    )  # fmt: skip
+    d.pop("quantize_lm_head")
+    if source is None:
+        d.pop("source")
+    return d
+
+
+__all__ = [
+    "CHECKPOINT_KEYS", "ConverterOptions", "LowBit2Options", "QuantizationConfigOptions", "SCALE_DTYPES",
+    "parse_quantization_config", "quantization_config_dict",
+]  # fmt: skip
