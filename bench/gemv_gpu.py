@@ -158,8 +158,9 @@ def row_ours_invariant(W, x, l2, state):
     calls, b, copies = row_ours(W, x, l2, state)
     ws = [c.__defaults__[0] for c in calls]
     y = torch.empty(x.shape[0], W.shape[0], dtype=x.dtype, device=x.device)
-    cfg = tlin.invariant_config(tlin.select_config(x, ws[0], None, y), x.shape[0], W.shape[0])
-    state.setdefault("invariant_configs", {})[x.shape[0]] = cfg
+    M, (N, K) = x.shape[0], W.shape
+    cfg = tlin.invariant_config(tlin.select_config(x, ws[0], None, y), M, N, K, 2, x.device)
+    state.setdefault("invariant_configs", {})[M] = cfg
     return [lambda w=w: tlin.lowbit_linear_triton(x, w, config=cfg) for w in ws], b, copies
 
 

@@ -935,14 +935,14 @@ def batch_invariant() -> bool:
     return flag not in ("0", "false", "False")
 
 
-def invariant_config(cfg: dict, M: int, N: int) -> dict:
+def invariant_config(cfg: dict, M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     """The batch-invariant form of a selected config: the ``group`` kernel, one K range per program
     (no split-K). Each output element is then the same sequence of operations whatever the tile or M:
     an exact int32 dot per group, ``acc += dot * s`` (``- s * z * xsum``) in group order, ``* sx +
-    bias``; and every M uses the same row-wise activation pass. A tuned group tile is kept."""
+    bias``; and every M uses the same row-wise activation pass. A tuned group tile is kept, another
+    kernel's config becomes the heuristic's group tile (M = 1 takes the M <= 16 one)."""
     if cfg.get("KERNEL") != "group":
-        cfg = {"KERNEL": "group", "BLOCK_N": 128 if N >= 2048 else 64, "BLOCK_M": GEMV_MAX_M if M <= GEMV_MAX_M else 64,
-               "WA": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
+        cfg = heuristic_config(max(M, 2), N, K, bits, device)
     return dict({k: v for k, v in cfg.items() if k != "ATOMIC"}, SPLIT_K=1)
 
 
@@ -1314,7 +1314,7 @@ def lowbit_linear_triton(
     else:
         cfg = select_config(x2, weight, bias, y)
         if batch_invariant():
-            cfg = invariant_config(cfg, M, N)
+            cfg = invariant_config(cfg, M, N, K, weight.bits, x.device)
     _launch(x2, weight, bias, y, cfg)
     return y.view(*x.shape[:-1], N)
 
