@@ -41,18 +41,7 @@ from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
 EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
-ROWS = ("bf16", "ours_w2a8", "ours_invariant", "ours_v1", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
-# the first (correct but slow) version's tuned H200 configs, kept as a row to compare against
-V1_CONFIGS = {
-    (1, 4096, 4096): {"KERNEL": "fma", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
-    (1, 1024, 4096): {"KERNEL": "fma", "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 8, "num_stages": 3},
-    (1, 14336, 4096): {"KERNEL": "fma", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
-    (1, 4096, 14336): {"KERNEL": "fma", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
-    (16, 4096, 4096): {"KERNEL": "dot", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
-    (16, 1024, 4096): {"KERNEL": "dot", "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
-    (16, 14336, 4096): {"KERNEL": "dot", "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3},
-    (16, 4096, 14336): {"KERNEL": "dot", "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
-}
+ROWS = ("bf16", "ours_w2a8", "ours_invariant", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 GROUP = 64
 MAX_COPIES = 1024
 
@@ -153,7 +142,7 @@ def row_ours(W, x, l2, state):
 def row_ours_invariant(W, x, l2, state):
     """Ours in the batch-invariant mode (``AIPC_BATCH_INVARIANT=1``): the config the op would run with
     the flag set, i.e. the group kernel unsplit at every M."""
-    from aipc_kernels.triton import lowbit_linear as tlin
+    from aipc_kernels.triton import lowbit as tlin
 
     calls, b, copies = row_ours(W, x, l2, state)
     ws = [c.__defaults__[0] for c in calls]
@@ -162,17 +151,6 @@ def row_ours_invariant(W, x, l2, state):
     cfg = tlin.invariant_config(tlin.select_config(x, ws[0], None, y), M, N, K, 2, x.device)
     state.setdefault("invariant_configs", {})[M] = cfg
     return [lambda w=w: tlin.lowbit_linear_triton(x, w, config=cfg) for w in ws], b, copies
-
-
-def row_ours_v1(W, x, l2, state):
-    from aipc_kernels.triton.lowbit_linear import lowbit_linear_triton
-
-    cfg = V1_CONFIGS.get((x.shape[0], *W.shape))
-    if cfg is None:
-        raise KeyError(f"no v1 config for M={x.shape[0]} {tuple(W.shape)}")
-    calls, b, copies = row_ours(W, x, l2, state)
-    ws = [c.__defaults__[0] for c in calls]
-    return [lambda w=w: lowbit_linear_triton(x, w, config=cfg) for w in ws], b, copies
 
 
 def launch_floor_us(calls: int = 256) -> float:
@@ -384,7 +362,7 @@ def main() -> int:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             entry = {"shape": sname, "N": N, "K": K, "M": M}
             for row in rows:
-                if row in skipped or (row == "ours_v1" and (M, N, K) not in V1_CONFIGS):
+                if row in skipped:
                     continue
                 try:
                     if row == "bf16":
@@ -393,8 +371,6 @@ def main() -> int:
                         calls, b, copies = row_ours(W, x, l2, state)
                     elif row == "ours_invariant":
                         calls, b, copies = row_ours_invariant(W, x, l2, state)
-                    elif row == "ours_v1":
-                        calls, b, copies = row_ours_v1(W, x, l2, state)
                     elif row == "int8_mm":
                         if M <= 16:
                             continue
@@ -429,9 +405,9 @@ def main() -> int:
                     "copies": copies,
                 }
             if isinstance(entry.get("ours_w2a8"), dict) and "us" in entry["ours_w2a8"]:
-                from aipc_kernels.triton import lowbit_linear as tlin
+                from aipc_kernels.triton import lowbit as tlin
 
-                cfgs = tlin._configs_for(tlin.device_name(x.device))
+                cfgs = tlin.cached_configs(tlin.device_name(x.device))
                 entry["ours_w2a8"]["config"] = cfgs.get(tlin.config_key(M, N, K, GROUP, 2), "heuristic")
             if isinstance(entry.get("ours_invariant"), dict) and "us" in entry["ours_invariant"]:
                 entry["ours_invariant"]["config"] = state["invariant_configs"][M]
@@ -467,9 +443,6 @@ def summary(results, rows, Ms) -> list[str]:
         xs = [e["ours_w2a8"]["x_bf16"] for e in ours]
         pc = [e["ours_w2a8"]["pct_copy"] for e in ours]
         line = f"- ours W2A8 M={M}, Llama-3-8B shapes: x_bf16 {min(xs):.2f}-{max(xs):.2f}, {min(pc):.0f}-{max(pc):.0f}% of copy BW"
-        v1 = [e["ours_w2a8"]["us"] and e["ours_v1"]["us"] / e["ours_w2a8"]["us"] for e in ours if "us" in e.get("ours_v1", {})]
-        if v1:
-            line += f"; speed-up over v1 {min(v1):.2f}-{max(v1):.2f}x"
         inv = [e["ours_invariant"]["us"] / e["ours_w2a8"]["us"] for e in ours if "us" in e.get("ours_invariant", {})]
         if inv:
             line += f"; batch-invariant mode {min(inv):.2f}-{max(inv):.2f}x the default's time"

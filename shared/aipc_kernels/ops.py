@@ -7,7 +7,7 @@ device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype.
 Dispatch: CPU + ``cpu_vnni16`` layout -> the native kernel (activations quantized to int8 inside it,
 per token, or per K-group when ``act_group > 0``); every other case -> the reference (dequantize,
 float32 matmul, activations unquantized). CUDA/XPU + ``triton_k32`` layout -> the Triton kernels
-(:mod:`aipc_kernels.triton.lowbit_linear`, int8 activations per token; triton imported lazily).
+(:mod:`aipc_kernels.triton.lowbit`, int8 activations per token; triton imported lazily).
 Every path first checks all operands against each other (:func:`check_operands`): a bad one is a
 ValueError naming it, before any kernel runs.
 """
@@ -214,7 +214,7 @@ def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_
     :func:`check_operands`), else the reference."""
     if layout != TRITON_LAYOUT:
         return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
-    from .triton.lowbit_linear import lowbit_linear_triton  # lazy: triton is imported only here
+    from .triton.lowbit import lowbit_linear_triton  # lazy: triton is imported only here
 
     K = x.shape[-1] if x.dim() else 0
     w = _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K)

@@ -1,0 +1,35 @@
+"""Triton W2A8 ``lowbit_linear`` for CUDA and Intel XPU (the Xe2 design of Georganas et al., III-E).
+
+``y = x @ W^T + bias`` for a low-bit ``W`` in the ``triton_k32`` layout (:mod:`aipc_kernels.packing`):
+activations quantized to int8 per token (the rounding of
+:func:`aipc_kernels.quantizers.quantize_activations`), exact int32 dots of int8 activations and
+codes, one fp32 rescale per weight group::
+
+    y[m, n] = sx[m] * sum_g s[g, n] * (cmul * sum_{k in g} xq[m, k] c[n, k] - z[g, n] * sum_{k in g} xq[m, k])
+
+Modules: :mod:`.common` (path rule, rounding, split-K), :mod:`.activation` (the activation pass),
+one module per kernel (:mod:`.stream`: M == 1; :mod:`.group`: M > 1 and the batch-invariant mode),
+:mod:`.registry` (kernels by name, heuristic and batch-invariant choice), :mod:`.tuning` (shipped
+configs, tuning cache, tuner), :mod:`.interpret` (the CPU interpreter for tests), :mod:`.linear`
+(the entry). Design and measurements: docs/triton.md.
+"""
+from .common import GEMV_MAX_M
+from .linear import lowbit_linear_triton
+from .registry import KERNELS, batch_invariant, heuristic_config, invariant_config
+from .tuning import SHIPPED_CONFIGS, cache_file, cached_configs, config_key, device_name, select_config, tune
+
+__all__ = [
+    "GEMV_MAX_M",
+    "KERNELS",
+    "SHIPPED_CONFIGS",
+    "lowbit_linear_triton",
+    "select_config",
+    "heuristic_config",
+    "batch_invariant",
+    "invariant_config",
+    "config_key",
+    "cache_file",
+    "cached_configs",
+    "device_name",
+    "tune",
+]

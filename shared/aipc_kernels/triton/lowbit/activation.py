@@ -1,0 +1,100 @@
+"""The activation pass: x [M, K] float -> int8 codes, a per-token scale and 32-k code sums.
+
+Per token: absmax, scale ``absmax / 127``, codes ``rne(x * 127 / absmax)`` (the rounding of
+:func:`aipc_kernels.quantizers.quantize_activations`), zero past K up to the padded ``Kp``.
+Two kernels: :func:`quantize_rows` for the ``group`` kernel (any M, rows split in K slices) and
+:func:`quantize_row_packed` for the M == 1 ``stream`` GEMV (many programs per row, optionally a
+programmatic-dependent-launch primary).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import GEMV_MAX_M, act_scales, quantize
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr, WRITE_SUMS: tl.constexpr,
+                      BLOCK_AMAX: tl.constexpr):
+    """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
+    BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
+    past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
+    corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
+    the few rows of a decode batch from serialising on a few SMs."""
+    m = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    row = tl.full([1], 0, tl.int64) + m
+    inv, sx = act_scales(x_ptr, row, row >= 0, K, 1, BLOCK_AMAX)
+    if j == 0:
+        tl.store(sx_ptr + row, sx)
+    offs = tl.arange(0, BLOCK_KX)
+    offs32 = tl.arange(0, BLOCK_KX // 32)
+    for k0 in range(j * SLICE, tl.minimum(j * SLICE + SLICE, Kp), BLOCK_KX):
+        k = k0 + offs
+        xv = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+        xqf = quantize(xv, inv)
+        tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
+        if WRITE_SUMS:
+            sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
+            tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
+
+
+@triton.jit
+def _quant_act_pack_kernel(x_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KX: tl.constexpr):
+    """M == 1 activation pre-pass, many programs: each finds the row absmax (one whole-row load, L2)
+    and writes its BLOCK_Q slice of the int8 codes ``xq[Kp]`` (zero past K) and 32-k sums
+    ``xs[Kp/32]``; program 0 writes the scale. With ``PDL`` it lets the GEMV launch at once (the
+    GEMV prefetches weights, then waits for this grid) and waits itself before reading x."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    row = tl.full([1], 0, tl.int32)
+    inv, sx = act_scales(x_ptr, row, row == 0, K, 1, BLOCK_KX)
+    if pid == 0:
+        tl.store(sx_ptr + row, sx)
+    k = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    xqf = quantize(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), inv)
+    tl.store(xq_ptr + k, xqf.to(tl.int8), mask=k < Kp)
+    sums = tl.sum(tl.reshape(xqf, [BLOCK_Q // 32, 32]), axis=1).to(tl.int32)
+    kk = pid * (BLOCK_Q // 32) + tl.arange(0, BLOCK_Q // 32)
+    tl.store(xs_ptr + kk, sums, mask=kk < Kp // 32)
+
+
+def quantize_rows(x2: torch.Tensor, Kp: int, sums: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32] or None)`` of ``x2 [M, K]``; ``sums``:
+    write the 32-k code sums (only affine code books' zero-point correction reads them)."""
+    M, K = x2.shape
+    xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
+    sx = torch.empty(M, dtype=torch.float32, device=x2.device)
+    xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device) if sums else None
+    if M <= GEMV_MAX_M:  # few rows: 1024-k slices, each program's absmax in one load of the whole row
+        bkx, bam = 1024, min(triton.next_power_of_2(K), 16384)
+        slices, nw = triton.cdiv(Kp, bkx), 8
+    else:
+        bkx = bam = min(triton.next_power_of_2(Kp), 4096)
+        slices, nw = 1, 8 if bkx >= 2048 else 4
+    _quant_act_kernel[(M, slices)](
+        x_ptr=x2, xq_ptr=xq, sx_ptr=sx, xsum_ptr=sx if xsum is None else xsum, K=K, Kp=Kp, SLICE=bkx * triton.cdiv(Kp, bkx * slices),
+        BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam, num_warps=nw,
+    )  # fmt: skip
+    return xq, sx, xsum
+
+
+def quantize_row_packed(x2: torch.Tensor, Kp: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(xq int8 [Kp], xs int32 [Kp/32], sx fp32 [1])`` of the one row ``x2 [1, K]``, in 1024-k
+    programs; ``pdl``: launched as the primary of a programmatic dependent launch (sm_90+)."""
+    K = x2.shape[1]
+    bq = 1024
+    xq = torch.empty(Kp, dtype=torch.int8, device=x2.device)
+    xs = torch.empty(Kp // 32, dtype=torch.int32, device=x2.device)
+    sx = torch.empty(1, dtype=torch.float32, device=x2.device)
+    _quant_act_pack_kernel[(triton.cdiv(Kp, bq),)](
+        x_ptr=x2, xq_ptr=xq, xs_ptr=xs, sx_ptr=sx, K=K, Kp=Kp, PDL=pdl, BLOCK_Q=bq, BLOCK_KX=min(triton.next_power_of_2(K), 16384),
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return xq, xs, sx

@@ -1,0 +1,274 @@
+"""``group``: the int8 matrix-unit kernel for M > 1 (and every M in the batch-invariant mode).
+
+The activation pass (:func:`~.activation.quantize_rows`) writes int8 codes and per-token scales
+(32-k sums only for affine code books). Per 32-byte weight chunk: one [BLOCK_N, 32] byte load, each
+bit-plane unpacked in registers to the int8 operand ``CA * c - CB`` (the fixed zero point folded in;
+four codes per 32-bit register through inline PTX on CUDA), one K=32 ``tl.dot`` per plane chained in
+int32 over the group, then one fp32 rescale per group; the int32 -> fp32 conversion is a subtract
+(the accumulator starts at the bits of 1.5 * 2**23). At M <= 16 (BLOCK_M 16 token columns) the K
+range is split over ``SPLIT_K`` programs per tile (too few output tiles to fill the GPU).
+
+Config: ``BLOCK_N``, ``num_warps``, ``num_stages`` and the path's fields (M > 16: ``BLOCK_M``; M <= 16:
+``SPLIT_K``, BLOCK_M defaulting to 16), ``WA`` (0/1: weights as the dot's A operand), ``GROUP_M``
+(default 8: tiles of GROUP_M row blocks share their weight columns in L2), ``ATOMIC`` (0/1: split-K
+partials added by fp32 atomics instead of a workspace; see :func:`~.common.split_plan`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats import get_codebook
+from ...packing import PackedLowBit, triton_chunk
+from .activation import quantize_rows
+from .common import GEMV_MAX_M, path, sm_count, split_plan, store_or_reduce
+from .interpret import INTERPRETED
+
+NAME = "group"
+# M > 16: (BLOCK_N, BLOCK_M, num_warps, num_stages, WA)
+_GEMM_TILES = [(128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 128, 8, 3, 1),
+               (128, 64, 8, 3, 1), (128, 64, 4, 3, 0)]
+GEMM_SPACE = [
+    {"BLOCK_N": bn, "BLOCK_M": bm, "num_warps": nw, "num_stages": ns, "KERNEL": NAME, "WA": wa} for bn, bm, nw, ns, wa in _GEMM_TILES
+]
+# 1 < M <= 16: 16 token columns, split over K; the same tiles again with atomic split-K at ATOMIC_SPLITS
+GEMV_SPACE = [
+    {"KERNEL": NAME, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": ns, "BLOCK_M": GEMV_MAX_M, "WA": 1}
+    for bn in (32, 64, 128, 256)
+    for sk in (2, 4, 8, 16)
+    for nw, ns in ((2, 3), (4, 3), (8, 3), (4, 4))
+    if (nw == 2 and bn <= 64) or (nw == 4 and 64 <= bn <= 128) or (nw == 8 and bn >= 128)
+]
+ATOMIC_SPLITS = (4, 8, 16, 32)
+
+
+@triton.jit
+def _plane_codes(wb, q: tl.constexpr, BITS: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr, HW_ASM: tl.constexpr, ASM: tl.constexpr):
+    """int8 weight operand of bit-plane ``q`` of the bytes ``wb``: ``CA * c - CB`` (an integer form of
+    the code book's ``cmul * c - zero``). With ``HW_ASM`` four codes per 32-bit register (shift, mask,
+    byte-wise bias and sign flip: 3-4 instructions per 4 codes); else one code per element."""
+    if HW_ASM:
+        return tl.inline_asm_elementwise(ASM, "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (((wb >> (BITS * q)) & ((1 << BITS) - 1)).to(tl.int32) * CA - CB).to(tl.int8)
+
+
+@triton.jit
+def _group_kernel(
+    xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, Kp, NG, KB, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr, FMUL: tl.constexpr, G: tl.constexpr,
+    WHOLE_ROW: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WA: tl.constexpr, HW_ASM: tl.constexpr,
+    ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
+    ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    """One [BLOCK_N, BLOCK_M] output tile (weights as the dot's A operand with ``WA``, else
+    [BLOCK_M, BLOCK_N]): the int32 accumulator starts at 0x4B400000, so its bits read as fp32 are
+    exactly 12582912 + dot (|dot| < 2**22) and each group's conversion is one fp32 subtract instead of
+    a slow I2F. ``SPLIT_K``: program_id(1) takes CHUNKS_PER_SPLIT chunks, the partials reduced by the
+    last program of the tile. The group scales (zeros, activation sums) of chunk c + 1 are loaded
+    during chunk c."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    RP: tl.constexpr = P if WHOLE_ROW else G // 32  # planes per rescale (the whole row: per chunk)
+    MAGIC: tl.constexpr = 0x4B400000
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsz = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsz
+    pid_n = (pid % width) // gsz
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rm = tl.where(m_mask, offs_m, 0)  # clamped rows: unmasked (vector) loads, results dropped at the store
+    rn = tl.where(n_mask, offs_n, 0)
+    j = tl.arange(0, 32)
+    x_rows = xq_ptr + rm[:, None].to(tl.int64) * Kp + j[None, :]
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * KB + j[None, :]
+    if WA:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        d0 = tl.full([BLOCK_N, BLOCK_M], MAGIC, tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        d0 = tl.full([BLOCK_M, BLOCK_N], MAGIC, tl.int32)
+    NGC: tl.constexpr = P // RP  # rescales per chunk: [BLOCK_N, NGC] scale tiles, [BLOCK_M, P] sum tiles
+    og = tl.arange(0, NGC)
+    op = tl.arange(0, P)
+    last_g = NG - 1
+    s_tile = s_ptr + rn[:, None]
+    z_tile = z_ptr + rn[:, None]
+    xs_tile = xsum_ptr + rm[:, None] * (Kp // 32) + op[None, :]
+    n_chunks = Kp // KC
+    if SPLIT_K == 1:  # the whole K from 0: the loop the pipeliner saw before split-K existed
+        c_begin = 0
+        c_end = n_chunks
+    else:
+        c_begin = pid_k * CHUNKS_PER_SPLIT
+        c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, n_chunks)
+    if WHOLE_ROW:
+        sc_row = tl.load(s_ptr + rn).to(tl.float32) * FMUL
+        if HAS_ZEROS:
+            zs_row = sc_row * tl.load(z_ptr + rn).to(tl.float32)
+    else:
+        sc_nxt = tl.load(s_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
+        if HAS_ZEROS:
+            z_nxt = tl.load(z_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
+    if HAS_ZEROS:
+        xs_nxt = tl.load(xs_tile + c_begin * P)
+    for c in range(c_begin, c_end):
+        wb = tl.load(w_rows + c * 32)  # [BLOCK_N, 32] bytes, P planes
+        cn = tl.minimum(c + 1, n_chunks - 1)
+        if not WHOLE_ROW:
+            sc_cur = sc_nxt.to(tl.float32) * FMUL
+            sc_nxt = tl.load(s_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
+            if HAS_ZEROS:
+                z_cur = z_nxt.to(tl.float32)
+                z_nxt = tl.load(z_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
+        if HAS_ZEROS:
+            xs_cur = xs_nxt.to(tl.float32)
+            xs_nxt = tl.load(xs_tile + cn * P)
+        d = d0
+        for q in tl.static_range(P):
+            if q == 0:
+                code = _plane_codes(wb, 0, BITS, CA, CB, HW_ASM, ASM0)
+            elif q == 1:
+                code = _plane_codes(wb, 1, BITS, CA, CB, HW_ASM, ASM1)
+            elif q == 2:
+                code = _plane_codes(wb, 2, BITS, CA, CB, HW_ASM, ASM2)
+            elif q == 3:
+                code = _plane_codes(wb, 3, BITS, CA, CB, HW_ASM, ASM3)
+            elif q == 4:
+                code = _plane_codes(wb, 4, BITS, CA, CB, HW_ASM, ASM4)
+            elif q == 5:
+                code = _plane_codes(wb, 5, BITS, CA, CB, HW_ASM, ASM5)
+            elif q == 6:
+                code = _plane_codes(wb, 6, BITS, CA, CB, HW_ASM, ASM6)
+            else:
+                code = _plane_codes(wb, 7, BITS, CA, CB, HW_ASM, ASM7)
+            xt = tl.load(x_rows + (c * KC + q * 32))  # [BLOCK_M, 32] int8
+            if WA:
+                d = tl.dot(code, tl.trans(xt), d, out_dtype=tl.int32)
+            else:
+                d = tl.dot(xt, tl.trans(code), d, out_dtype=tl.int32)
+            if (q + 1) % RP == 0:  # end of a group (whole row: of a chunk)
+                gi = q // RP
+                df = d.to(tl.float32, bitcast=True) - 12582912.0  # exact: the int32 dot as fp32
+                if WHOLE_ROW:
+                    sc = sc_row
+                else:
+                    sc = tl.sum(tl.where(og[None, :] == gi, sc_cur, 0.0), axis=1)
+                if WA:
+                    acc += df * sc[:, None]
+                else:
+                    acc += df * sc[None, :]
+                if HAS_ZEROS:  # affine: - s * z * (sum of the group's int8 activations)
+                    gxs = tl.sum(tl.where((op[None, :] // RP) == gi, xs_cur, 0.0), axis=1)
+                    if WHOLE_ROW:
+                        zs = zs_row
+                    else:
+                        zs = sc * tl.sum(tl.where(og[None, :] == gi, z_cur, 0.0), axis=1)
+                    if WA:
+                        acc -= zs[:, None] * gxs[None, :]
+                    else:
+                        acc -= gxs[:, None] * zs[None, :]
+                d = d0
+    sx = tl.load(sx_ptr + rm)
+    if WA:
+        acc = acc * sx[None, :]
+        bias = tl.load(b_ptr + rn).to(tl.float32)[:, None] if HAS_BIAS else 0.0
+        out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        omask = n_mask[:, None] & m_mask[None, :]
+    else:
+        acc = acc * sx[:, None]
+        bias = tl.load(b_ptr + rn).to(tl.float32)[None, :] if HAS_BIAS else 0.0
+        out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        omask = m_mask[:, None] & n_mask[None, :]
+    store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid, SPLIT_K, HAS_BIAS, ATOMIC, HW_ASM)
+
+
+def _int_codebook(cb) -> tuple[int, int, float]:
+    """(CA, CB, FMUL) with ``cmul * c - zero == FMUL * (CA * c - CB)`` and integer CA, CB (affine: the
+    raw codes, the zero point corrected in fp32)."""
+    if cb.zero is None:
+        return 1, 0, float(cb.cmul)
+    for k in (1, 2, 4):
+        a, b = cb.cmul * k, cb.zero * k
+        if a == int(a) and b == int(b):
+            return int(a), int(b), 1.0 / k
+    raise ValueError(f"code book {cb.name}: no small integer form of cmul * c - zero")
+
+
+def _plane_asm(bits: int, q: int, ca: int, cb: int) -> str:
+    """PTX of :func:`_plane_codes` for four packed bytes: ((b >> bits*q) & mask) * CA - CB per byte.
+    The bias add cannot carry across bytes (CA * c + 128 - CB stays in [125, 134])."""
+    mask = 0x01010101 * ((1 << bits) - 1)
+    s = [f"shr.u32 t, $1, {bits * q};" if q else "mov.b32 t, $1;", f"and.b32 t, t, {mask:#010x};"]
+    if ca != 1:
+        s.append(f"mul.lo.u32 t, t, {ca};")
+    if cb:
+        s += [f"add.u32 t, t, {0x01010101 * (128 - cb):#010x};", "xor.b32 $0, t, 0x80808080;"]
+    else:
+        s.append("mov.b32 $0, t;")
+    return "{ .reg .b32 t; " + " ".join(s) + " }"
+
+
+def space(M: int) -> list[dict]:
+    """The configs the tuner times for ``M`` tokens (none at M == 1: the stream kernel's)."""
+    if path(M) == "gemm":
+        return list(GEMM_SPACE)
+    if M == 1:
+        return []
+    tiles = {(c["BLOCK_N"], c["num_warps"], c["num_stages"]): c for c in GEMV_SPACE}
+    return GEMV_SPACE + [dict(c, SPLIT_K=sk, ATOMIC=1) for c in tiles.values() for sk in ATOMIC_SPLITS]
+
+
+def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The untuned default. M > 16: the H200 GEMM tile; M <= 16: 16 token columns, split over K
+    (at most 16) until the device has two programs per SM (the H200 winners: 128 rows, split 4-8)."""
+    if path(M) == "gemm":
+        return {"KERNEL": NAME, "BLOCK_N": 128, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "WA": 1}
+    chunks = -(-K // triton_chunk(bits))
+    bn = 128 if N >= 2048 else 64
+    tiles = -(-N // bn)
+    split = 1
+    while split < 16 and tiles * split < 2 * sm_count(device) and chunks >= 2 * split:
+        split *= 2
+    return {"KERNEL": NAME, "BLOCK_N": bn, "BLOCK_M": GEMV_MAX_M, "WA": 1, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:
+    """The activation pass and the group kernel for ``x2 [M, K]``, writing ``y [M, N]``."""
+    M, K = x2.shape
+    N = weight.out_features
+    cb = get_codebook(weight.codebook)
+    Kp = weight.qweight.shape[1] * (8 // cb.bits)
+    whole = weight.group_size == K
+    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None)
+    bn, bm = cfg["BLOCK_N"], cfg.get("BLOCK_M", GEMV_MAX_M)  # M > 16: check_config asked for BLOCK_M
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split, per_split, ws, locks, atomic = split_plan(
+        Kp // triton_chunk(cb.bits), cfg.get("SPLIT_K", 1), tiles, M, N, y, atomic=bool(cfg.get("ATOMIC", 0))
+    )
+    ca, cbias, fmul = _int_codebook(cb)
+    hw = x2.device.type == "cuda" and not INTERPRETED
+    asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
+    _group_kernel[(tiles, split)](
+        xq_ptr=xq, sx_ptr=sx, xsum_ptr=sx if xsum is None else xsum, w_ptr=weight.qweight,
+        s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
+        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+        M=M, N=N, Kp=Kp, NG=weight.scales.shape[0], KB=weight.qweight.shape[1], CHUNKS_PER_SPLIT=per_split,
+        BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
+        HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
+        SPLIT_K=split, ATOMIC=atomic, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
+    )  # fmt: skip

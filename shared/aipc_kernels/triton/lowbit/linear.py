@@ -1,0 +1,71 @@
+"""``lowbit_linear_triton``: the GPU implementation of ``aipc::lowbit_linear`` (validation, config, launch)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
+from .registry import batch_invariant, invariant_config, launch
+from .tuning import select_config
+
+
+def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int) -> None:
+    """The Triton kernels' own limits, then every operand against the others (``ops.check_operands``)."""
+    from ...ops import check_operands  # the op's module imports this one lazily
+
+    if weight.layout != TRITON_LAYOUT:
+        raise ValueError(
+            f"weight.layout={weight.layout!r}: the Triton kernels need {TRITON_LAYOUT!r}; "
+            f"pack it with aipc_kernels.packing.pack_for_triton"
+        )
+    if act_group > 0:
+        raise ValueError(f"act_group={act_group}: the Triton kernels quantize activations per token; use act_group=0")
+    if x.dim() and x.shape[-1] != weight.in_features:
+        raise ValueError(f"lowbit_linear: weight of in_features={weight.in_features} does not match x's K={x.shape[-1]}")
+    check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
+                   weight.group_size, weight.out_features, act_group)  # fmt: skip
+    K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
+    if G != K and chunk % G:
+        raise ValueError(f"group_size={G} must divide {chunk} (or be the whole row) for {TRITON_LAYOUT}")
+
+
+def lowbit_linear_triton(
+    x: torch.Tensor,
+    weight: PackedLowBit,
+    bias: Optional[torch.Tensor] = None,
+    act_group: int = 0,
+    config: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` with int8 activations on the Triton kernels (batch-invariant under
+    :func:`~.registry.batch_invariant`).
+
+    ``config`` overrides the tuned tile configuration (and the batch-invariant choice); ``out`` (contiguous, ``x``'s dtype, ``[..., N]``)
+    receives the result instead of a new tensor."""
+    _validate(x, weight, bias, act_group)
+    K, N = x.shape[-1], weight.out_features
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if out is None:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of {M * N} elements on {x.device}")
+    else:
+        y = out.view(M, N)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    bias = None if bias is None else bias.contiguous()
+    weight = PackedLowBit(
+        weight.layout, weight.qweight.contiguous(), weight.scales.contiguous(),
+        None if weight.zeros is None else weight.zeros.contiguous(),
+        weight.codebook, weight.group_size, weight.out_features, weight.in_features,
+    )  # fmt: skip
+    if config is not None:
+        cfg = config
+    else:
+        cfg = select_config(x2, weight, bias, y)
+        if batch_invariant():
+            cfg = invariant_config(cfg, M, N, K, weight.bits, x.device)
+    launch(x2, weight, bias, y, cfg)
+    return y.view(*x.shape[:-1], N)

@@ -1,0 +1,62 @@
+"""The shipped kernels by name (a config's ``KERNEL``), and the untuned and batch-invariant choices.
+
+Each kernel module exports ``NAME``, ``space(M)`` (its tuning configs), ``heuristic(M, N, K, bits,
+device)`` and ``launch(x2, weight, bias, y, cfg)``. Adding a kernel: a module with those four, an
+entry in :data:`KERNELS`, and (if it should run untuned) a branch in :func:`heuristic_config`.
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ...packing import PackedLowBit
+from . import group, stream
+from .common import check_config
+from .interpret import interpreter_scope
+
+KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group}
+
+
+def kernel_of(cfg: dict) -> ModuleType:
+    """The kernel module that runs ``cfg`` (its ``KERNEL``), or a ValueError naming the known ones."""
+    name = cfg.get("KERNEL")
+    if name is None:
+        raise ValueError(f"config={cfg} lacks 'KERNEL'; give one of {sorted(KERNELS)}")
+    if name not in KERNELS:
+        raise ValueError(f"config={cfg}: KERNEL={name!r} is unknown; use one of {sorted(KERNELS)}")
+    return KERNELS[name]
+
+
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:
+    """Runs one configuration on contiguous operands, writing ``y [M, N]``."""
+    kernel = kernel_of(cfg)
+    check_config(cfg, x2.shape[0])
+    with interpreter_scope():
+        kernel.launch(x2, weight, bias, y, cfg)
+
+
+def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The untuned default: ``stream`` at M == 1, ``group`` otherwise (each module's own rule)."""
+    return (stream if M == 1 else group).heuristic(M, N, K, bits, device)
+
+
+def batch_invariant() -> bool:
+    """``AIPC_BATCH_INVARIANT=1`` (or vLLM's own ``VLLM_BATCH_INVARIANT=1``): every M runs the ``group``
+    kernel unsplit, so a row's output bits do not depend on the batch it is computed in (see
+    :func:`invariant_config`). Off by default: M <= 16 then loses the stream kernel and split-K."""
+    flag = os.environ.get("AIPC_BATCH_INVARIANT") or os.environ.get("VLLM_BATCH_INVARIANT") or "0"
+    return flag not in ("0", "false", "False")
+
+
+def invariant_config(cfg: dict, M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The batch-invariant form of a selected config: the ``group`` kernel, one K range per program
+    (no split-K). Each output element is then the same sequence of operations whatever the tile or M:
+    an exact int32 dot per group, ``acc += dot * s`` (``- s * z * xsum``) in group order, ``* sx +
+    bias``; and every M uses the same row-wise activation pass. A tuned group tile is kept, another
+    kernel's config becomes the heuristic's group tile (M = 1 takes the M <= 16 one)."""
+    if cfg.get("KERNEL") != group.NAME:
+        cfg = heuristic_config(max(M, 2), N, K, bits, device)
+    return dict({k: v for k, v in cfg.items() if k != "ATOMIC"}, SPLIT_K=1)

@@ -1,0 +1,176 @@
+"""``stream``: the M == 1 GEMV (decode), weight streaming on the integer units.
+
+The activation pre-pass (:func:`~.activation.quantize_row_packed`) writes the int8 codes once; read
+as int32 words they are the ``dp4a`` partners of the packed weight words (a bit-plane's 4 codes of a
+word are 4 consecutive k). The GEMV owns BLOCK_N rows and (a split of) K, streams BLOCK_C 32-byte
+chunks per row and step with 16-byte loads, prefetching the next step's tile; one ``dp4a`` per plane
+and word, one fp32 rescale per (row, group). On sm_90+ the two kernels are chained by programmatic
+dependent launch (``PDL``): the GEMV issues its first weight tile, then waits for the pre-pass.
+
+Config: ``BLOCK_N``, ``SPLIT_K``, ``num_warps``, ``num_stages`` (the GEMV path's fields), ``BLOCK_C``
+(default 8), ``PDL`` (0/1, default 0), ``FULLX`` (0/1: activation words loaded in the weights' own
+[BLOCK_N, BLOCK_C, 8] layout instead of one tile broadcast over the rows), ``XPACK`` (1 if given: the
+pre-pass is the only mode; the fused-quantization variant was removed, see docs/triton.md).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats import get_codebook
+from ...packing import PackedLowBit, triton_chunk
+from .activation import quantize_row_packed
+from .common import sm_count, split_plan, store_or_reduce
+from .interpret import INTERPRETED
+
+NAME = "stream"
+# the tuning space: every tile whose step holds 1-64 int32 words per thread, split-K only with >= 16 rows
+SPACE = [
+    {"KERNEL": NAME, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": 1, "BLOCK_C": bc, "XPACK": 1, "PDL": 1}
+    for bn in (8, 16, 32)
+    for sk in (1, 2, 4)
+    for bc in (4, 8, 16, 32)
+    for nw in (2, 4, 8)
+    if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
+]
+
+
+@triton.jit
+def _dp4a(a, b, c, HW: tl.constexpr):
+    """c + sum of the 4 signed byte products of int32 words a and b: one ``dp4a`` on NVIDIA
+    (``HW``), a shift/multiply emulation elsewhere (the interpreter, XPU)."""
+    if HW:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        r = c
+        for i in tl.static_range(4):
+            r += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return r
+
+
+@triton.jit
+def _stream_kernel(
+    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    N, NG, KW, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
+):
+    """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
+    8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
+    one, the first tile before waiting for the pre-pass (``PDL``), so the weight stream never waits on
+    the activations. A plane's 4 codes of a word meet the 4 int8 activations of the same k, read as
+    one int32 word of ``xw`` (``xs``: their 32-k sums, ``sx``: the scale), in one ``dp4a`` (exact int32)."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
+    GPC: tl.constexpr = KC // GE
+    PPG: tl.constexpr = P // GPC
+    MASK: tl.constexpr = (1 << BITS) - 1
+    PMASK: tl.constexpr = MASK | (MASK << 8) | (MASK << 16) | (MASK << 24)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    oc = tl.arange(0, BLOCK_C)
+    ow = tl.arange(0, 8)
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
+    w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * KW + ow[None, None, :]
+    c = c_begin + oc
+    wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    sx = tl.load(sx_ptr)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        c = c0 + oc
+        c_mask = c < c_end
+        cn = c + BLOCK_C
+        wn = tl.load(w_rows + cn[None, :, None] * 8, mask=n_mask[:, None, None] & (cn < c_end)[None, :, None], other=0)
+        for gi in tl.static_range(GPC):
+            d = tl.zeros([BLOCK_N, BLOCK_C, 8], dtype=tl.int32)
+            xs = tl.zeros([BLOCK_C, 8], dtype=tl.float32)
+            for qq in tl.static_range(PPG):
+                q = gi * PPG + qq
+                codes = (wv >> (BITS * q)) & PMASK
+                if FULLX:  # activation words loaded as [BLOCK_N, BLOCK_C, 8] like the weights: no layout conversion
+                    xoff = (c * P + q)[None, :, None] * 8 + ow[None, None, :] + (offs_n * 0)[:, None, None]
+                    d = _dp4a(codes, tl.load(xw_ptr + xoff, mask=c_mask[None, :, None], other=0), d, HW_DP4A)
+                else:
+                    xw = tl.load(xw_ptr + (c * P + q)[:, None] * 8 + ow[None, :], mask=c_mask[:, None], other=0)
+                    d = _dp4a(codes, xw[None, :, :], d, HW_DP4A)
+                xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
+            dot = tl.sum(d, axis=2).to(tl.float32)  # [BLOCK_N, BLOCK_C]
+            gx = tl.sum(xs, axis=1)  # [BLOCK_C]
+            if WHOLE_ROW:
+                g = c * 0
+            else:
+                g = (c * KC + gi * GE) // G
+            gmask = n_mask[:, None] & (c_mask & (g < NG))[None, :]
+            sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                acc += sc * (CMUL * dot - zp * gx[None, :])
+            else:
+                acc += sc * (CMUL * dot - ZERO * gx[None, :])
+        wv = wn
+    res = tl.sum(acc, axis=1) * sx
+    bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
+
+
+def space(M: int) -> list[dict]:
+    """The configs the tuner times for ``M`` tokens (M == 1 only)."""
+    return list(SPACE) if M == 1 else []
+
+
+def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The untuned M == 1 default (the H200 winners: 8 rows, wide K tiles), split over K (at most 4)
+    while fewer than two programs per SM would run."""
+    chunks = -(-K // triton_chunk(bits))
+    bn, bc = 8, min(32, max(1, chunks))
+    split = 1
+    while split < 4 and -(-N // bn) * split < 2 * sm_count(device) and chunks >= 2 * split * bc:
+        split *= 2
+    return {"KERNEL": NAME, "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): compiled CUDA on sm_90+ only."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:
+    """The pre-pass and the GEMV for ``x2 [1, K]``, writing ``y [1, N]``."""
+    M, K = x2.shape
+    if M != 1:
+        raise ValueError(f"config {cfg}: the stream GEMV kernel takes M == 1 only (M={M})")
+    if not cfg.get("XPACK", 1):
+        raise ValueError(f"config {cfg}: XPACK=0 (quantization fused into the stream GEMV) was removed; drop XPACK")
+    N = weight.out_features
+    cb = get_codebook(weight.codebook)
+    Kp = weight.qweight.shape[1] * (8 // cb.bits)
+    bn = cfg["BLOCK_N"]
+    tiles = triton.cdiv(N, bn)
+    split, per_split, ws, locks, _ = split_plan(Kp // triton_chunk(cb.bits), cfg["SPLIT_K"], tiles, M, N, y)
+    pdl = bool(cfg.get("PDL", 0)) and _pdl_ok(x2.device)
+    xq, xs, sx = quantize_row_packed(x2, Kp, pdl)
+    whole = weight.group_size == K
+    _stream_kernel[(tiles, split)](
+        xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
+        s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
+        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+        N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split,
+        BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
+        WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
+        BLOCK_N=bn, BLOCK_C=cfg.get("BLOCK_C", 8), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
