@@ -4,18 +4,15 @@ over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, tok
     git show REV:shared/aipc_kernels/csrc/lowbit_gemv.c > /tmp/base.c
     cc -O3 -std=gnu11 -fopenmp -fvisibility=hidden -ffp-contract=off -fPIC -shared -Ishared/aipc_kernels/csrc \\
        /tmp/base.c shared/aipc_kernels/csrc/segment_sdpa.c -o /tmp/base.so
-    flock /tmp/aipc-bench.lock python bench/ab_native.py --base /tmp/base.so --base-name REV --out bench/results/NAME
+    python bench/ab_native.py --base /tmp/base.so --base-name REV --name NAME [--rows '8B*'] [--m 1,16]
 
 Both builds take the same argument vector (``native.lowbit_linear_args``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
-working tree's build is slower.
+working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
-import os
-import time
 
 import torch
 
@@ -23,9 +20,8 @@ from aipc_kernels import native
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from gemv_cpu import kernel_args  # bench/ is on sys.path when run as a script
+from harness import BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, write_results
 from llama_shapes import SHAPES
-from machine import cpu_name, read_bandwidth
-from report import markdown_table, write_report
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -49,48 +45,46 @@ def time_with(lib: ctypes.CDLL, vectors: list, isa: str, calls: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser("ab_native", __doc__, list(SHAPES), [s for s in SHAPES if s.startswith("8B")], what="shapes")
     ap.add_argument("--base", required=True, help="path of the baseline build (.so)")
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,2,4,8,16,128")
     ap.add_argument("--isas", default="", help="comma list (default: the best ISA and avx_vnni where present)")
-    ap.add_argument("--shapes", default="8B")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--rotate-gb", type=float, default=1.2)
-    ap.add_argument("--out", default="bench/results/ab_native")
     args = ap.parse_args()
     base, new = load(args.base), native.library()
     best = native.best_isa()
     isas = args.isas.split(",") if args.isas else [best] + (["avx_vnni"] if best != "avx_vnni" and native.ISAS[best] > native.ISAS["avx_vnni"] else [])
     torch.manual_seed(0)
     rows = []
-    for label, (N, K) in SHAPES.items():
-        if not label.startswith(args.shapes):
-            continue
-        p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
-        copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
-        sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
-        for M in (int(m) for m in args.m.split(",")):
-            x = torch.randn(M, K, dtype=torch.bfloat16)
-            *vectors, y = kernel_args("int2", sets, x, N)  # gemv_cpu's int2 row: affine, group 64
-            for isa in isas:
-                t = {"base": float("inf"), "new": float("inf")}
-                for _ in range(args.rounds):
-                    t["base"] = min(t["base"], time_with(base, vectors, isa, 8))
-                    t["new"] = min(t["new"], time_with(new, vectors, isa, 8))
-                rows.append(dict(shape=label, M=M, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
-                                 new_over_base=t["new"] / t["base"]))  # fmt: skip
-                print(rows[-1], flush=True)
-            del y, vectors
-    native.set_isa(best)
-    bw = read_bandwidth()
-    text = (f"# Native kernel A/B: working tree vs {args.base_name}\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}. int2 affine group 64, bf16 activations, the C kernel alone timed in C "
-            f"over weights rotated through {args.rotate_gb:.1f} GB, rounds alternating base and new, best of {args.rounds}. "
-            f"new_over_base > 1: the working tree is slower.\nCommand: `python bench/ab_native.py --base-name {args.base_name} "
-            f"--m {args.m} --shapes {args.shapes}`\n\n" + markdown_table(rows, ["shape", "M", "isa", "base_us", "new_us", "new_over_base"]) + "\n")
-    write_report(args.out, text, rows)
+    with bench_lock(enabled=not args.no_lock):
+        info = machine_info()
+        for label in args.rows:
+            N, K = SHAPES[label]
+            p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
+            copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
+            sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
+            for M in (int(m) for m in args.m.split(",")):
+                x = torch.randn(M, K, dtype=torch.bfloat16)
+                *vectors, y = kernel_args("int2", sets, x, N)  # gemv_cpu's int2 row: affine, group 64
+                for isa in isas:
+                    t = {"base": float("inf"), "new": float("inf")}
+                    for _ in range(args.rounds):
+                        t["base"] = min(t["base"], time_with(base, vectors, isa, 8))
+                        t["new"] = min(t["new"], time_with(new, vectors, isa, 8))
+                    rows.append(dict(shape=label, M=M, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
+                                     new_over_base=t["new"] / t["base"]))  # fmt: skip
+                    print(rows[-1], flush=True)
+                del y, vectors
+        native.set_isa(best)
+        bw = read_bandwidth()
+    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. int2 affine group 64, bf16 activations, "
+             f"the C kernel alone timed in C over weights rotated through {args.rotate_gb:.1f} GB, rounds alternating "
+             f"base ({args.base_name}) and new (the working tree), best of {args.rounds}. new_over_base > 1: the working "
+             f"tree is slower.")
+    write_results(args.out, args.name, f"Native kernel A/B: working tree vs {args.base_name}", info, rows,
+                  markdown_table(rows, ["shape", "M", "isa", "base_us", "new_us", "new_over_base"]), notes)
 
 
 if __name__ == "__main__":

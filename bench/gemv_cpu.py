@@ -1,6 +1,6 @@
 """Low-bit GEMV/GEMM on this CPU, side by side with torch's kernels, in one run.
 
-    python bench/gemv_cpu.py [--quick] [--out bench/results/gemv_cpu]
+    python bench/gemv_cpu.py [--quick] [--rows int2,bf16] [--shapes '8B*'] [--out bench/results]
 
 Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
@@ -20,8 +20,6 @@ as a share of it. Writes a markdown table and a roofline plot (M=1).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -34,9 +32,8 @@ from aipc_kernels.formats import get_codebook
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
+from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, read_results, select, write_results
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
-from machine import cpu_name, llc_mib, read_bandwidth
-from report import markdown_table, write_report
 
 PEERS = ("fp32", "bf16", "int8", "int4")
 # a plain read (the bandwidth probe's loop) of the int2 group-64 bytes of the shape, rotated and called
@@ -76,7 +73,7 @@ def make_weights(kind: str, w: torch.Tensor):
         return fn, (packed, sz), packed.numel() + sz.numel() * 2
     if kind == READ:
         nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
-        return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by native.time_stream_read
+        return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by the probes' time_stream_read
     codebook, group, isa = OUR_CONFIGS[kind]
     p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
@@ -106,14 +103,14 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
 
 def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:
     """Seconds per call of the C kernel alone over the rotating weight sets, timed in C like the read probe
-    (``native.time_lowbit_linear``: no interpreter between calls; same rotation and best-round rule as
-    time_rotating)."""
+    (the probes' ``time_lowbit_linear``: no interpreter between calls; same rotation and best-round rule
+    as time_rotating)."""
     *vectors, y = kernel_args(kind, sets, x, N)  # the vectors and y stay referenced while the kernel runs
     isa = OUR_CONFIGS[kind][2]
     if isa is not None and native.ISAS[isa] < native.ISAS[native.best_isa()]:
         native.set_isa(isa)
     try:
-        return native.time_lowbit_linear(vectors, min_calls)
+        return native_probes().time_lowbit_linear(vectors, min_calls)
     finally:
         del y, vectors
         native.set_isa(native.best_isa())
@@ -135,7 +132,7 @@ def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:
     return best
 
 
-def plot(rows: list[dict], out: Path, threads: int) -> None:
+def plot(rows: list[dict], out: Path, threads: int, cpu: str) -> None:
     """Roofline-style figure: attained GB/s per shape at M=1 against the measured read bandwidth."""
     try:
         import matplotlib
@@ -152,64 +149,101 @@ def plot(rows: list[dict], out: Path, threads: int) -> None:
     ax.plot(labels, [bw[l] for l in labels], "k--", label="measured read bandwidth")
     for kind, marker in (("bf16", "x"), ("int8", "s"), ("int4", "^"), ("int2", "o"), ("int1", "D")):
         got = {r["shape"]: r["gbs"] for r in m1 if r["kind"] == kind}
+        if len(got) < len(labels):
+            continue  # a kind not run (--rows)
         ax.plot(labels, [got[l] for l in labels], marker=marker, linestyle="-", label=kind)
     kern = {r["shape"]: r["gbs"] * r["us"] / r["kernel_us"] for r in m1 if r["kind"] == "int2" and r.get("kernel_us")}
     if len(kern) == len(labels):
         ax.plot(labels, [kern[l] for l in labels], marker="o", linestyle=":", color="tab:red", label="int2, kernel alone")
     ax.set_ylabel("attained GB/s of weight bytes (M=1)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"GEMV weight streaming, {cpu_name()}, {threads} threads")
+    ax.set_title(f"GEMV weight streaming, {cpu}, {threads} threads")
     ax.tick_params(axis="x", rotation=30)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    fig.savefig(out.parent / f"{out.name}.png", dpi=110)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser("gemv_cpu", __doc__, PEERS + OURS + (READ,), what="kinds (rows per shape and M)")
     ap.add_argument("--ms", default="1,4,16,128")
     ap.add_argument("--rotate-gb", type=float, default=1.2, help="weight copies per kind (all kinds held at once)")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over all kinds; best of them")
     ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only, small rotation")
-    ap.add_argument("--out", default="bench/results/gemv_cpu")
-    ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's JSON")
-    ap.add_argument("--shapes", default="", help="only shapes whose label starts with one of these (comma list, e.g. 8B)")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from the results JSON")
+    ap.add_argument("--shapes", default="*", help="comma list of shapes, names or patterns such as '8B*'")
     ap.add_argument("--update", action="store_true",
-                    help="replace only these shapes' rows in --out's JSON (a re-measure), keep the others")
+                    help="replace only these shapes' rows in the results JSON (a re-measure), keep the others")
     args = ap.parse_args()
     shapes = dict(list(SHAPES.items())[4:6]) if args.quick else SHAPES
-    if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k.startswith(tuple(args.shapes.split(",")))}
-    load_before = os.getloadavg()
+    shapes = {k: shapes[k] for k in select(args.shapes, list(shapes), "--shapes")}
+    kinds = args.rows
     ms = [1] if args.quick else [int(m) for m in args.ms.split(",")]
     rotate = 0.5 if args.quick else args.rotate_gb
     threads = torch.get_num_threads()
     torch.manual_seed(0)
-
+    stem = Path(args.out) / args.name
     if args.replot:
-        plot(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out), threads)
+        data = read_results(args.out, args.name)
+        plot(data["rows"], stem, threads, data["machine"].get("cpu", "?"))
         return
+    with bench_lock(enabled=not args.no_lock):
+        info = machine_info()
+        rows = measure(shapes, kinds, ms, rotate, args.rounds)
+        load_after = os.getloadavg()
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    for r in rows:
+        r["run"] = f"{stamp}, load {info['loadavg'][0]:.2f}"
+    if args.update and (Path(args.out) / f"{args.name}.json").exists():
+        kept = [r for r in read_results(args.out, args.name)["rows"] if r["shape"] not in shapes]
+        order = list(SHAPES)
+        rows = sorted(kept + rows, key=lambda r: order.index(r["shape"]) if r["shape"] in order else len(order))
+    notes = (f"{threads} threads, load average {tuple(round(v, 2) for v in load_after)} after. Weights rotated over "
+             f"{rotate:.1f} GB of copies per kind (DRAM-resident: the last-level cache is {info['llc_mib']} MiB), all "
+             f"kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; "
+             f"% BW = of the read bandwidth measured next to each shape (all threads). us = one call of the op as users "
+             f"call it (`torch.ops.aipc.lowbit_linear` / torch's own ops), timed from Python; kernel_us = our C kernel "
+             f"alone on pre-built argument vectors, timed in C like the bandwidth probe (`aipc_time_lowbit_linear_v`: no "
+             f"interpreter between calls; the difference to us is the op's dispatcher and Python body, which run "
+             f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
+             f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "
+             f"share of it. x_<peer> = peer time / this row's time (>1: this row is faster)."
+             + (" --update: the rows of shapes not named were kept from the previous file (see Runs)." if args.update else ""))
+    runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
+    body = "Runs (shape: when, load average at its start): " + "; ".join(
+        f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
+    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read", "x_bf16", "x_fp32",
+            "x_int8", "x_int4"]
+    lines = summary(rows, ms)
+    body += ("\n".join(lines) + "\n\n" if lines else "") + markdown_table(rows, cols) + "\n"
+    write_results(args.out, args.name, "Low-bit GEMV/GEMM on CPU", info, rows, body, notes)
+    plot(rows, stem, threads, info["cpu"])
+
+
+def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds: int) -> list[dict]:
+    """The result rows of ``kinds`` for every shape and M (see the module docstring)."""
+    probes = native_probes()
     rows = []
     for label, (N, K) in shapes.items():
         w = torch.randn(N, K) * 0.02
-        kinds = {}  # kind -> (fn, rotating weight sets, bytes of one set); all held at once
-        for kind in PEERS + OURS + (READ,):
+        held = {}  # kind -> (fn, rotating weight sets, bytes of one set); all held at once
+        for kind in kinds:
             fn, one, nbytes = make_weights(kind, w)
             copies = max(2, int(rotate * 1e9 // nbytes))
-            kinds[kind] = (fn, [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], nbytes)
+            held[kind] = (fn, [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], nbytes)
         results, bw = {}, 0.0
         for M in ms:
             xs = {dt: torch.randn(M, K, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
             # rounds: every kind (and the bandwidth probe) once per round, best of the rounds, so slow
             # drifts of the shared host's memory bandwidth hit all rows alike
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 bw = max(bw, read_bandwidth(reps=1))
-                for kind, (fn, sets, nbytes) in kinds.items():
+                for kind, (fn, sets, nbytes) in held.items():
                     if kind == READ and M != 1:
                         continue
                     x = xs[torch.float32 if kind == "fp32" else torch.bfloat16]
                     if kind == READ:  # timed in C, as the kernel alone is (kernel_pct_read compares the two)
-                        s = native.time_stream_read([ws[0] for ws in sets], calls=8)
+                        s = probes.time_stream_read([ws[0] for ws in sets], calls=8)
                     else:
                         s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
                     sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OURS else None
@@ -217,66 +251,43 @@ def main() -> None:
                     if old:
                         s, sk = min(s, old[0]), (min(sk, old[2]) if sk else None)
                     results[(kind, M)] = (s, nbytes, sk)
-        del kinds
+        del held
         for M in ms:
-            base = {k: results[(k, M)][0] for k in PEERS}
+            base = {k: results[(k, M)][0] for k in PEERS if (k, M) in results}
             read_gbs = results[(READ, 1)][1] / results[(READ, 1)][0] / 1e9 if M == 1 and (READ, 1) in results else None
-            for kind in PEERS + OURS + ((READ,) if read_gbs else ()):
+            for kind in kinds:
+                if (kind, M) not in results:
+                    continue
                 s, nbytes, sk = results[(kind, M)]
                 gbs = nbytes / s / 1e9
                 rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
                                  kernel_us=sk * 1e6 if sk else None,
                                  kernel_pct_bw=100 * nbytes / sk / 1e9 / bw if sk else None,
                                  kernel_pct_read=100 * nbytes / sk / 1e9 / read_gbs if sk and read_gbs else None,
-                                 **{f"x_{k}": base[k] / s if kind != READ else None for k in PEERS}))
+                                 **{f"x_{k}": base[k] / s if kind != READ and k in base else None for k in PEERS}))
         print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
+    return rows
 
-    out = Path(args.out)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    for r in rows:
-        r["run"] = f"{stamp}, load {load_before[0]:.2f}"
-    if args.update and out.with_suffix(".json").exists():
-        kept = [r for r in json.loads(out.with_suffix(".json").read_text()) if r["shape"] not in shapes]
-        order = list(SHAPES)
-        rows = sorted(kept + rows, key=lambda r: order.index(r["shape"]) if r["shape"] in order else len(order))
-    cmd = "`python bench/gemv_cpu.py" + (" --quick" if args.quick else "") + "`"
-    if args.update:
-        cmd += f", then `python bench/gemv_cpu.py --update --shapes '{args.shapes}'` (shapes re-measured)"
-    elif args.shapes:
-        cmd = f"`python bench/gemv_cpu.py --shapes '{args.shapes}'`"
-    head = (f"# Low-bit GEMV/GEMM on CPU\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, {threads} threads, "
-            f"ISA {native.get_isa()}, torch {torch.__version__}; load average {load_before} before, "
-            f"{os.getloadavg()} after. Weights rotated over {rotate:.1f} GB of copies "
-            f"per kind (DRAM-resident: the last-level cache is {llc_mib()} MiB), all kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
-            f"measured next to each shape (all threads). us = one call of the op as users call it "
-            f"(`torch.ops.aipc.lowbit_linear` / torch's own ops), timed from Python; kernel_us = our C kernel alone "
-            f"on pre-built argument vectors, timed in C like the bandwidth probe (`aipc_time_lowbit_linear_v`: no "
-            f"interpreter between calls; the difference to us is the op's dispatcher and Python body, which run "
-            f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
-            f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "
-            f"share of it. x_<peer> = peer time / this row's time (>1: this row is faster).\n"
-            f"Command: {cmd}\n\n")
-    runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
-    head += "Runs (shape: when, load average at its start): " + "; ".join(
-        f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
-    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read", "x_bf16", "x_fp32",
-            "x_int8", "x_int4"]
-    summary = []
+
+def summary(rows: list[dict], ms: list[int]) -> list[str]:
+    """One line per kind of ours and M over the Llama-3-8B shapes: share of the read bandwidth, speed-ups."""
+    def span(sel: list[dict], key: str, fmt: str) -> str:
+        vals = [r[key] for r in sel if r.get(key) is not None]
+        return f"{min(vals):{fmt}}-{max(vals):{fmt}}" if len(vals) == len(sel) else ""
+
+    lines = []
     for kind in OURS:
         for M in ms:
             sel = [r for r in rows if r["kind"] == kind and r["M"] == M and r["shape"].startswith("8B")]
-            if sel:
-                summary.append(f"- {kind} M={M}, Llama-3-8B shapes: op {min(r['pct_bw'] for r in sel):.0f}-"
-                               f"{max(r['pct_bw'] for r in sel):.0f}% of read BW (kernel alone "
-                               f"{min(r['kernel_pct_bw'] for r in sel):.0f}-{max(r['kernel_pct_bw'] for r in sel):.0f}%"
-                               + (f"; {min(r['kernel_pct_read'] for r in sel):.0f}-{max(r['kernel_pct_read'] for r in sel):.0f}%"
-                                  " of a plain read of the same shape's int2 bytes" if all(r.get("kernel_pct_read") for r in sel) else "")
-                               + "), "
-                               f"x_bf16 {min(r['x_bf16'] for r in sel):.2f}-{max(r['x_bf16'] for r in sel):.2f}, "
-                               f"x_int8 {min(r['x_int8'] for r in sel):.2f}-{max(r['x_int8'] for r in sel):.2f}, "
-                               f"x_int4 {min(r['x_int4'] for r in sel):.2f}-{max(r['x_int4'] for r in sel):.2f}")
-    write_report(args.out, head + "\n".join(summary) + "\n\n" + markdown_table(rows, cols) + "\n", rows)
-    plot(rows, out, threads)
+            if not sel:
+                continue
+            read = span(sel, "kernel_pct_read", ".0f")
+            peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in ("bf16", "int8", "int4") if span(sel, f"x_{p}", ".2f"))
+            lines.append(f"- {kind} M={M}, Llama-3-8B shapes: op {span(sel, 'pct_bw', '.0f')}% of read BW (kernel alone "
+                         f"{span(sel, 'kernel_pct_bw', '.0f')}%"
+                         + (f"; {read}% of a plain read of the same shape's int2 bytes" if read else "") + ")"
+                         + (f", {peers}" if peers else ""))
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Low-bit GEMV/GEMM on a GPU (CUDA; Triton XPU untested here), side by side, in one run.
 
-    python bench/gemv_gpu.py [--quick] [--out bench/results/gemv_gpu] [--m 1,16,1024]
+    python bench/gemv_gpu.py [--quick] [--rows bf16,ours_w2a8] [--shapes '8B*'] [--m 1,16,1024] [--out bench/results]
 
 Rows per shape and M: torch bf16 ``F.linear`` (cuBLAS), ours (``aipc::lowbit_linear``, Triton W2A8:
 int2 code book, group 64, fp16 scales, activations quantized to int8 per token inside the op: at
@@ -20,17 +20,12 @@ floor_us = weight bytes / copy bandwidth; x_bf16 = bf16 time / this row's time; 
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,30 +33,13 @@ import torch.nn.functional as F
 from aipc_kernels.ops import lowbit_linear
 from aipc_kernels.packing import PackedLowBit, pack_for_triton
 from aipc_kernels.quantizers import quantize_rtn
+from harness import BenchParser, bench_lock, gpu_copy_bandwidth, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
 EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
 ROWS = ("bf16", "ours_w2a8", "ours_invariant", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 GROUP = 64
 MAX_COPIES = 1024
-
-
-def copy_bandwidth(gb: float = 2.0, reps: int = 10) -> float:
-    """Device-to-device copy, (bytes read + bytes written) / time, GB/s (median of reps)."""
-    n = int(gb * 1e9) // 2
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(reps + 2):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    t = sorted(ts[2:])[len(ts[2:]) // 2]
-    del a, b
-    return 2 * n / t / 1e9
 
 
 def time_rotating(calls: list, replays: int = 5) -> float:
@@ -286,35 +264,6 @@ def row_gemlite_a8w8(W, x, l2, state):
 # ------------------------------------------------------------------------------------- main
 
 
-def machine() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    info = {
-        "gpu": torch.cuda.get_device_name(0),
-        "sms": props.multi_processor_count,
-        "l2_mb": props.L2_cache_size / 2**20,
-        "gpu_mem_gb": round(props.total_memory / 2**30, 1),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host_cpus": os.cpu_count(),
-        "loadavg": os.getloadavg(),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    try:
-        info["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        ).stdout.strip()  # fmt: skip
-    except Exception:  # noqa: BLE001
-        pass
-    return info
-
-
 def check_ours(W, x, p, lw) -> float:
     """Relative error of our kernel against the float64 int8-activation reference (sanity)."""
     from aipc_kernels.ops import reference_linear_w8
@@ -326,20 +275,24 @@ def check_ours(W, x, p, lw) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/gemv_gpu")
+    ap = BenchParser("gemv_gpu", __doc__, ROWS)
     ap.add_argument("--m", default="1,16,1024")
     ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only")
-    ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--shapes", default="", help="only shapes whose name starts with this (e.g. 8B)")
+    ap.add_argument("--shapes", default="*", help="comma list of shapes, names or patterns such as '8B*'")
     args = ap.parse_args()
     Ms = [1] if args.quick else [int(m) for m in args.m.split(",")]
-    shapes = {k: SHAPES[k] for k in (EIGHT_B[:2] if args.quick else SHAPES) if k.startswith(args.shapes)}
-    rows = args.rows.split(",")
+    shapes = {k: SHAPES[k] for k in select(args.shapes, EIGHT_B[:2] if args.quick else list(SHAPES), "--shapes")}
+    with bench_lock(enabled=not args.no_lock):
+        return run(args, Ms, shapes)
+
+
+def run(args, Ms: list[int], shapes: dict) -> int:
+    """Measures ``args.rows`` for every shape and M; writes the results after each shape."""
+    rows = args.rows
     torch.manual_seed(0)
-    info = machine()
+    info = machine_info(**gpu_info())
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    bw = copy_bandwidth()
+    bw = gpu_copy_bandwidth()
     info["copy_gbs"] = round(bw, 1)
     info["launch_floor_us"] = round(launch_floor_us(), 2)
     print(f"[bench] {info}", flush=True)
@@ -429,8 +382,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         info["bench_seconds"] = round(time.time() - t_start, 1)
         info["loadavg_end"] = os.getloadavg()
-        write(args.out, info, results, skipped, rows, Ms, echo=False)  # partial results survive a timeout
-    write(args.out, info, results, skipped, rows, Ms)
+        write(args, info, results, skipped, rows, Ms, echo=False)  # partial results survive a timeout
+    write(args, info, results, skipped, rows, Ms)
     return 0
 
 
@@ -454,17 +407,10 @@ def summary(results, rows, Ms) -> list[str]:
     return lines
 
 
-def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bool = True) -> None:
-    out_p = Path(out)
-    out_p.parent.mkdir(parents=True, exist_ok=True)
-    out_p.with_suffix(".json").write_text(json.dumps({"machine": info, "skipped": skipped, "results": results}, indent=1))
+def write(args, info: dict, results: list, skipped: dict, rows, Ms, echo: bool = True) -> None:
+    notes = (f"gemlite {info.get('gemlite', 'n/a')}; load average {tuple(round(v, 2) for v in info['loadavg_end'])} at end "
+             f"(a lent machine, not shared during the run as far as we know).")
     md = [
-        "# Low-bit GEMV/GEMM on GPU (Triton W2A8)",
-        "",
-        f"Machine: {info['gpu']} ({info['sms']} SMs, L2 {info['l2_mb']:.0f} MiB), driver/clocks {info.get('driver', '?')}, "
-        f"torch {info['torch']} (CUDA {info['cuda']}), triton {info.get('triton', '?')}, gemlite {info.get('gemlite', 'n/a')}; "
-        f"host {info['host_cpus']} CPUs, load average {tuple(round(v, 2) for v in info['loadavg'])} at start, "
-        f"{tuple(round(v, 2) for v in info['loadavg_end'])} at end (a lent machine, not shared during the run as far as we know).",
         f"Launch floor (a one-store Triton kernel, CUDA-graph replay): {info.get('launch_floor_us', float('nan')):.2f} us per call. "
         f"Measured copy bandwidth (read + write): {info['copy_gbs']:.0f} GB/s. Each row: CUDA-graph replay over weight copies "
         f">= 4x L2 (capped at {MAX_COPIES} copies), median of 5 replays.",
@@ -473,7 +419,6 @@ def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bo
         "gemlite_a16w2: gemlite 2-bit weight-only (group 64, bf16 activations). gemlite_a8w8: gemlite int8 weights + dynamic int8 activations.",
         "Columns: us per call; GB/s of weight bytes (codes + scales/zeros); % of the copy bandwidth; floor_us = weight bytes / copy bandwidth; "
         "x_bf16 = bf16 time / row time (>1: faster); TFLOPS = 2MNK / time.",
-        f"Command: `python bench/gemv_gpu.py {' '.join(sys.argv[1:])}`",
         "",
         *summary(results, rows, Ms),
     ]
@@ -508,9 +453,8 @@ def write(out: str, info: dict, results: list, skipped: dict, rows, Ms, echo: bo
                 )
             elif isinstance(v, dict):
                 md.append(f"| {e['shape']} | {e['M']} | {r} | failed: {v['error'][:80]} | | | | | |")
-    out_p.with_suffix(".md").write_text("\n".join(md) + "\n")
-    if echo:
-        print("\n".join(md))
+    write_results(args.out, args.name, "Low-bit GEMV/GEMM on GPU (Triton W2A8)", info, results, "\n".join(md), notes,
+                  extra=dict(skipped=skipped), echo=echo)
 
 
 if __name__ == "__main__":

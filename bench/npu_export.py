@@ -1,35 +1,37 @@
 """Benchmark of the NPU export (optimum_npu) on this machine's CPU, side by side in one run.
 
-    flock /tmp/aipc-bench.lock .venvs/openvino/bin/python bench/npu_export.py [--quick]
+    .venvs/openvino/bin/python bench/npu_export.py [--rows decode,ttft --reuse-exports] [--preset llama-150m]
 
 Model: random weights of Llama-3.2-1B geometry (``aipc_kernels.testing.tiny_model`` preset
-``llama-3.2-1b``: 16 layers, hidden 2048, GQA 32/8, vocab 128256). Weights INT8 symmetric
-per channel for both exports (optimum-intel's own default for >1B models is INT8).
+``llama-3.2-1b``: 16 layers, hidden 2048, GQA 32/8, vocab 128256; ``--preset`` picks another). Weights
+INT8 symmetric per channel for both exports (optimum-intel's own default for >1B models is INT8).
+Rows (any subset; decode, eager and ttft run on the exports in ``--work``):
 
-1. Export peak anonymous memory (RssAnon of the exporting process, polled every 50 ms):
+1. ``export``: export peak anonymous memory (RssAnon of the exporting process, polled every 50 ms):
    ``export_npu_model`` (per-chunk) vs stock ``OVModelForCausalLM.from_pretrained(export=True)``.
-2. Decode ms/token at contexts 128/512/1024 (max_seq_len 2048): this export (KV buckets) vs stock
-   optimum-intel dynamic stateful, in one process, measured alternately (the machine is shared:
-   both see the same load); transformers eager (bf16) in its own process.
-3. Time to first token for a 512-token prompt: prefill blocks vs the same chunks token by token.
+2. ``decode``: decode ms/token at contexts 128/512/1024 (max_seq_len 2048): this export (KV buckets) vs
+   stock optimum-intel dynamic stateful, in one process, measured alternately (the machine is shared:
+   both see the same load); ``eager``: transformers eager (bf16) in its own process.
+3. ``ttft``: time to first token for a 512-token prompt: prefill blocks vs the same chunks token by token.
 
 The NPU is not available here: every figure is CPU. Each phase runs in a subprocess so that the
-memory of one never inflates another; results go to bench/results/npu_export.{md,json}.
+memory of one never inflates another; results go to bench/results/npu_export.{md,json}. The
+weight-read bound divides the INT8 weight bytes by the read bandwidth probe of bench/harness.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from harness import BenchParser, bench_lock, machine_info, read_bandwidth, read_results, write_results  # bench/ on sys.path
+
+ROWS = ("export", "decode", "eager", "ttft")
 CONTEXTS = (128, 512, 1024)
 MAX_SEQ_LEN = 2048
 DECODE_TOKENS = 16
@@ -48,9 +50,9 @@ def _rss_anon_kb(pid: int) -> int:
     return 0
 
 
-def run_phase(phase: str, args: list[str], work: Path) -> dict:
+def run_phase(phase: str, args: list[str], work: Path, preset: str) -> dict:
     """Runs ``phase`` in a child process; returns its JSON result plus its peak RssAnon (MiB)."""
-    cmd = [sys.executable, __file__, "--phase", phase, "--work", str(work), *args]
+    cmd = [sys.executable, __file__, "--phase", phase, "--work", str(work), "--preset", preset, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
     done = threading.Event()
@@ -75,10 +77,13 @@ def run_phase(phase: str, args: list[str], work: Path) -> dict:
 
 
 # ---- phases (child processes) ---------------------------------------------------------------
+PRESET = "llama-3.2-1b"  # the child processes' model geometry (--preset)
+
+
 def _source(work: Path) -> Path:
     from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
 
-    return build_tiny_model(**PRESETS["llama-3.2-1b"])
+    return build_tiny_model(**PRESETS[PRESET])
 
 
 def phase_build(work: Path) -> dict:
@@ -228,63 +233,52 @@ def phase_ttft(work: Path) -> dict:
                 speedup=round(t_token / t_block, 1), same_next_token=same)
 
 
-def machine() -> dict:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    import openvino
-
-    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(),
-                openvino=openvino.__version__, loadavg_start=os.getloadavg(),
-                note="shared machine: 2 cores used by several engineers at once; NPU not "
-                     "available here (all figures CPU)")
-
-
-def write_results(res: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "npu_export.json").write_text(json.dumps(res, indent=2) + "\n")
-    m, d = res["machine"], res["decode"]
-    lines = [
-        "# NPU export (optimum_npu) on CPU: Llama-3.2-1B geometry, random weights, INT8 sym weights",
-        "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, OpenVINO {m['openvino']}; load average "
-        f"{m['loadavg_start']} at start, {res['loadavg_end']} at end. {m['note']}.",
-        "Command: `flock /tmp/aipc-bench.lock .venvs/openvino/bin/python bench/npu_export.py`",
-        "",
-        f"## Decode ms/token (median of {ROUNDS} x {DECODE_TOKENS} steps; this export and stock "
-        "measured alternately in one process; max_seq_len 2048)",
-        "",
-        "| context | this export (KV bucket) | stock optimum-intel dynamic | transformers eager bf16 "
-        "| ours / stock | ours / eager | weight-read bound |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for ctx in CONTEXTS:
-        o, s, h = (d[k][str(ctx)]["ms_per_token"] for k in ("ours", "stock", "eager"))
-        bucket = next(b for b in res["kv_buckets"] if b > ctx)
-        lines.append(f"| {ctx} | {o} ({bucket}) | {s} | {h} | {o / s:.2f}x | {o / h:.2f}x | "
-                     f"{res['bound_ms']} ms |")
-    t = res["ttft"]
-    e_o, e_s = res["export"]["ours"], res["export"]["stock"]
+def report(res: dict, preset: str) -> tuple[str, str]:
+    """(the notes after the machine sentence, the body) of the results file: a section per row run."""
+    m = res["machine"]
+    notes = f"OpenVINO {m['openvino']}; load average {res['loadavg_end']} at end. {m['note']}."
+    rows, lines = res["rows"], []
+    if "decode" in rows or "eager" in rows:
+        d = {k: rows.get(k) for k in ("decode", "eager")}
+        lines += [
+            f"## Decode ms/token (median of {ROUNDS} x {DECODE_TOKENS} steps; this export and stock "
+            "measured alternately in one process; max_seq_len 2048)",
+            "",
+            "| context | this export (KV bucket) | stock optimum-intel dynamic | transformers eager bf16 "
+            "| ours / stock | ours / eager | weight-read bound |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for ctx in CONTEXTS:
+            o, s = ((d["decode"][k][str(ctx)]["ms_per_token"] for k in ("ours", "stock")) if d["decode"] else ("", ""))
+            h = d["eager"][str(ctx)]["ms_per_token"] if d["eager"] else ""
+            bucket = next(b for b in res["kv_buckets"] if b > ctx)
+            lines.append(f"| {ctx} | {o} ({bucket}) | {s} | {h} | {f'{o / s:.2f}x' if o != '' else ''} | "
+                         f"{f'{o / h:.2f}x' if o != '' and h != '' else ''} | {res['bound_ms']} ms |")
+        lines += ["", f"Weight-read bound: {res['weight_mib']} MiB of INT8 weights per token / "
+                  f"{res['bandwidth_gbs']} GB/s measured read bandwidth.", ""]
+    if "ttft" in rows:
+        t = rows["ttft"]
+        lines += [
+            f"## Time to first token, {TTFT_PROMPT}-token prompt (this export)",
+            "",
+            f"prefill blocks of 64: {t['prefill_blocks_s']} s; token by token: "
+            f"{t['token_by_token_s']} s; **{t['speedup']}x** (same next token: {t['same_next_token']}).",
+            "",
+        ]
+    if "export" in rows:
+        e_o, e_s = rows["export"]["ours"], rows["export"]["stock"]
+        lines += [
+            f"## Export peak anonymous memory (RssAnon), `{preset}` geometry, INT8"
+            + (" (figures of the previous run, --reuse-exports)" if res.get("reused_exports") else ""),
+            "",
+            "| exporter | peak RssAnon MiB | seconds |",
+            "|---|---|---|",
+            f"| export_npu_model ({LAYERS_PER_CHUNK} layers per chunk) | {e_o['peak_rss_anon_mib']} | {e_o['seconds']} |",
+            f"| stock from_pretrained(export=True) | {e_s['peak_rss_anon_mib']} | {e_s['seconds']} |",
+            f"| ratio | {e_o['peak_rss_anon_mib'] / e_s['peak_rss_anon_mib']:.0%} | |",
+            "",
+        ]
     lines += [
-        "",
-        f"Weight-read bound: {res['weight_mib']} MiB of INT8 weights per token / "
-        f"{res['bandwidth_gbs']} GB/s measured copy bandwidth.",
-        "",
-        f"## Time to first token, {TTFT_PROMPT}-token prompt (this export)",
-        "",
-        f"prefill blocks of 64: {t['prefill_blocks_s']} s; token by token: "
-        f"{t['token_by_token_s']} s; **{t['speedup']}x** (same next token: {t['same_next_token']}).",
-        "",
-        "## Export peak anonymous memory (RssAnon), 16-layer model, INT8",
-        "",
-        "| exporter | peak RssAnon MiB | seconds |",
-        "|---|---|---|",
-        f"| export_npu_model ({LAYERS_PER_CHUNK} layers per chunk) | {e_o['peak_rss_anon_mib']} | {e_o['seconds']} |",
-        f"| stock from_pretrained(export=True) | {e_s['peak_rss_anon_mib']} | {e_s['seconds']} |",
-        f"| ratio | {e_o['peak_rss_anon_mib'] / e_s['peak_rss_anon_mib']:.0%} | |",
-        "",
         "## Anchor: NITRO on an Intel NPU (not measured here)",
         "",
         "NITRO (Fei & Abdelfattah, arXiv 2412.11053) reports its chunked static Llama models on a",
@@ -292,31 +286,23 @@ def write_results(res: dict) -> None:
         "sequence length, Figure 6) are not quoted here because the paper text could not be checked",
         "from this machine: read them there. Intel NPU: not measured on this machine (no NPU device).",
     ]
-    (RESULTS / "npu_export.md").write_text("\n".join(lines) + "\n")
-
-
-def bandwidth_gbs() -> float:
-    import numpy as np
-
-    a = np.ones(256 * 2**20 // 8)
-    b = np.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t)
-    return round(2 * a.nbytes / best / 1e9, 1)  # bytes read + written per second
+    return notes, "\n".join(lines)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--phase")
-    p.add_argument("--system")
+    global PRESET
+    from aipc_kernels.testing.tiny_model import PRESETS
+
+    p = BenchParser("npu_export", __doc__.split("\n\n")[0], ROWS)
+    p.add_argument("--phase", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--preset", default=PRESET, choices=sorted(PRESETS), help="model geometry (default: %(default)s)")
     p.add_argument("--reuse-exports", action="store_true",
-                   help="keep the exports and export figures of the last run (decode/TTFT only)")
+                   help="no export row: keep the export figures of the last results file (decode/TTFT on its exports)")
     p.add_argument("--work", default=str(Path(os.environ.get(
         "AIPC_CACHE_DIR", Path.home() / ".cache" / "aipc-plugins")) / "bench-npu-export"))
     a = p.parse_args()
+    PRESET = a.preset
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if a.phase:
@@ -326,26 +312,43 @@ def main() -> None:
         result = fn(work) if fn else phase_decode(work, a.system)
         print(json.dumps(result))
         return
-    res = dict(machine=machine())
-    run_phase("build", [], work)
-    if a.reuse_exports:  # decode/TTFT again on the exports (and export figures) of the last run
-        res["export"] = json.loads((RESULTS / "npu_export.json").read_text())["export"]
-    else:
-        res["export"] = dict(ours=run_phase("export-ours", [], work),
-                             stock=run_phase("export-stock", [], work))
-    res["decode"] = run_phase("decode-pair", [], work)
-    res["decode"]["eager"] = run_phase("decode", ["--system", "eager"], work)
-    res["ttft"] = run_phase("ttft", [], work)
+    if a.reuse_exports and "export" in a.rows:
+        p.error("--reuse-exports keeps the last export figures: leave 'export' out of --rows")
+    if "export" not in a.rows and not (work / "ours" / "npu_export.json").exists():
+        p.error(f"--rows {','.join(a.rows)} runs on the exports in {work}, and there are none: add 'export'")
+    import openvino
+
+    with bench_lock(enabled=not a.no_lock):
+        res = dict(machine=machine_info(openvino=openvino.__version__,
+                                        note="shared machine: 2 cores used by several engineers at once; NPU not "
+                                             "available here (all figures CPU)"), rows={})
+        rows = res["rows"]
+        run_phase("build", [], work, a.preset)
+        if a.reuse_exports:  # decode/TTFT again on the exports (and export figures) of the last run
+            last = read_results(a.out, a.name)
+            rows["export"] = last["rows"]["export"] if isinstance(last["rows"], dict) else last["export"]
+            res["reused_exports"] = True
+        elif "export" in a.rows:
+            rows["export"] = dict(ours=run_phase("export-ours", [], work, a.preset),
+                                  stock=run_phase("export-stock", [], work, a.preset))
+        if "decode" in a.rows:
+            rows["decode"] = run_phase("decode-pair", [], work, a.preset)
+        if "eager" in a.rows:
+            rows["eager"] = run_phase("decode", ["--system", "eager"], work, a.preset)
+        if "ttft" in a.rows:
+            rows["ttft"] = run_phase("ttft", [], work, a.preset)
+        res["bandwidth_gbs"] = round(read_bandwidth(), 1)
+        res["loadavg_end"] = os.getloadavg()
     manifest = json.loads((work / "ours" / "npu_export.json").read_text())
     res["kv_buckets"] = manifest["kv_buckets"]
     weights = sum(p.stat().st_size for p in (work / "ours").glob("npu_layers_*.bin")) + \
         (work / "ours" / "npu_head.bin").stat().st_size
     res["weight_mib"] = round(weights / 2**20)
-    res["bandwidth_gbs"] = bandwidth_gbs()
     res["bound_ms"] = round(weights / (res["bandwidth_gbs"] * 1e9) * 1e3, 1)
-    res["loadavg_end"] = os.getloadavg()
-    write_results(res)
-    print((RESULTS / "npu_export.md").read_text())
+    notes, body = report(res, a.preset)
+    machine = res.pop("machine")
+    write_results(a.out, a.name, f"NPU export (optimum_npu) on CPU: `{a.preset}` geometry, random weights, INT8 sym "
+                  "weights", machine, res.pop("rows"), body, notes, extra=res)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """What calling the CPU kernel through a torch op costs at decode (M=1), and the bound it puts on the op.
 
-    python bench/op_floor.py [--out bench/results/op_floor]
+    python bench/op_floor.py [--rows '8B q/o*'] [--out bench/results]
 
-Per Llama-3-8B shape, weights rotated over DRAM-resident copies, in one run:
-  kernel - our C kernel alone, timed in C (``native.time_lowbit_linear``), as in bench/gemv_cpu.py;
+Rows: the Llama-3-8B shapes. Per shape, weights rotated over DRAM-resident copies, in one run:
+  kernel - our C kernel alone, timed in C (the probes' ``time_lowbit_linear``), as in bench/gemv_cpu.py;
   op     - ``torch.ops.aipc.lowbit_linear`` as users call it, timed from Python;
   floor  - a torch op with the same schema whose CPU kernel is a Python function that does nothing but
            call the C kernel on a pre-built argument vector and return a pre-allocated output: the least
@@ -14,10 +14,6 @@ an op registered from Python can reach on this machine.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import time
-
 import torch
 
 from aipc_kernels import native
@@ -25,9 +21,8 @@ import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from gemv_cpu import kernel_args, time_rotating  # bench/ is on sys.path when run as a script
+from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
 from llama_shapes import SHAPES
-from report import markdown_table, write_report
-from machine import cpu_name, read_bandwidth
 
 _FLOOR_LIB = torch.library.Library("aipc_bench", "DEF")
 _FLOOR_LIB.define(
@@ -48,50 +43,53 @@ _FLOOR_LIB.impl("floor_linear", _floor_cpu, "CPU")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser("op_floor", __doc__, [s for s in SHAPES if s.startswith("8B")], what="shapes")
     ap.add_argument("--rotate-gb", type=float, default=1.2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="bench/results/op_floor")
     args = ap.parse_args()
     torch.manual_seed(0)
-    rows = []
-    for label, (N, K) in SHAPES.items():
-        if not label.startswith("8B"):
-            continue
-        p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
-        copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
-        sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
-        x = torch.randn(1, K, dtype=torch.bfloat16)
-        *vectors, y = kernel_args("int2", sets, x, N)  # bench/gemv_cpu.py's int2 row: affine, group 64
-        _PLANS.clear()
-        _PLANS.update({q.data_ptr(): (v.buffer_info()[0], y) for (q, _, _), v in zip(sets, vectors)})
-        meta = (p.layout, p.codebook, p.group_size, p.out_features)
-        op, floor = torch.ops.aipc.lowbit_linear, torch.ops.aipc_bench.floor_linear
-        best = {"kernel": float("inf"), "op": float("inf"), "floor": float("inf")}
-        bw = 0.0
-        for _ in range(args.rounds):  # round-robin, best of: the host's bandwidth drifts
-            bw = max(bw, read_bandwidth(reps=3))
-            best["kernel"] = min(best["kernel"], native.time_lowbit_linear(vectors, 8))
-            best["op"] = min(best["op"], time_rotating(lambda x, ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
-            best["floor"] = min(best["floor"], time_rotating(lambda x, ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
-        nb = p.nbytes()
-        pct = {k: 100 * nb / v / 1e9 / bw for k, v in best.items()}
-        rows.append(dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, op_us=best["op"] * 1e6,
-                         floor_us=best["floor"] * 1e6, op_overhead_us=(best["op"] - best["kernel"]) * 1e6,
-                         floor_overhead_us=(best["floor"] - best["kernel"]) * 1e6, kernel_pct=pct["kernel"],
-                         op_pct=pct["op"], bound_pct=pct["floor"]))
-        print(rows[-1], flush=True)
+    with bench_lock(enabled=not args.no_lock):
+        info = machine_info()
+        rows = [measure(label, args.rotate_gb, args.rounds) for label in args.rows]
     cols = ["shape", "mb", "read_gbs", "kernel_us", "op_us", "floor_us", "op_overhead_us", "floor_overhead_us",
             "kernel_pct", "op_pct", "bound_pct"]
-    text = (f"# Op dispatch at decode (M=1): what it costs, what it bounds\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} threads, ISA {native.get_isa()}, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}. int2 affine group 64, weights rotated over {args.rotate_gb:.1f} GB, "
-            f"best of {args.rounds} rounds. kernel = C kernel timed in C; op = `torch.ops.aipc.lowbit_linear` "
-            f"timed from Python; floor = a Python-registered op that only calls the C kernel (pre-built arguments, "
-            f"pre-allocated output); *_pct = weight bytes / time as a share of the read bandwidth probe "
-            f"(bound_pct: the floor's, the most an op registered from Python reaches).\n"
-            f"Command: `python bench/op_floor.py`\n\n" + markdown_table(rows, cols) + "\n")
-    write_report(args.out, text, rows)
+    notes = (f"{torch.get_num_threads()} threads. int2 affine group 64, weights rotated over {args.rotate_gb:.1f} GB, "
+             f"best of {args.rounds} rounds. kernel = C kernel timed in C; op = `torch.ops.aipc.lowbit_linear` "
+             f"timed from Python; floor = a Python-registered op that only calls the C kernel (pre-built arguments, "
+             f"pre-allocated output); *_pct = weight bytes / time as a share of the read bandwidth probe "
+             f"(bound_pct: the floor's, the most an op registered from Python reaches).")
+    write_results(args.out, args.name, "Op dispatch at decode (M=1): what it costs, what it bounds", info, rows,
+                  markdown_table(rows, cols), notes)
+
+
+def measure(label: str, rotate_gb: float, rounds: int) -> dict:
+    """The row of one shape: kernel, op and floor times, best of ``rounds`` round-robin rounds."""
+    N, K = SHAPES[label]
+    p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
+    copies = max(2, int(rotate_gb * 1e9 // p.nbytes()))
+    sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    *vectors, y = kernel_args("int2", sets, x, N)  # bench/gemv_cpu.py's int2 row: affine, group 64
+    _PLANS.clear()
+    _PLANS.update({q.data_ptr(): (v.buffer_info()[0], y) for (q, _, _), v in zip(sets, vectors)})
+    meta = (p.layout, p.codebook, p.group_size, p.out_features)
+    op, floor = torch.ops.aipc.lowbit_linear, torch.ops.aipc_bench.floor_linear
+    best = {"kernel": float("inf"), "op": float("inf"), "floor": float("inf")}
+    bw = 0.0
+    for _ in range(rounds):  # round-robin, best of: the host's bandwidth drifts
+        bw = max(bw, read_bandwidth(reps=3))
+        best["kernel"] = min(best["kernel"], native_probes().time_lowbit_linear(vectors, 8))
+        best["op"] = min(best["op"], time_rotating(lambda x, ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
+        best["floor"] = min(best["floor"], time_rotating(lambda x, ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
+    nb = p.nbytes()
+    pct = {k: 100 * nb / v / 1e9 / bw for k, v in best.items()}
+    row = dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, op_us=best["op"] * 1e6,
+               floor_us=best["floor"] * 1e6, op_overhead_us=(best["op"] - best["kernel"]) * 1e6,
+               floor_overhead_us=(best["floor"] - best["kernel"]) * 1e6, kernel_pct=pct["kernel"],
+               op_pct=pct["op"], bound_pct=pct["floor"])
+    print(row, flush=True)
+    _PLANS.clear()
+    return row
 
 
 if __name__ == "__main__":

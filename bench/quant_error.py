@@ -1,38 +1,39 @@
 """Weight reconstruction error of the quantizers: min-max RTN vs the optimised fit, per code book and
 group size, on Gaussian and heavy-tailed (Student-t) matrices, in one run.
 
-    python bench/quant_error.py [--out bench/results/quant_error]
+    python bench/quant_error.py [--rows gaussian] [--shape 64x256] [--out bench/results]
 
 Error = ||dequantize(quantize(W)) - W||_F / ||W||_F (relative Frobenius norm) of a 1024 x 4096 matrix per
-distribution (fixed seed); ratio = optimised / RTN (< 1: the optimised fit is better). Also the time of
+distribution (the rows: fixed seed); ratio = optimised / RTN (< 1: the optimised fit is better). Also the time of
 each quantizer on this CPU (a one-off cost when a checkpoint is converted). Writes a markdown table and
 its JSON.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 import torch
 
 from aipc_kernels.formats import CODEBOOKS
 from aipc_kernels.quantizers import quantize_optimized, quantize_rtn
-from report import markdown_table, write_report
-from machine import cpu_name  # bench/ is on sys.path when run as a script
+from harness import BenchParser, bench_lock, machine_info, markdown_table, write_results  # bench/ is on sys.path
 
 GROUPS = (32, 64, 128, -1)  # -1: the whole row
+MATRICES = ("gaussian", "student-t(5)", "student-t(3)")
+COLS = ["matrix", "codebook", "bits", "group", "rtn", "optimized", "ratio", "rtn_s", "optimized_s"]
 
 
-def matrices(n: int, k: int) -> dict[str, torch.Tensor]:
-    """The test matrices, fixed seeds: Gaussian, and Student-t with 3 and 5 degrees of freedom."""
+def matrices(n: int, k: int, names: list[str]) -> dict[str, torch.Tensor]:
+    """The test matrices ``names`` of :data:`MATRICES`, fixed seeds: Gaussian, and Student-t with 5 and 3
+    degrees of freedom (each drawn as in a run of all three, whichever are asked)."""
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)  # torch.distributions samples from the global generator
-    return {
+    drawn = {
         "gaussian": torch.randn(n, k, generator=g),
         "student-t(5)": torch.distributions.StudentT(5.0).sample((n, k)),
         "student-t(3)": torch.distributions.StudentT(3.0).sample((n, k)),
     }
+    return {name: drawn[name] for name in names}
 
 
 def rel_err(w: torch.Tensor, q) -> float:
@@ -41,13 +42,23 @@ def rel_err(w: torch.Tensor, q) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser("quant_error", __doc__, list(MATRICES), what="matrices")
     ap.add_argument("--shape", default="1024x4096", help="N x K of each test matrix")
-    ap.add_argument("--out", default="bench/results/quant_error")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
+    with bench_lock(enabled=not args.no_lock):
+        info = machine_info()
+        rows = measure(matrices(n, k, args.rows))
+    write_results(args.out, args.name, "Weight reconstruction error: RTN vs optimised", info, rows,
+                  f"{summary(rows)}\n" + markdown_table(rows, COLS, ".4f"),
+                  f"Matrices {n}x{k}, fixed seeds. Error = ||W_q - W||_F / ||W||_F; ratio = optimised / RTN; "
+                  f"*_s = seconds to quantize the matrix.")
+
+
+def measure(mats: dict[str, torch.Tensor]) -> list[dict]:
+    """One row per matrix, code book and group size: both quantizers' errors and times."""
     rows = []
-    for dist, w in matrices(n, k).items():
+    for dist, w in mats.items():
         for cb in sorted(CODEBOOKS):
             for group in GROUPS:
                 t0 = time.perf_counter()
@@ -58,9 +69,14 @@ def main() -> None:
                 rows.append(dict(matrix=dist, codebook=cb, bits=CODEBOOKS[cb].bits, group=group if group > 0 else "row",
                                  rtn=rtn, optimized=opt, ratio=opt / rtn, rtn_s=t1 - t0, optimized_s=t2 - t1))
                 print(f"{dist} {cb} g{group}: rtn {rtn:.4f} optimized {opt:.4f} ({opt / rtn:.2f}x)", flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """The summary lines above the table: the 1-bit and 2-bit ranges and each code book at group 64."""
     two = [r for r in rows if r["bits"] == 2]
     one = [r for r in rows if r["bits"] == 1]
-    summary = (
+    return (
         (f"- 1-bit (`binary`): optimised / RTN error {min(r['ratio'] for r in one):.2f}-{max(r['ratio'] for r in one):.2f}: "
          "RTN's sign codes with the mean-|w| scale are already the least-squares fit, so the optimised fit "
          "has nothing to improve\n" if one else "")
@@ -72,12 +88,6 @@ def main() -> None:
                 f"{r['matrix']} {r['rtn']:.4f} -> {r['optimized']:.4f}" for r in rows if r["codebook"] == cb and r["group"] == 64)
             + "\n" for cb in sorted(CODEBOOKS))
     )
-    cols = ["matrix", "codebook", "bits", "group", "rtn", "optimized", "ratio", "rtn_s", "optimized_s"]
-    text = (f"# Weight reconstruction error: RTN vs optimised\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, "
-            f"torch {torch.__version__}. Matrices {n}x{k}, fixed seeds. Error = ||W_q - W||_F / ||W||_F; "
-            f"ratio = optimised / RTN; *_s = seconds to quantize the matrix.\n"
-            f"Command: `python bench/quant_error.py`\n\n{summary}\n" + markdown_table(rows, cols, ".4f") + "\n")
-    write_report(args.out, text, rows)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Beam search on this CPU: stock transformers vs the segment KV cache (ipex_segment_kv), one run.
 
-    python bench/segment_kv.py [--quick] [--threads 1] [--out bench/results/segment_kv]
+    python bench/segment_kv.py [--quick] [--threads 1] [--rows kv4-float32] [--out bench/results]
 
 A random Llama of the ``llama-150m`` preset (151M parameters, 12 layers, 12 heads / 4 KV heads of 64) and
 its multi-head twin (12 KV heads, 160M: the KV-heavier setting of the plain-torch prototype),
 BS=1, BW=4, a 1024-token prompt, 128 new tokens (``min_new_tokens`` = ``max_new_tokens``, so both
-runs generate every step), float32 and bfloat16. The same model object runs stock
+runs generate every step), float32 and bfloat16: rows ``kv4-float32``, ``kv4-bfloat16``, ``kv12-float32``,
+``kv12-bfloat16``. The same model object runs stock
 (``attn_implementation="sdpa"``, DynamicCache) and then segment_kv, and the two outputs are compared.
 
 Per run: first-token latency (generate start -> first logits, i.e. the prefill) and next-token
@@ -13,24 +14,23 @@ latency (mean of the later steps), each as wall time and as this process's CPU t
 shared: threads are pinned to cores and the load average is recorded); the KV bytes each cache holds
 (measured from its tensors), next to the paper's formulas (also for its GPT-J-6B configuration); and
 the physical bound of a decode step: (weights + KV bytes read) / measured read bandwidth.
-Takes ``/tmp/aipc-bench.lock`` so that no two benchmarks overlap.
+Takes the bench lock so that no two benchmarks overlap.
 """
 from __future__ import annotations
 
-import argparse
-import fcntl
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
-from aipc_kernels import native
 from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
-from machine import cpu_name, read_bandwidth  # bench/ is on sys.path when run as a script
+from harness import BenchParser, bench_lock, machine_info, read_bandwidth, read_results, write_results  # bench/ on sys.path
 
-LOCK = "/tmp/aipc-bench.lock"
+TITLE = "Segment KV cache vs stock transformers beam search (CPU)"
+KV_HEADS = (4, 12)  # the llama-150m preset (GQA) and its multi-head twin
+DTYPES = ("float32", "bfloat16")
+ROWS = [f"kv{kv}-{dt}" for kv in KV_HEADS for dt in DTYPES]
 FLOOR_PROMPT = 16  # prompt of the no-KV floor run
 GPTJ = dict(layers=28, hidden=4096, dtype_bytes=2, batch=32, beams=4, prompt=1024, response=1024)
 
@@ -102,21 +102,20 @@ def linear_share(model, enc, beams: int, new_tokens: int = 16) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser("segment_kv", __doc__, ROWS, what="models (kv<KV heads>-<dtype>)")
     parser.add_argument("--threads", type=int, default=1, help="torch / kernel threads, pinned to as many cores")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--kv-heads", default="4,12",
-                        help="KV heads of the model variants: 4 = the llama-150m preset (GQA), 12 = its MHA twin")
     parser.add_argument("--quick", action="store_true", help="prompt 128, 16 new tokens (smoke test)")
-    parser.add_argument("--out", default="bench/results/segment_kv")
-    parser.add_argument("--render", action="store_true", help="only rewrite OUT.md from OUT.json")
+    parser.add_argument("--render", action="store_true", help="only rewrite the markdown from the results JSON")
     args = parser.parse_args()
     if args.render:
-        data = json.loads(Path(args.out).with_suffix(".json").read_text())
-        Path(args.out).with_suffix(".md").write_text(markdown(data["meta"], data["results"]))
+        data = read_results(args.out, args.name)
+        if not data.get("machine"):
+            parser.error(f"--render: {args.out}/{args.name}.json was written before the harness (no machine block)")
+        write_results(args.out, args.name, TITLE, data["machine"], data["rows"], markdown(data["meta"], data["rows"]),
+                      notes(data["meta"]), extra=dict(meta=data["meta"]), command=data["command"])
         return
     if args.quick:
         args.prompt, args.new = 128, 16
@@ -132,19 +131,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     preset = dict(PRESETS["llama-150m"])
     arch = preset.pop("arch")
+    selected = [(int(r.split("-")[0][2:]), r.split("-")[1]) for r in args.rows]
     paths = {}
-    for kv in (int(k) for k in args.kv_heads.split(",")):
+    for kv in dict.fromkeys(kv for kv, _ in selected):
         paths[kv] = build_tiny_model(arch, dtype="float32", **dict(preset, kv_heads=kv))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(6, 1024, (1, args.prompt), generator=g)  # trained tokenizer ids, no special tokens
     enc = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
     results = []
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        load_before = os.getloadavg()
+    with bench_lock(enabled=not args.no_lock):
+        info = machine_info()
         bandwidth = read_bandwidth(args.threads)
-        for (kv, path), dtype_name in ((p, d) for p in paths.items() for d in args.dtypes.split(",")):
+        for kv, dtype_name in selected:
+            path = paths[kv]
             dtype = getattr(torch, dtype_name)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
             params = sum(p.numel() for p in model.parameters())
@@ -193,34 +193,28 @@ def main() -> None:
     g_std = standard_kv_bytes(GPTJ["batch"], GPTJ["beams"], GPTJ["prompt"], GPTJ["response"], gptj_c)
     g_seg = segment_kv_bytes(GPTJ["batch"], GPTJ["beams"], GPTJ["prompt"], GPTJ["response"], gptj_c)
     meta = dict(
-        cpu=cpu_name(), logical_cpus=os.cpu_count(), threads=args.threads, pinned_cores=cores,
-        loadavg_before=load_before, loadavg_after=load_after, read_bandwidth_gbs=bandwidth,
-        torch=torch.__version__, isa=native.get_isa(), prompt=args.prompt, new_tokens=args.new, beams=args.beams,
+        threads=args.threads, pinned_cores=cores, loadavg_after=load_after, read_bandwidth_gbs=bandwidth,
+        prompt=args.prompt, new_tokens=args.new, beams=args.beams,
         gptj=dict(GPTJ, standard_bytes=g_std, segment_bytes=g_seg, ratio=g_seg / g_std),
         shared_machine="2 logical CPUs of a lent VM, other jobs possible: see the load average",
     )  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(meta, results))
-    print(markdown(meta, results))
+    write_results(args.out, args.name, TITLE, info, results, markdown(meta, results), notes(meta), extra=dict(meta=meta))
+
+
+def notes(meta: dict) -> str:
+    """What the machine sentence adds: threads, load after, the bandwidth, the model."""
+    return (f"{meta['threads']} thread(s) pinned to core(s) {meta['pinned_cores']}; load average "
+            f"{tuple(round(x, 2) for x in meta['loadavg_after'])} after ({meta['shared_machine']}: wall times are "
+            f"noisy, CPU times less so); measured read bandwidth {meta['read_bandwidth_gbs']:.1f} GB/s "
+            f"({meta['threads']} thread(s)). Random Llama `llama-150m` preset (12 layers, 12 heads of 64, 4 KV heads) "
+            f"and its MHA twin (12 KV heads, the prototype's setting), BS=1, BW={meta['beams']}, prompt "
+            f"{meta['prompt']}, {meta['new_tokens']} new tokens; one run each, same model object.")
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
+    """The body of the results file: the per-model table, the floor table, the GPT-J formulas."""
     mib = 2**20
     lines = [
-        "# Segment KV cache vs stock transformers beam search (CPU)",
-        "",
-        f"- Machine: {meta['cpu']}, {meta['logical_cpus']} logical CPUs, {meta['threads']} thread(s) pinned to "
-        f"core(s) {meta['pinned_cores']}; load average {tuple(round(x, 2) for x in meta['loadavg_before'])} before, "
-        f"{tuple(round(x, 2) for x in meta['loadavg_after'])} after ({meta['shared_machine']}: wall times are "
-        "noisy, CPU times less so).",
-        f"- torch {meta['torch']}, native ISA {meta['isa']}, measured read bandwidth "
-        f"{meta['read_bandwidth_gbs']:.1f} GB/s ({meta['threads']} thread(s)).",
-        f"- Random Llama `llama-150m` preset (12 layers, 12 heads of 64, 4 KV heads) and its MHA twin (12 KV heads, "
-        f"the prototype's setting), BS=1, BW={meta['beams']}, prompt {meta['prompt']}, "
-        f"{meta['new_tokens']} new tokens; one run each, same model object.",
-        "",
         "| model | dtype | | first token wall s | first token CPU s | next token wall ms | next token CPU ms | "
         "KV held MiB | KV peak MiB | formula KV MiB | step bound ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

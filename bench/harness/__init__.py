@@ -1,0 +1,13 @@
+"""What every benchmark in bench/ shares: the machine block, the bandwidth probe, the bench lock, the
+results writer and the command-line convention (``--rows``, ``--list-rows``, ``--out``, ``--name``,
+``--no-lock``). The bench scripts run with bench/ on ``sys.path`` and import it as ``harness``."""
+from harness.bandwidth import gpu_copy_bandwidth, native_probes, read_bandwidth
+from harness.cli import BenchParser, select
+from harness.lock import BENCH_LOCK, bench_lock
+from harness.machine import describe, gpu_info, machine_info
+from harness.results import command_line, markdown_table, read_results, write_results
+
+__all__ = [
+    "BENCH_LOCK", "BenchParser", "bench_lock", "command_line", "describe", "gpu_copy_bandwidth", "gpu_info", "machine_info",
+    "markdown_table", "native_probes", "read_bandwidth", "read_results", "select", "write_results",
+]
