@@ -36,6 +36,7 @@ from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 from machine import cpu_name, llc_mib, read_bandwidth
+import native_probes
 from report import markdown_table, write_report
 
 PEERS = ("fp32", "bf16", "int8", "int4")
@@ -76,7 +77,7 @@ def make_weights(kind: str, w: torch.Tensor):
         return fn, (packed, sz), packed.numel() + sz.numel() * 2
     if kind == READ:
         nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
-        return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by native.time_stream_read
+        return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by native_probes.time_stream_read
     codebook, group, isa = OUR_CONFIGS[kind]
     p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
@@ -106,14 +107,14 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
 
 def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:
     """Seconds per call of the C kernel alone over the rotating weight sets, timed in C like the read probe
-    (``native.time_lowbit_linear``: no interpreter between calls; same rotation and best-round rule as
+    (``native_probes.time_lowbit_linear``: no interpreter between calls; same rotation and best-round rule as
     time_rotating)."""
     *vectors, y = kernel_args(kind, sets, x, N)  # the vectors and y stay referenced while the kernel runs
     isa = OUR_CONFIGS[kind][2]
     if isa is not None and native.ISAS[isa] < native.ISAS[native.best_isa()]:
         native.set_isa(isa)
     try:
-        return native.time_lowbit_linear(vectors, min_calls)
+        return native_probes.time_lowbit_linear(vectors, min_calls)
     finally:
         del y, vectors
         native.set_isa(native.best_isa())
@@ -209,7 +210,7 @@ def main() -> None:
                         continue
                     x = xs[torch.float32 if kind == "fp32" else torch.bfloat16]
                     if kind == READ:  # timed in C, as the kernel alone is (kernel_pct_read compares the two)
-                        s = native.time_stream_read([ws[0] for ws in sets], calls=8)
+                        s = native_probes.time_stream_read([ws[0] for ws in sets], calls=8)
                     else:
                         s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
                     sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OURS else None
@@ -250,7 +251,7 @@ def main() -> None:
             f"per kind (DRAM-resident: the last-level cache is {llc_mib()} MiB), all kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; % BW = of the read bandwidth "
             f"measured next to each shape (all threads). us = one call of the op as users call it "
             f"(`torch.ops.aipc.lowbit_linear` / torch's own ops), timed from Python; kernel_us = our C kernel alone "
-            f"on pre-built argument vectors, timed in C like the bandwidth probe (`aipc_time_lowbit_linear_v`: no "
+            f"on pre-built argument vectors, timed in C like the bandwidth probe (`native_probes.time_lowbit_linear`: no "
             f"interpreter between calls; the difference to us is the op's dispatcher and Python body, which run "
             f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
             f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "

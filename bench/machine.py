@@ -31,12 +31,12 @@ def read_bandwidth(threads: Optional[int] = None, gb: float = 1.0, reps: int = 3
     count), through the native probe that prefetches like the low-bit kernels."""
     import torch  # here, so that benches which start vLLM in a subprocess import this module cheaply
 
-    from aipc_kernels import native
+    from native_probes import stream_read
 
     buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
     best = 0.0
     for _ in range(reps):
         t = time.perf_counter()
-        native.stream_read(buf, threads)
+        stream_read(buf, threads)
         best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
     return best

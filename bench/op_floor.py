@@ -3,7 +3,7 @@
     python bench/op_floor.py [--out bench/results/op_floor]
 
 Per Llama-3-8B shape, weights rotated over DRAM-resident copies, in one run:
-  kernel - our C kernel alone, timed in C (``native.time_lowbit_linear``), as in bench/gemv_cpu.py;
+  kernel - our C kernel alone, timed in C (``native_probes.time_lowbit_linear``), as in bench/gemv_cpu.py;
   op     - ``torch.ops.aipc.lowbit_linear`` as users call it, timed from Python;
   floor  - a torch op with the same schema whose CPU kernel is a Python function that does nothing but
            call the C kernel on a pre-built argument vector and return a pre-allocated output: the least
@@ -26,6 +26,7 @@ from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from gemv_cpu import kernel_args, time_rotating  # bench/ is on sys.path when run as a script
 from llama_shapes import SHAPES
+import native_probes
 from report import markdown_table, write_report
 from machine import cpu_name, read_bandwidth
 
@@ -71,7 +72,7 @@ def main() -> None:
         bw = 0.0
         for _ in range(args.rounds):  # round-robin, best of: the host's bandwidth drifts
             bw = max(bw, read_bandwidth(reps=3))
-            best["kernel"] = min(best["kernel"], native.time_lowbit_linear(vectors, 8))
+            best["kernel"] = min(best["kernel"], native_probes.time_lowbit_linear(vectors, 8))
             best["op"] = min(best["op"], time_rotating(lambda x, ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
             best["floor"] = min(best["floor"], time_rotating(lambda x, ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
         nb = p.nbytes()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from aipc_kernels import native
+from aipc_kernels.segment_attention import native_isa
 from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
 from machine import cpu_name, read_bandwidth  # bench/ is on sys.path when run as a script
 
@@ -195,7 +195,7 @@ def main() -> None:
     meta = dict(
         cpu=cpu_name(), logical_cpus=os.cpu_count(), threads=args.threads, pinned_cores=cores,
         loadavg_before=load_before, loadavg_after=load_after, read_bandwidth_gbs=bandwidth,
-        torch=torch.__version__, isa=native.get_isa(), prompt=args.prompt, new_tokens=args.new, beams=args.beams,
+        torch=torch.__version__, isa=native_isa(), prompt=args.prompt, new_tokens=args.new, beams=args.beams,
         gptj=dict(GPTJ, standard_bytes=g_std, segment_bytes=g_seg, ratio=g_seg / g_std),
         shared_machine="2 logical CPUs of a lent VM, other jobs possible: see the load average",
     )  # fmt: skip
@@ -215,7 +215,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
         f"core(s) {meta['pinned_cores']}; load average {tuple(round(x, 2) for x in meta['loadavg_before'])} before, "
         f"{tuple(round(x, 2) for x in meta['loadavg_after'])} after ({meta['shared_machine']}: wall times are "
         "noisy, CPU times less so).",
-        f"- torch {meta['torch']}, native ISA {meta['isa']}, measured read bandwidth "
+        f"- torch {meta['torch']}, segment kernel ISA {meta['isa']}, measured read bandwidth "
         f"{meta['read_bandwidth_gbs']:.1f} GB/s ({meta['threads']} thread(s)).",
         f"- Random Llama `llama-150m` preset (12 layers, 12 heads of 64, 4 KV heads) and its MHA twin (12 KV heads, "
         f"the prototype's setting), BS=1, BW={meta['beams']}, prompt {meta['prompt']}, "
