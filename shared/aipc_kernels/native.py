@@ -30,13 +30,17 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _check_codes(lib: ctypes.CDLL, path: str) -> None:
-    """Refuses a library whose ABI version or ISA / dtype codes differ from this module's tables."""
+    """Refuses a library whose ABI version or ISA / dtype codes differ from this module's tables (and
+    declares the name queries' signatures)."""
     version = lib.aipc_abi_version() if hasattr(lib, "aipc_abi_version") else None
     if version != ABI_VERSION:
         raise RuntimeError(
             f"{path}: native library ABI version {version}, aipc_kernels.native expects {ABI_VERSION}; rebuild it "
             "(setup.py build_ext --inplace, or reinstall aipc-plugins)"
         )
+    for fn in ("aipc_status_message", "aipc_isa_name", "aipc_dtype_name"):
+        getattr(lib, fn).restype = ctypes.c_char_p
+        getattr(lib, fn).argtypes = [ctypes.c_int]
     dtypes = {str(t).removeprefix("torch."): code for t, code in DTYPE_CODES.items()}
     for what, name_of, table in (("ISA", lib.aipc_isa_name, ISAS), ("dtype", lib.aipc_dtype_name, dtypes)):
         codes = {}
@@ -56,9 +60,6 @@ def library() -> Optional[ctypes.CDLL]:
     if not found:
         return None
     lib = ctypes.CDLL(found[0])
-    for fn in ("aipc_status_message", "aipc_isa_name", "aipc_dtype_name"):
-        getattr(lib, fn).restype = ctypes.c_char_p
-        getattr(lib, fn).argtypes = [ctypes.c_int]
     _check_codes(lib, found[0])
     lib.aipc_lowbit_linear_v.restype = ctypes.c_int
     lib.aipc_lowbit_linear_v.argtypes = [ctypes.c_void_p]
