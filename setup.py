@@ -1,8 +1,10 @@
 """Build of the native CPU kernels: plain C with intrinsics, no torch headers.
 
-The library is loaded with ctypes by ``aipc_kernels.native``; ISA selection (AVX-512 VNNI,
-AVX-VNNI, AVX2, portable C) happens at run time inside the library, so one build serves
-every x86-64 CPU. Set ``AIPC_NO_NATIVE=1`` to skip the build (ops then use the reference).
+The kernel library ``_aipc_native`` (``csrc/*.c``, C API in ``csrc/aipc_native.h``) is loaded with
+ctypes by ``aipc_kernels.native``; ISA selection (AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2, portable C)
+happens at run time inside the library, so one build serves every x86-64 CPU. ``_aipc_probes``
+(``csrc/probes/``) holds the benchmarks' measurement probes; only ``bench/native_probes.py`` loads it.
+Set ``AIPC_NO_NATIVE=1`` to skip the build (ops then use the reference).
 
 The build also ships ``aipc_plugins.pth`` at the top of site-packages: one line that installs
 the post-import hooks of :mod:`aipc_kernels._autoload` (optimum-intel and transformers have no
@@ -58,18 +60,23 @@ class editable_wheel_with_pth(editable_wheel):
         return path
 
 
+CSRC = "shared/aipc_kernels/csrc"
+C_FLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off"]
+
+
+def c_library(name: str, sources: list[str]) -> Extension:
+    """One of the plain-C libraries (loaded with ctypes, no Python headers used); every unit picks its
+    ISA per function (target attributes), so no -m flags."""
+    headers = sorted(glob.glob(f"{CSRC}/*.h") + glob.glob(f"{CSRC}/*.inc"))
+    return Extension(name, sources=sources, depends=headers, include_dirs=[CSRC], extra_compile_args=C_FLAGS,
+                     extra_link_args=["-fopenmp"])
+
+
 ext_modules = []
 if os.environ.get("AIPC_NO_NATIVE") != "1":
-    sources = sorted(glob.glob("shared/aipc_kernels/csrc/*.c"))
-    ext_modules.append(
-        Extension(
-            "aipc_kernels._aipc_native",
-            sources=sources,
-            include_dirs=["shared/aipc_kernels/csrc"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off"],
-            extra_link_args=["-fopenmp"],
-        )
-    )
+    # the kernels (aipc_kernels.native), and the benchmarks' measurement probes (bench/native_probes.py)
+    ext_modules.append(c_library("aipc_kernels._aipc_native", sorted(glob.glob(f"{CSRC}/*.c"))))
+    ext_modules.append(c_library("aipc_kernels._aipc_probes", sorted(glob.glob(f"{CSRC}/probes/*.c"))))
 
 setup(
     ext_modules=ext_modules,

@@ -1,12 +1,14 @@
 """A/B of two builds of the native kernel library, interleaved in one run: the C kernel alone (timed in C
 over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, token count and ISA.
 
-    git show REV:shared/aipc_kernels/csrc/lowbit_gemv.c > /tmp/base.c
-    cc -O3 -std=gnu11 -fopenmp -fvisibility=hidden -ffp-contract=off -fPIC -shared -Ishared/aipc_kernels/csrc \\
-       /tmp/base.c shared/aipc_kernels/csrc/segment_sdpa.c -o /tmp/base.so
+    rm -rf /tmp/base && mkdir /tmp/base && git archive REV shared/aipc_kernels/csrc | tar -x -C /tmp/base
+    cc -O3 -std=gnu11 -fopenmp -fvisibility=hidden -ffp-contract=off -fPIC -shared -I/tmp/base/shared/aipc_kernels/csrc \\
+       /tmp/base/shared/aipc_kernels/csrc/*.c -o /tmp/base.so
     python bench/ab_native.py --base /tmp/base.so --base-name REV --name NAME [--rows '8B*'] [--m 1,16]
 
-Both builds take the same argument vector (``native.lowbit_linear_args``); rounds alternate A and B
+(every unit of the library picks its ISA per function, so one cc line builds any revision's csrc/*.c).
+Both builds take the same argument vector (``native.lowbit_linear_args``) and are timed by the same C
+loop (the probes' ``time_calls`` of each build's ``aipc_lowbit_linear_v``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
 working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones).
 """
@@ -20,28 +22,25 @@ from aipc_kernels import native
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from gemv_cpu import kernel_args  # bench/ is on sys.path when run as a script
-from harness import BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, write_results
+from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
 from llama_shapes import SHAPES
 
 
 def load(path: str) -> ctypes.CDLL:
-    """Another build of the native library, with the timing entry point's signature."""
+    """Another build of the native library, with the signatures this bench calls."""
     lib = ctypes.CDLL(path)
-    lib.aipc_time_lowbit_linear_v.restype = ctypes.c_double
-    lib.aipc_time_lowbit_linear_v.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
+    lib.aipc_lowbit_linear_v.restype = ctypes.c_int
+    lib.aipc_lowbit_linear_v.argtypes = [ctypes.c_void_p]
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
     return lib
 
 
 def time_with(lib: ctypes.CDLL, vectors: list, isa: str, calls: int) -> float:
-    """Seconds per call of ``lib``'s kernel over the argument vectors in turn (best round)."""
+    """Seconds per call of ``lib``'s kernel over the argument vectors in turn (best round), timed by the
+    probes' C loop (the same loop for both builds)."""
     if lib.aipc_set_isa(native.ISAS[isa]) != 0:
         raise ValueError(f"isa={isa} not on this CPU")
-    addrs = (ctypes.c_void_p * len(vectors))(*[v.buffer_info()[0] for v in vectors])
-    t = lib.aipc_time_lowbit_linear_v(addrs, len(vectors), calls, 0.2)
-    if t < 0:
-        raise RuntimeError(f"kernel failed: {native.ERRORS.get(int(t), int(t))}")
-    return t
+    return native_probes().time_calls(lib.aipc_lowbit_linear_v, vectors, calls, 0.2)
 
 
 def main() -> None:

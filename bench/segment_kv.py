@@ -25,6 +25,7 @@ import time
 import torch
 
 from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
+from aipc_kernels.segment_attention import native_isa
 from harness import BenchParser, bench_lock, machine_info, read_bandwidth, read_results, write_results  # bench/ on sys.path
 
 TITLE = "Segment KV cache vs stock transformers beam search (CPU)"
@@ -141,7 +142,7 @@ def main() -> None:
 
     results = []
     with bench_lock(enabled=not args.no_lock):
-        info = machine_info()
+        info = machine_info(segment_isa=native_isa())  # the segment kernel's own ISA (no AMX path)
         bandwidth = read_bandwidth(args.threads)
         for kv, dtype_name in selected:
             path = paths[kv]

@@ -94,7 +94,7 @@ def env_key(spec: EnvSpec) -> str:
 
 def build_key() -> str:
     """Hash of everything that decides the package's own build (the C extension)."""
-    sources = sorted(Path(p) for p in glob.glob(str(ROOT / "shared/aipc_kernels/csrc/*")))
+    sources = sorted(Path(p) for p in glob.glob(str(ROOT / "shared/aipc_kernels/csrc/**/*"), recursive=True) if Path(p).is_file())
     return _digest([ROOT / "setup.py", ROOT / "pyproject.toml", *sources])
 
 

@@ -12,11 +12,12 @@ from typing import Optional
 
 
 def native_probes() -> ModuleType:
-    """The native measurement probes (``stream_read``, ``time_stream_read``, ``time_lowbit_linear``):
-    the one place the benches get them from."""
-    from aipc_kernels import native
+    """The native measurement probes (``bench/native_probes.py``, the ``_aipc_probes`` library:
+    ``stream_read``, ``time_calls``, ``time_stream_read``, ``time_lowbit_linear``): the one place the
+    benches get them from."""
+    import native_probes as probes  # bench/ is on sys.path when a bench runs
 
-    return native
+    return probes
 
 
 def read_bandwidth(threads: Optional[int] = None, gb: float = 1.0, reps: int = 3) -> float:

@@ -109,6 +109,8 @@ def describe(m: dict) -> str:
              f"LLC {m['llc_mib']} MiB", f"AMX {'yes' if m['amx'] else 'no'} ({' '.join(m['isa_features']) or 'no AVX2'})"]
     if "native_isa" in m:
         parts.append(f"native ISA {m['native_isa']}")
+    if "segment_isa" in m:
+        parts.append(f"segment kernel ISA {m['segment_isa']}")
     parts.append(f"Python {m['python']}" + (f", torch {m['torch']}" if "torch" in m else ""))
     parts.append(f"load average {tuple(m['loadavg'])} at start, {m['date']}")
     if "gpu" not in m:

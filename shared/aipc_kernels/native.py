@@ -1,8 +1,13 @@
 """Loader for the native CPU kernel library (``_aipc_native``, plain C built by setup.py).
 
 The library is called through ctypes (it has no Python or torch headers); ctypes releases the GIL
-during the call. The linear kernel is called through ``aipc_lowbit_linear_v``, its arguments packed in
-one int64 vector: ctypes converts one pointer instead of 17 arguments (0.2 us instead of 2 us a call).
+during the call. Its C API and codes are declared once, in ``csrc/aipc_native.h``: at load the ABI
+version and the names of the ISA and dtype codes are read back from the library and checked against
+:data:`ISAS` and :data:`DTYPE_CODES` (a stale or foreign build fails loudly), and status codes are
+worded by the library itself (:func:`status_message`).
+
+The linear kernel is called through ``aipc_lowbit_linear_v``, its arguments packed in one int64
+vector: ctypes converts one pointer instead of 17 arguments (0.2 us instead of 2 us a call).
 Threads: every call passes ``torch.get_num_threads()``, so the kernels follow the size PyTorch (and
 vLLM's CPU worker, which sets it) chose, instead of OpenMP's own default.
 """
@@ -18,21 +23,31 @@ from typing import Optional
 
 import torch
 
+ABI_VERSION = 1  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ERRORS = {
-    -1: "bits must be 1 or 2",
-    -2: "bad shape (K must be a multiple of the chunk: 16 for 2 bits, 32 for 1 bit)",
-    -3: "bad group size (must divide K and be a multiple of the chunk)",
-    -4: "unsupported dtype",
-    -5: "ISA not supported by this CPU",
-    -6: "out of memory",
-    -7: "bad code book constants (cmul must be finite and positive, zero finite, or NaN for per-group zeros)",
-    -8: "zeros missing: the code book stores a zero point per group (zero=NaN) but zeros is None",
-    -9: "a tensor pointer is NULL",
-    -10: "nthreads out of range (0 for OpenMP's default, up to 4096)",
-}
+
+
+def _check_codes(lib: ctypes.CDLL, path: str) -> None:
+    """Refuses a library whose ABI version or ISA / dtype codes differ from this module's tables (and
+    declares the name queries' signatures)."""
+    version = lib.aipc_abi_version() if hasattr(lib, "aipc_abi_version") else None
+    if version != ABI_VERSION:
+        raise RuntimeError(
+            f"{path}: native library ABI version {version}, aipc_kernels.native expects {ABI_VERSION}; rebuild it "
+            "(setup.py build_ext --inplace, or reinstall aipc-plugins)"
+        )
+    for fn in ("aipc_status_message", "aipc_isa_name", "aipc_dtype_name"):
+        getattr(lib, fn).restype = ctypes.c_char_p
+        getattr(lib, fn).argtypes = [ctypes.c_int]
+    dtypes = {str(t).removeprefix("torch."): code for t, code in DTYPE_CODES.items()}
+    for what, name_of, table in (("ISA", lib.aipc_isa_name, ISAS), ("dtype", lib.aipc_dtype_name, dtypes)):
+        codes = {}
+        while (name := name_of(len(codes))) is not None:
+            codes[name.decode()] = len(codes)
+        if codes != table:
+            raise RuntimeError(f"{path}: the library's {what} codes {codes} differ from aipc_kernels.native's {table}")
 
 
 @lru_cache(maxsize=1)
@@ -45,15 +60,9 @@ def library() -> Optional[ctypes.CDLL]:
     if not found:
         return None
     lib = ctypes.CDLL(found[0])
-    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    _check_codes(lib, found[0])
     lib.aipc_lowbit_linear_v.restype = ctypes.c_int
-    lib.aipc_lowbit_linear_v.argtypes = [vp]
-    lib.aipc_stream_read.restype = ctypes.c_uint64
-    lib.aipc_stream_read.argtypes = [vp, i64, ctypes.c_int]
-    lib.aipc_time_lowbit_linear_v.restype = ctypes.c_double
-    lib.aipc_time_lowbit_linear_v.argtypes = [vp, i64, i64, ctypes.c_double]
-    lib.aipc_time_stream_read.restype = ctypes.c_double
-    lib.aipc_time_stream_read.argtypes = [vp, i64, i64, ctypes.c_int, i64, ctypes.c_double]
+    lib.aipc_lowbit_linear_v.argtypes = [ctypes.c_void_p]
     for fn in ("aipc_best_isa", "aipc_get_isa"):
         getattr(lib, fn).restype = ctypes.c_int
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
@@ -73,6 +82,11 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("aipc_kernels native library is not built; reinstall aipc-plugins without AIPC_NO_NATIVE=1")
     return lib
+
+
+def status_message(status: int) -> str:
+    """What a status code of the library's entry points means (worded by the library)."""
+    return _lib().aipc_status_message(status).decode()
 
 
 def best_isa() -> str:
@@ -155,40 +169,6 @@ def lowbit_linear_into(
     status = _lib().aipc_lowbit_linear_v(args.buffer_info()[0])
     if status != 0:
         raise RuntimeError(
-            f"aipc_lowbit_linear failed: {ERRORS.get(status, status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
+            f"aipc_lowbit_linear failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
             f"group_size={group_size}, act_group={act_group})"
         )
-
-
-def stream_read(buf: torch.Tensor, threads: Optional[int] = None) -> int:
-    """Reads every byte of a contiguous CPU tensor with ``threads`` threads (bandwidth probe)."""
-    return _lib().aipc_stream_read(buf.data_ptr(), buf.numel() * buf.element_size(), threads or torch.get_num_threads())
-
-
-def _addresses(addresses: list[int]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(addresses))(*addresses)
-
-
-def time_lowbit_linear(vectors: list[array], calls: int, min_seconds: float = 0.3) -> float:
-    """Seconds per call of the native kernel over argument vectors (:func:`lowbit_linear_args`, e.g. one
-    per rotating weight copy) called in turn, best round; timed in C, so no interpreter runs between the
-    calls (as in :func:`stream_read`'s probe). The caller keeps the vectors' tensors alive."""
-    if not vectors:
-        raise ValueError("time_lowbit_linear: vectors is empty; pass one lowbit_linear_args vector per weight set")
-    t = _lib().aipc_time_lowbit_linear_v(_addresses([v.buffer_info()[0] for v in vectors]), len(vectors), calls, min_seconds)
-    if t < 0:
-        raise RuntimeError(f"aipc_lowbit_linear failed: {ERRORS.get(int(t), int(t))}")
-    return t
-
-
-def time_stream_read(bufs: list[torch.Tensor], calls: int, min_seconds: float = 0.3, threads: Optional[int] = None) -> float:
-    """Seconds per :func:`stream_read` of each contiguous buffer in turn (all of ``bufs[0]``'s size), best
-    round, timed in C like :func:`time_lowbit_linear`."""
-    if not bufs:
-        raise ValueError("time_stream_read: bufs is empty; pass one buffer per rotating copy")
-    nbytes = bufs[0].numel() * bufs[0].element_size()
-    if any(b.numel() * b.element_size() != nbytes or not b.is_contiguous() for b in bufs):
-        raise ValueError("time_stream_read: bufs must be contiguous and of one size")
-    return _lib().aipc_time_stream_read(
-        _addresses([b.data_ptr() for b in bufs]), len(bufs), nbytes, threads or torch.get_num_threads(), calls, min_seconds
-    )

@@ -15,7 +15,7 @@ positions ``<= Np + Nr - Lq + l``. Fully masked queries give zeros. NaN in the q
 scale or mask gives NaN where :func:`reference_segment_sdpa` does (a NaN value even at a masked position:
 ``0 * NaN``). Math in float32, output in the query's dtype (float32, bfloat16 or float16).
 
-Backends (one op, dispatched by device): CPU -> the native C kernel (``csrc/segment_sdpa.c``;
+Backends (one op, dispatched by device): CPU -> the native C kernel (``csrc/segment_sdpa*.c``;
 prompt-only prefill goes to PyTorch's fused SDPA); CUDA / XPU -> the Triton kernel
 (:mod:`aipc_kernels.triton.segment_sdpa`), or IPEX's fused index kernel on XPU when an IPEX built
 for this torch is installed; anything else -> :func:`reference_segment_sdpa` (plain torch).
@@ -35,8 +35,6 @@ from . import native
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows (beams or samples) sharing one prompt that each backend handles; the cache checks it early.
 MAX_GROUP = {"native": 256, "reference": 1 << 30, "triton": 64}
-_ERRORS = {-2: "bad shape", -4: "unsupported dtype", -6: "out of memory", -7: "path entry out of range [0, N)",
-           -9: "a tensor pointer is NULL"}
 
 
 @dataclass(frozen=True)
@@ -193,7 +191,8 @@ def _native_fn():
     i64, vp, f32, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     fn.restype = ci
     fn.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, vp, i64, i64, i64, vp, ci,
-                   i64, i64, i64, i64, i64, i64, i64, i64, f32, ci, ci, ci]  # fmt: skip
+                   i64, i64, i64, i64, i64, i64, i64, i64, f32, ci, ci]  # fmt: skip
+    lib.aipc_segment_isa.restype = ci
     return fn
 
 
@@ -202,12 +201,12 @@ def native_available() -> bool:
     return _native_fn() is not None
 
 
-def _isa_code() -> int:
-    """The segment kernel's ISA level (0 scalar, 1 AVX2, 3 AVX-512) for the library's current ISA."""
-    name = native.get_isa()
-    if name.startswith(("avx512", "amx")):
-        return 3
-    return 1 if name.startswith("avx") else 0
+def native_isa() -> str:
+    """The instruction set whose code the native kernel runs under the library's current choice
+    (:func:`aipc_kernels.native.set_isa`): ``scalar``, ``avx2`` or ``avx512_vnni`` (its AVX-512 code)."""
+    if _native_fn() is None:
+        raise RuntimeError("the native segment_sdpa kernel is not built; rebuild aipc-plugins (setup.py build_ext)")
+    return native.ISA_NAMES[native.library().aipc_segment_isa()]
 
 
 def native_segment_sdpa(
@@ -252,11 +251,10 @@ def native_segment_sdpa(
         query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
         pk.data_ptr(), pv.data_ptr(), rk.data_ptr(), rv.data_ptr(), path.data_ptr(),
         m_ptr, *ms, out.data_ptr(), native.DTYPE_CODES[query.dtype],
-        d.N, d.B, d.Hq, d.Hkv, d.Lq, d.D, d.Np, d.Nr, float(scale), int(bool(is_causal)),
-        _isa_code(), torch.get_num_threads(),
+        d.N, d.B, d.Hq, d.Hkv, d.Lq, d.D, d.Np, d.Nr, float(scale), int(bool(is_causal)), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise RuntimeError(f"aipc_segment_sdpa failed: {_ERRORS.get(status, status)} ({d})")
+        raise RuntimeError(f"aipc_segment_sdpa failed: {native.status_message(status)} ({d})")
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 

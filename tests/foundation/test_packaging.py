@@ -37,10 +37,21 @@ def test_importing_the_pack_imports_no_framework(module):
 
 
 def test_native_library_is_built_and_picks_an_isa():
+    """Both C libraries are built: the kernels (which name the codes native.py checked at load, and hold no
+    measurement probe) and, beside them, the probes only bench/ loads."""
+    import ctypes
+    from pathlib import Path
+
     from aipc_kernels import native
 
     assert native.available(), "the C extension was not built by `pip install`"
     assert native.best_isa() in native.ISAS
+    assert native.library().aipc_abi_version() == native.ABI_VERSION
+    assert native.status_message(-3).startswith("bad group size")
+    assert not any(hasattr(native.library(), fn) for fn in ("aipc_stream_read", "aipc_time_stream_read"))
+    probes = sorted((Path(native.__file__).parent).glob("_aipc_probes*.so"))
+    assert probes, "the probe library _aipc_probes was not built next to _aipc_native"
+    assert hasattr(ctypes.CDLL(str(probes[0])), "aipc_time_vector_calls")
 
 
 def test_plugin_hooks_report_missing_integrations_without_failing():

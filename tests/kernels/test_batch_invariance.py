@@ -1,7 +1,7 @@
 """Batch invariance of the native low-bit kernels: a row's output bits do not depend on how many rows
 are computed with it (decode kernel, token tiles of every width, up-converted tiles, AMX tiles and
 passes), on the thread count or on the instruction set, because every kernel computes the same
-integer group dots and the same per-group float epilogue in the same order (lowbit_gemv.c)."""
+integer group dots and the same per-group float epilogue in the same order (csrc/lowbit_kernels.h)."""
 import pytest
 import torch
 

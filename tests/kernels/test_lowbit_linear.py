@@ -1,4 +1,7 @@
 """lowbit_linear: native CPU kernels (every ISA this CPU has) against float64 references."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -172,23 +175,26 @@ def test_native_entry_refuses_strided_buffers():
 
 
 def test_timing_helpers_run_the_kernel_and_report_errors():
-    """The benchmarks' C-timed loops (``time_lowbit_linear``, ``time_stream_read``): each vector's call
-    really runs (its poisoned output is the kernel's result afterwards), a time per call comes back, and a
-    failing call is an error, not a time."""
+    """The benchmarks' C-timed loops (``bench/native_probes.py``: ``time_lowbit_linear``,
+    ``time_stream_read``): each vector's call really runs (its poisoned output is the kernel's result
+    afterwards), a time per call comes back, and a failing call is an error, not a time."""
+    spec = importlib.util.spec_from_file_location("native_probes", Path(__file__).parents[2] / "bench" / "native_probes.py")
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
     sets = [_case(21, 128, "affine", 32, seed=s) for s in (1, 2)]
     x = torch.randn(1, 128)
     ys = [torch.full((1, 21), float("nan")) for _ in sets]
     vectors = [native.lowbit_linear_args(y, x, p.qweight, p.scales, p.zeros, None, 2, 32, 1.0, 0.0, 128)
                for y, (_, p) in zip(ys, sets)]
-    t = native.time_lowbit_linear(vectors, calls=3, min_seconds=0.0)
+    t = probes.time_lowbit_linear(vectors, calls=3, min_seconds=0.0)
     assert 0 < t < 1
     for y, (w, p) in zip(ys, sets):
         torch.testing.assert_close(y, ops.lowbit_linear(x, p), rtol=0, atol=0)
     bad = [native.lowbit_linear_args(ys[0], x, sets[0][1].qweight, sets[0][1].scales, sets[0][1].zeros, None, 2, 48, 1.0, 0.0, 128)]
     with pytest.raises(RuntimeError, match="bad group size"):
-        native.time_lowbit_linear(bad, calls=1, min_seconds=0.0)
-    assert 0 < native.time_stream_read([torch.ones(4096, dtype=torch.uint8)] * 2, calls=2, min_seconds=0.0) < 1
+        probes.time_lowbit_linear(bad, calls=1, min_seconds=0.0)
+    assert 0 < probes.time_stream_read([torch.ones(4096, dtype=torch.uint8)] * 2, calls=2, min_seconds=0.0) < 1
     with pytest.raises(ValueError, match="vectors is empty"):
-        native.time_lowbit_linear([], calls=1)
+        probes.time_lowbit_linear([], calls=1)
     with pytest.raises(ValueError, match="one size"):
-        native.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)
+        probes.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)

@@ -1,0 +1,107 @@
+/*
+ * C API of the native kernel library (_aipc_native): the entry points and every code they exchange with
+ * their callers (status, dtype, ISA). This header is the one definition; aipc_kernels.native reads the
+ * names and values back through the query functions below at load and refuses a library whose tables
+ * differ from its own (so a stale build fails loudly instead of misreading a code).
+ */
+#ifndef AIPC_NATIVE_H
+#define AIPC_NATIVE_H
+
+#include <stdint.h>
+
+#define AIPC_API __attribute__((visibility("default")))
+
+/* Raised on any change of an entry point's arguments or of a code below. */
+#define AIPC_ABI_VERSION 1
+
+/* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
+typedef enum {
+    AIPC_DT_F32 = 0,
+    AIPC_DT_BF16 = 1,
+    AIPC_DT_F16 = 2,
+    AIPC_DT_COUNT
+} aipc_dtype;
+
+/* Instruction sets, in increasing order: a CPU with one has every one before it except avx_vnni
+ * (client CPUs have it without AVX-512, server CPUs AVX-512 VNNI without it). */
+typedef enum {
+    AIPC_ISA_SCALAR = 0,
+    AIPC_ISA_AVX2 = 1,
+    AIPC_ISA_AVX_VNNI = 2,
+    AIPC_ISA_AVX512_VNNI = 3,
+    AIPC_ISA_AMX_INT8 = 4,
+    AIPC_ISA_COUNT
+} aipc_isa;
+
+/* Return codes of every entry point: 0 or one of the negative errors (aipc_status_message words them). */
+typedef enum {
+    AIPC_OK = 0,
+    AIPC_ERR_BITS = -1,
+    AIPC_ERR_SHAPE = -2,
+    AIPC_ERR_GROUP = -3,
+    AIPC_ERR_DTYPE = -4,
+    AIPC_ERR_ISA = -5,
+    AIPC_ERR_NOMEM = -6,
+    AIPC_ERR_CODEBOOK = -7, /* cmul not finite and positive, or zero_const infinite */
+    AIPC_ERR_ZEROS = -8,    /* zero_const NaN (per-group zero points) without zeros */
+    AIPC_ERR_NULL = -9,     /* a pointer the call reads or writes is NULL */
+    AIPC_ERR_THREADS = -10, /* nthreads outside [0, AIPC_MAX_THREADS] */
+    AIPC_ERR_PATH = -11,    /* segment_sdpa: a path entry outside [0, N) */
+    AIPC_ERR_LAST = AIPC_ERR_PATH
+} aipc_status;
+
+#define AIPC_MAX_THREADS 4096
+
+/* ---------------------------------------------------------------- codes (cpu_features.c, abi.c) */
+
+AIPC_API int aipc_abi_version(void);
+/* The message of a status code ("unknown status" for one outside the enum). */
+AIPC_API const char *aipc_status_message(int status);
+/* The name of a dtype / ISA code (torch's dtype name; "avx512_vnni", ...), NULL outside the enum. */
+AIPC_API const char *aipc_dtype_name(int dt);
+AIPC_API const char *aipc_isa_name(int isa);
+
+/* ---------------------------------------------------------------- ISA choice (cpu_features.c) */
+
+/* Best ISA this CPU (and OS) supports: the one used unless overridden. */
+AIPC_API int aipc_best_isa(void);
+/* ISA the kernels use now (process-wide). */
+AIPC_API int aipc_get_isa(void);
+/* Forces an ISA (tests, benchmarks, AIPC_ISA); AIPC_ERR_ISA for one the CPU lacks. */
+AIPC_API int aipc_set_isa(int isa);
+
+/* ---------------------------------------------------------------- low-bit linear (lowbit_linear.c) */
+
+/*
+ * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt`; scales and zeros use
+ * `scale_dt` (AIPC_DT_BF16 or AIPC_DT_F16). Levels are cmul * code - zero point: zero_const for a code
+ * book with a fixed zero point (zeros NULL, or ignored), NaN for one with per-group zero points (then
+ * zeros is required). act_group: K for per-token activation scales, or the weight group size (or a
+ * multiple of it dividing K) for per-group ones. nthreads: 0 for OpenMP's default. bias may be NULL.
+ */
+AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
+                                const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
+                                float zero_const, const void *bias, void *y, int64_t act_group, int nthreads);
+
+/* aipc_lowbit_linear with its 17 arguments in one int64 vector, in the same order (pointers as
+ * addresses, 0 for NULL; cmul and zero_const as float32 bit patterns). For ctypes: converting 17
+ * arguments costs ~2 us per call, one pointer ~0.2 us, and decode makes a call per linear layer. */
+AIPC_API int aipc_lowbit_linear_v(const int64_t *v);
+
+/* ---------------------------------------------------------------- segment attention (segment_sdpa.c) */
+
+/*
+ * out[N][Lq][Hq][D] (float32) = segment attention (see segment_sdpa.c). dt: the aipc_dtype of query,
+ * prompt and response K/V. Runs the code of aipc_segment_isa().
+ */
+AIPC_API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_sl, const void *pk,
+                               const void *pv, const void *rk, const void *rv, const int32_t *path,
+                               const float *mask, int64_t m_sn, int64_t m_sh, int64_t m_sl, float *out, int dt,
+                               int64_t N, int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t D, int64_t Np,
+                               int64_t Nr, float scale, int causal, int nthreads);
+
+/* The ISA whose code aipc_segment_sdpa runs under the current aipc_get_isa(): AIPC_ISA_SCALAR,
+ * AIPC_ISA_AVX2 (also for avx_vnni) or AIPC_ISA_AVX512_VNNI (also for amx_int8; it needs AVX-512F/BW/VL). */
+AIPC_API int aipc_segment_isa(void);
+
+#endif /* AIPC_NATIVE_H */

@@ -1,0 +1,130 @@
+/*
+ * Internals shared by the low-bit linear units (not part of the C API, see aipc_native.h):
+ *
+ *   y[m, n] = sum_g  sx[m,g] * ( s[n,g] * cmul * dot_g(c[n,:], xq[m,:]) - s[n,g] * z[n,g] * sum_g(xq[m,:]) ) + bias[n]
+ *
+ * (Georganas et al., "Pushing the Envelope of LLM Inference on AI-PC and Intel GPUs", III-B..D) where c
+ * are the unsigned weight codes (0..3 for 2 bits, 0..1 for 1 bit), w = s * (cmul * c - z), xq = round(x /
+ * sx) the int8 activations (absmax per token, or per K-group: act_quant.c), and dot_g an int32 dot
+ * product over group g. The zero correction uses the group sum of the quantized activations, so the
+ * inner loop is a pure u8 x s8 -> s32 dot product: vpdpbusd (AVX-512 VNNI: lowbit_avx512.c, AVX-VNNI:
+ * lowbit_avx256.c), vpmaddubsw + vpmaddwd (AVX2: lowbit_avx256.c), tdpbssd (AMX: lowbit_amx.c), and a
+ * portable C loop on the same layout (lowbit_scalar.c). lowbit_linear.c checks the arguments and picks
+ * the kernel for the ISA chosen at run time (cpu_features.c).
+ *
+ * Weight layout ("cpu_vnni16", produced by aipc_kernels.packing): rows in blocks of 16; per block the
+ * K axis in chunks of 64 bytes. A chunk holds, at byte [n][kk] (n < 16, kk < 4), the codes of
+ * k = kc*chunk + 4*q + kk for every bit-plane q (2 bits: q < 4 at bits 2q; 1 bit: q < 8 at bit q).
+ * So one 64-byte load and a shift + mask per plane yield a [16 rows][4 k] u8 vector, exactly the
+ * operand vpdpbusd wants against a broadcast of 4 consecutive int8 activations.
+ * Scales (and affine zeros) are [N/16][K/G][16] in fp16 or bf16.
+ *
+ * Each unit's SIMD code carries its own target attribute (the build has no -m flags), so one build
+ * serves every x86-64 CPU.
+ */
+#ifndef AIPC_LOWBIT_KERNELS_H
+#define AIPC_LOWBIT_KERNELS_H
+
+#include <stdint.h>
+
+#include "aipc_native.h"
+#include "half_float.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define AIPC_X86 1
+#endif
+#if defined(AIPC_X86) && defined(__linux__)
+#define AIPC_AMX 1 /* AMX needs the kernel's permission (arch_prctl), asked for once */
+#endif
+
+#define BLOCK_N 16
+#define CHUNK_BYTES 64
+#define OTF_M 4    /* tokens per tile when up-converting on the fly (2 bits; half that for 1 bit) */
+#define UP_M 8     /* tokens per tile once a row block is up-converted */
+#define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once */
+#define AMX_M 16   /* tokens per AMX tile (tile rows); two tiles share each weight tile */
+#define AMX_MIN_M 16 /* from this many tokens on, AMX (where available) does the int8 dot products */
+
+typedef struct {
+    const uint8_t *w;   /* packed codes, [N/16][K/kc][64] */
+    const void *scales; /* [N/16][K/G][16] */
+    const void *zeros;  /* same layout, or NULL: then zero_const */
+    int scale_dt;
+    int bits;
+    int64_t M, N, K, G;
+    float cmul, zero_const;
+    const int8_t *xq;   /* [M][K] */
+    const int32_t *xt;  /* AVX-512 paths: [ceil(M/T)][K/4][T] quads, tokens of a tile interleaved */
+    int64_t T;          /* tokens per tile of xt */
+    /* The one epilogue every kernel computes (batch invariance: a row's bits do not depend on M, the
+     * tile or the ISA), per token m, output n and group g, in group order, with fused multiply-adds:
+     *   u = dot - z * zq[m,g];  acc = fma(s * ws[m,g], u, acc);  y = acc * outs[m] + bias
+     * zq = (group sum of xq) / cmul is the zero term in code units; ws is the group's activation
+     * scale (NULL with one scale per token: 1); outs[m] = cmul times the token's scale (per token) or
+     * cmul (per group). */
+    const float *zq;    /* [M][K/G] */
+    const float *ws;    /* [M][K/G], or NULL */
+    const float *outs;  /* [M] */
+    const void *bias; /* [N] in out_dt, or NULL */
+    void *y;          /* [M][N] */
+    int out_dt;
+} lowbit_args;
+
+static inline int64_t chunk_k(int bits) { return CHUNK_BYTES * 8 / bits / BLOCK_N; }
+
+/* ------------------------------------------------------------------ scalar conversions */
+
+static inline float load_f(const void *p, int64_t i, int dt) {
+    switch (dt) {
+    case AIPC_DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case AIPC_DT_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline void store_f(void *p, int64_t i, int dt, float v) {
+    switch (dt) {
+    case AIPC_DT_BF16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+    case AIPC_DT_F16: ((uint16_t *)p)[i] = f32_to_f16(v); break;
+    default: ((float *)p)[i] = v;
+    }
+}
+
+/* Writes 16 outputs of token m: acc * outs[m] + bias, in the output dtype (portable and 256-bit kernels).
+ * A static copy per unit, not an extern function: GCC then knows which registers the call clobbers
+ * (IPA register allocation), and the 256-bit tiles keep their accumulators in registers across it. */
+static __attribute__((unused)) void store_block(const lowbit_args *a, int64_t m, int64_t n0, const float *acc16) {
+    const int64_t nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
+    for (int64_t j = 0; j < nn; j++) {
+        float v = acc16[j] * a->outs[m];
+        if (a->bias) v += load_f(a->bias, n0 + j, a->out_dt);
+        store_f(a->y, m * a->N + n0 + j, a->out_dt, v);
+    }
+}
+
+/* ------------------------------------------------------------------ the units' entry points */
+
+/* act_quant.c: x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group. xq: [M][K];
+ * sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq. */
+int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, int isa,
+                         int8_t *xq, float *sx, int32_t *gsum, int nthreads);
+
+/* lowbit_scalar.c: row block nb for every token in portable C. */
+void block_scalar(const lowbit_args *a, int64_t nb);
+
+#ifdef AIPC_X86
+/* lowbit_avx256.c: row block nb for every token. */
+void block_avxvnni(const lowbit_args *a, int64_t nb);
+void block_avx2(const lowbit_args *a, int64_t nb);
+/* lowbit_avx512.c: row block nb for every token; `up`: [K/4][64] bytes of scratch from UP_MIN_M tokens on. */
+void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up);
+#endif
+#ifdef AIPC_AMX
+/* lowbit_amx.c: every row block with AMX (M >= AMX_MIN_M); xq padded with zero rows to Mp = whole tiles.
+ * Returns AIPC_OK or AIPC_ERR_NOMEM. */
+int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads);
+/* cpu_features.c: AMX-INT8 on the CPU, enabled by the OS and permitted for this process. */
+int amx_usable(void);
+#endif
+
+#endif /* AIPC_LOWBIT_KERNELS_H */
