@@ -25,6 +25,7 @@ from typing import Any
 
 from aipc_kernels.atomic_output import atomic_output_dir
 from aipc_kernels.config_schema import parse
+from aipc_kernels.hf_checkpoint import HFCheckpoint
 
 from .manifest import (ALWAYS_WRITTEN, FORMAT_VERSION, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT,
                        ChunkFile, LayerGroup, NPUExportManifest, cache_name, cache_out_name,
@@ -347,8 +348,8 @@ def _write_export(out: Path, src: Path, config, quant: dict[str, Any] | None, we
 
     from . import chunks as ch
 
-    reader = ch.CheckpointReader(src)
-    model = ch.build_skeleton(config, ch.weight_dtype(weight_format, reader.dtype()))
+    reader = HFCheckpoint(src)
+    model = ch.build_skeleton(config, ch.weight_dtype(weight_format, reader.floating_dtype()))
     blocks = ch.parts(model)
     rotary = ch.rotary_module(model, config)
     switch = ch.longrope_switch(config)
