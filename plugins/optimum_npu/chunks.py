@@ -13,13 +13,12 @@ so one trace serves every static variant (reshaped afterwards).
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from aipc_kernels.hf_checkpoint import HFCheckpoint
 
 # model types whose transformers decoder layers the chunks wrap (embedding scale and sliding
 # windows handled below)
@@ -248,54 +247,6 @@ class HeadChunk(nn.Module):
         return logits
 
 
-class CheckpointReader:
-    """Reads named tensors from a checkpoint directory's safetensors files on demand."""
-
-    def __init__(self, directory: str | os.PathLike):
-        from safetensors import safe_open
-
-        self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.directory / "model.safetensors").is_file():
-            with safe_open(self.directory / "model.safetensors", "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise FileNotFoundError(
-                f"{self.directory} holds no model.safetensors(.index.json); export_npu reads "
-                "safetensors checkpoints (save the model with save_pretrained(safe_serialization=True))")
-        self.weight_map = weight_map
-        self._open = safe_open
-
-    def get(self, name: str) -> torch.Tensor:
-        with self._open(self.directory / self.weight_map[name], "pt") as f:
-            return f.get_tensor(name)
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a 2-D tensor, read without loading the rest."""
-        with self._open(self.directory / self.weight_map[name], "pt") as f:
-            return f.get_slice(name)[start:stop]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-
-    def dtype(self) -> torch.dtype:
-        """The floating-point dtype of the checkpoint's tensors (float32 if none is 16-bit)."""
-        from safetensors import safe_open
-
-        names = {"BF16": torch.bfloat16, "F16": torch.float16}
-        for name, file in self.weight_map.items():
-            with safe_open(self.directory / file, "pt") as f:
-                kind = f.get_slice(name).get_dtype()
-            if kind in names:
-                return names[kind]
-            if kind.startswith("F"):
-                return torch.float32
-        return torch.float32
-
-
 def weight_dtype(weight_format: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
     """The dtype in which a chunk's weights are materialised and traced: float32 for ``fp32``,
     float16 for ``fp16``; for NNCF formats the checkpoint's own (16-bit) dtype, which NNCF
@@ -335,7 +286,7 @@ def cast_linears(module: nn.Module) -> nn.Module:
 
 
 def checkpoint_key(model: nn.Module, module: nn.Module, name: str,
-                   reader: CheckpointReader) -> str:
+                   reader: HFCheckpoint) -> str:
     """The checkpoint tensor holding ``module``'s (a submodule of ``model``) tensor ``name``;
     tied output embeddings read the input embedding."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -351,7 +302,7 @@ def checkpoint_key(model: nn.Module, module: nn.Module, name: str,
     raise KeyError(f"checkpoint has no tensor {full!r}; cannot export this model")
 
 
-def materialize(model: nn.Module, module: nn.Module, reader: CheckpointReader) -> None:
+def materialize(model: nn.Module, module: nn.Module, reader: HFCheckpoint) -> None:
     """Allocates ``module`` (a submodule of the meta ``model``) on the CPU and fills its parameters
     and persistent buffers from the checkpoint; tied output embeddings read the input embedding."""
     keys = {name: checkpoint_key(model, module, name, reader)

@@ -10,71 +10,36 @@ Directory written by :func:`export_npu_model`::
     npu_head.xml/.bin                     x [1, 1, H] -> logits [1, 1, V]
 
 Every variant of a layer group has identical weights, so they share the group's one ``.bin``.
+
+This module is the pipeline: the arguments are checked, then :data:`EXPORT_STEPS` run in order
+over one :class:`ExportContext`. The pieces live beside it: :mod:`.chunks` (the torch chunks and
+their weights), :mod:`.compression` (NNCF settings), :mod:`.vocab` (streamed vocabulary
+quantization), :mod:`.convert` (torch chunk -> IR files, tokenizers), :mod:`.ir_surgery` (states,
+port names, shared ``.bin``), :mod:`.manifest` (``npu_export.json``).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
-import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aipc_kernels.atomic_output import atomic_output_dir
 from aipc_kernels.config_schema import parse
+from aipc_kernels.hf_checkpoint import HFCheckpoint
 
+from .compression import WeightCompression
+from .convert import IRWriter, export_tokenizers
+from .ir_surgery import name_ports
 from .manifest import (ALWAYS_WRITTEN, FORMAT_VERSION, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT,
                        ChunkFile, LayerGroup, NPUExportManifest, cache_name, cache_out_name,
                        legacy_export_files)
 from .options import NAMING, ExportOptions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WeightCompression:
-    """NNCF weight compression of every chunk. ``int4`` defaults to the NPU-safe settings:
-    symmetric, group 128, ``ratio=1.0, all_layers=True`` (no layer silently kept in INT8)."""
-
-    weight_format: str = "fp16"
-    sym: bool | None = None
-    group_size: int | None = None
-    ratio: float | None = None
-    all_layers: bool | None = None
-
-    def resolved(self, target: str) -> dict[str, Any] | None:
-        """The settings actually used (None: no compression); raises on NPU-unsafe or contradictory
-        ones (each value's type and range: :class:`~optimum_npu.options.ExportOptions`)."""
-        fmt = self.weight_format
-        if fmt in ("fp32", "fp16"):
-            given = {k: v for k, v in (("sym", self.sym), ("group_size", self.group_size),
-                                        ("ratio", self.ratio), ("all_layers", self.all_layers))
-                     if v is not None}
-            if given:
-                raise ValueError(f"{', '.join(given)} only apply to weight_format='int8'/'int4', "
-                                 f"not {fmt!r}; drop them or choose an integer weight format")
-            return None
-        sym = True if self.sym is None else self.sym
-        if fmt == "int4":
-            if not sym and target == "NPU":
-                raise ValueError(
-                    "weight_format='int4' with sym=False (INT4 asymmetric) crashes the NPU compiler "
-                    "(openvino#34450); use sym=True (the default), or weight_format='int8'")
-            group = 128 if self.group_size is None else self.group_size
-            if group != -1 and group <= 0:
-                raise ValueError(f"group_size={group} must be positive or -1 (per channel)")
-            ratio = 1.0 if self.ratio is None else self.ratio
-            all_layers = True if self.all_layers is None else self.all_layers
-            return dict(weight_format="int4", mode="int4_sym" if sym else "int4_asym",
-                        group_size=group, ratio=ratio, all_layers=all_layers)
-        if self.group_size not in (None, -1) or self.ratio not in (None, 1.0):
-            raise ValueError("weight_format='int8' is per channel with ratio 1.0; drop group_size "
-                             "and ratio (or use weight_format='int4')")
-        return dict(weight_format="int8", mode="int8_sym" if sym else "int8_asym",
-                    group_size=-1, ratio=1.0, all_layers=True)
 
 
 def default_buckets(max_seq_len: int, prefill_block: int) -> list[int]:
@@ -125,160 +90,228 @@ def resolve_model_dir(model_id: str | os.PathLike, revision: str | None = None,
         allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]))
 
 
-def _name_ports(ov_model, inputs: list[str], outputs: list[str]) -> None:
-    """Names every Parameter and Result (tensor names and friendly names) by convention."""
-    for port, name in zip(ov_model.inputs, inputs, strict=True):
-        port.get_tensor().set_names({name})
-        port.get_node().set_friendly_name(name)
-    for port, name in zip(ov_model.outputs, outputs, strict=True):
-        port.get_tensor().set_names({name})
-        port.get_node().set_friendly_name(name)
+@dataclass
+class ExportContext:
+    """What the export steps share: the checked settings and the source checkpoint (given), the
+    model's meta-device skeleton and the IR writer (built from them), and the files written so far
+    (filled in by the steps; the manifest lists them)."""
+
+    out: Path  # the staging directory every file is written into
+    src: Path
+    config: Any  # the model's transformers PretrainedConfig
+    checkpoint: HFCheckpoint
+    quant: dict[str, Any] | None  # WeightCompression.resolved(); None: fp32/fp16 storage
+    weight_format: str
+    target: str
+    max_seq_len: int
+    prefill_block: int
+    buckets: list[int]
+    layers_per_chunk: int
+    model: Any = field(init=False)  # AutoModelForCausalLM on the meta device, traced in weight dtype
+    blocks: dict[str, Any] = field(init=False)  # chunks.parts(model)
+    rotary: Any = field(init=False)
+    windows: list[int | None] = field(init=False)
+    longrope_switch: int | None = field(init=False)  # chunks.longrope_switch(config)
+    writer: IRWriter = field(init=False)
+    embed: ChunkFile | None = None
+    groups: list[LayerGroup] = field(default_factory=list)
+    head: ChunkFile | None = None
+    tokenizer: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from . import chunks as ch
+
+        dtype = ch.weight_dtype(self.weight_format, self.checkpoint.floating_dtype())
+        self.model = ch.build_skeleton(self.config, dtype)
+        self.blocks = ch.parts(self.model)
+        self.rotary = ch.rotary_module(self.model, self.config)
+        self.windows = ch.sliding_windows(self.config)
+        self.longrope_switch = ch.longrope_switch(self.config)
+        self.writer = IRWriter(self.out, self.quant, fp16=(self.weight_format == "fp16"))
+
+    @property
+    def rope_inputs(self) -> list[str]:
+        """Extra layer inputs: LongRoPE chooses its factors in-graph from the sequence length."""
+        return [SEQUENCE_LENGTH] if self.longrope_switch is not None else []
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.hidden // self.config.num_attention_heads
+
+    @property
+    def prefill_capacity(self) -> int:
+        return math.ceil(self.max_seq_len / self.prefill_block) * self.prefill_block
+
+    @property
+    def vocab_shape(self) -> tuple[int, int]:
+        return (self.config.vocab_size, self.hidden)
 
 
-def make_stateful(ov_model, pairs: dict[str, str]) -> None:
-    """Turns each (Parameter ``name``, Result ``pairs[name]``) into an OpenVINO state whose
-    variable id is ``name``: a ReadValue without initialiser (zeros after ``reset_state()``)
-    where the Parameter was, an Assign where the Result was."""
-    import openvino.opset6 as ops
-    from openvino.op import assign
-    from openvino.op.util import Variable, VariableInfo
+def _streamed_vocab(ctx: ExportContext, module) -> dict[str, Any]:
+    """``module``'s vocabulary matrix quantized while read from the checkpoint (:mod:`.vocab`)."""
+    from . import chunks as ch
+    from . import vocab
 
-    params = {p.output(0).get_any_name(): p for p in ov_model.get_parameters()}
-    results = {r.input_value(0).get_any_name(): r for r in ov_model.get_results()}
-    results.update({r.output(0).get_any_name(): r for r in ov_model.get_results()})
-    for pname, rname in pairs.items():
-        param, result = params[pname], results[rname]
-        info = VariableInfo()
-        info.data_shape = param.get_partial_shape()
-        info.data_type = param.get_element_type()
-        info.variable_id = pname
-        variable = Variable(info)
-        read = ops.read_value(variable, name=pname)
-        read.output(0).get_tensor().set_names({pname})
-        for target in list(param.output(0).get_target_inputs()):
-            target.replace_source_output(read.output(0))
-        value = result.input_value(0)  # Assign takes a single-output Node
-        node = value.get_node()
-        if node.get_output_size() != 1:
-            node = ops.convert(value, value.get_element_type())
-        sink = assign(node, variable)
-        sink.set_friendly_name(rname)
-        ov_model.add_variables([variable])
-        ov_model.add_sinks([sink])
-        ov_model.remove_result(result)
-        ov_model.remove_parameter(param)
-    ov_model.validate_nodes_and_infer_types()
+    key = ch.checkpoint_key(ctx.model, module, "weight", ctx.checkpoint)
+    return vocab.quantize_rows(lambda a, b: ctx.checkpoint.rows(key, a, b), ctx.vocab_shape, ctx.quant)
 
 
-def _compress(ov_model, quant: dict[str, Any] | None):
-    if quant is None:
-        return ov_model
-    import nncf
+def export_embedding(ctx: ExportContext) -> None:
+    """Embedding: one IR with the prefill block's width (decode uses its first row: a gather).
+    Quantized formats stream the vocabulary matrix through NNCF's quantizer a block of rows at a
+    time instead of materialising it."""
+    import torch
 
-    mode = {"int8_sym": nncf.CompressWeightsMode.INT8_SYM,
-            "int8_asym": nncf.CompressWeightsMode.INT8_ASYM,
-            "int4_sym": nncf.CompressWeightsMode.INT4_SYM,
-            "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}[quant["mode"]]
-    kw: dict[str, Any] = dict(mode=mode)
-    if quant["weight_format"] == "int4":
-        kw.update(group_size=quant["group_size"], ratio=quant["ratio"],
-                  all_layers=quant["all_layers"])
-    return nncf.compress_weights(ov_model, **kw)
+    from . import chunks as ch
 
+    embed = ctx.blocks["embed"]
+    if ctx.quant is not None:
+        from . import vocab
 
-class _Writer:
-    """Converts torch chunks to named, static (optionally stateful, compressed) IRs on disk.
-
-    The OpenVINO model shares the torch chunk's weight memory (``convert_model`` does not copy
-    them), so a chunk's torch weights may be released only after its IRs are written."""
-
-    def __init__(self, out: Path, quant: dict[str, Any] | None, fp16: bool):
-        self.out, self.quant, self.fp16 = out, quant, fp16
-
-    def convert(self, module, example: tuple, shapes: list[tuple[int, ...]], inputs: list[str],
-                outputs: list[str], compress: bool = True):
-        """``module`` traced once (``shapes``: -1 marks a dimension read from the input shape),
-        ports named, weights compressed by NNCF when asked."""
-        import openvino as ov
-        import torch
-
-        spec = [(ov.PartialShape(list(shape)),
-                 {torch.int64: ov.Type.i64, torch.float32: ov.Type.f32}[t.dtype])
-                for t, shape in zip(example, shapes, strict=True)]
-        with torch.no_grad():
-            ov_model = ov.convert_model(module, example_input=example, input=spec)
-        _name_ports(ov_model, inputs, outputs)
-        return _compress(ov_model, self.quant) if compress else ov_model
-
-    def save(self, ov_model, stem: str, share_with: ChunkFile | None = None) -> ChunkFile:
-        import openvino as ov
-
-        xml = self.out / f"{stem}.xml"
-        ov.save_model(ov_model, xml, compress_to_fp16=self.fp16)
-        chunk = ChunkFile(xml=xml.name, weights=xml.with_suffix(".bin").name)
-        if share_with is not None:
-            merge_weights(xml, self.out / chunk.weights, self.out / share_with.weights)
-            chunk.weights = share_with.weights
-        return chunk
-
-    def write(self, module, example: tuple, inputs: list[str], outputs: list[str],
-              stem: str) -> ChunkFile:
-        """A static, stateless chunk with the example's shapes."""
-        ov_model = self.convert(module, example, [tuple(t.shape) for t in example], inputs, outputs)
-        chunk = self.save(ov_model, stem)
-        del ov_model
-        return chunk
-
-    def write_variants(self, ov_model, variants: dict[str, dict[str, list[int]]],
-                       states: dict[str, str]) -> dict[str, ChunkFile]:
-        """One static, stateful IR per ``variants`` entry (stem -> input shapes), each a reshaped
-        clone of the converted and compressed ``ov_model``; all read the first one's ``.bin``."""
-        files: dict[str, ChunkFile] = {}
-        first = None
-        for stem, shapes in variants.items():
-            variant = ov_model.clone()
-            variant.reshape(shapes)
-            make_stateful(variant, states)
-            files[stem] = self.save(variant, stem, share_with=first)
-            first = first or files[stem]
-            del variant
-        return files
+        q = _streamed_vocab(ctx, embed)
+        emb = vocab.embedding_model(q, ctx.quant, ctx.vocab_shape, ctx.prefill_block,
+                                    getattr(embed, "scalar_embed_scale", None), (TOKEN, X))
+        name_ports(emb, [TOKEN], [X])
+        ctx.embed = ctx.writer.save(emb, "npu_embed")
+        del emb, q
+    else:
+        ch.materialize(ctx.model, embed, ctx.checkpoint)
+        ctx.embed = ctx.writer.write(ch.EmbeddingChunk(embed).eval(),
+                                     (torch.zeros(1, ctx.prefill_block, dtype=torch.int64),),
+                                     [TOKEN], [X], "npu_embed")
+        ch.release(embed)
 
 
-_CONST_DATA = re.compile(rb'(<data\b[^>]*?\boffset=")(\d+)("\s+size=")(\d+)(")')
+def export_layer_group(ctx: ExportContext, first: int, last: int) -> LayerGroup:
+    """Decoder layers ``[first, last)``: traced once with the token count and KV capacity read
+    from the input shapes, compressed once; the prefill and every decode bucket are static,
+    stateful reshapes of that one graph, sharing one ``.bin``."""
+    import torch
+
+    from . import chunks as ch
+
+    layers = ctx.blocks["layers"][first:last]
+    for layer in layers:
+        ch.materialize(ctx.model, layer, ctx.checkpoint)
+    chunk = ch.cast_linears(ch.LayersChunk(layers, first, ctx.rotary, ctx.windows).eval())
+    rope_inputs = ctx.rope_inputs
+    in_names, out_names, states = [X, POSITION, *rope_inputs], [X_OUT], {}
+    for i in range(first, last):
+        for kind in ("k", "v"):
+            in_names.append(cache_name(kind, i))
+            out_names.append(cache_out_name(kind, i))
+            states[cache_name(kind, i)] = cache_out_name(kind, i)
+    n_caches = 2 * (last - first)
+    hidden, kv_heads, head_dim = ctx.hidden, ctx.kv_heads, ctx.head_dim
+
+    def shapes(tokens: int, capacity: int) -> list[tuple[int, ...]]:
+        return [(1, tokens, hidden), (1,)] + [(1,)] * len(rope_inputs) + \
+            [(1, kv_heads, capacity, head_dim)] * n_caches
+
+    example = (torch.zeros(1, 2, hidden), torch.zeros(1, dtype=torch.int64),
+               *(torch.full((1,), 2, dtype=torch.int64) for _ in rope_inputs),
+               *(torch.zeros(1, kv_heads, 4, head_dim) for _ in range(n_caches)))
+    ov_model = ctx.writer.convert(chunk, example, shapes(-1, -1), in_names, out_names)
+    if ctx.quant is not None:  # the graph now holds NNCF's copies of every linear weight
+        ch.release_linears(chunk)
+    stem = f"npu_layers_{first:02d}_{last - 1:02d}"
+    variants = {f"{stem}_prefill": shapes(ctx.prefill_block, ctx.prefill_capacity)}
+    variants.update({f"{stem}_kv{c}": shapes(1, c) for c in ctx.buckets})
+    files = ctx.writer.write_variants(
+        ov_model, {k: dict(zip(in_names, map(list, v), strict=True)) for k, v in variants.items()},
+        states)
+    del ov_model
+    for layer in layers:
+        ch.release(layer)
+    logger.info("exported layers %d..%d", first, last - 1)
+    return LayerGroup(first, last, files[f"{stem}_prefill"],
+                      {str(c): files[f"{stem}_kv{c}"] for c in ctx.buckets})
 
 
-def merge_weights(xml: Path, bin_path: Path, shared_bin: Path) -> None:
-    """Makes ``xml`` read its constants from ``shared_bin``: each constant whose bytes are already
-    there points at them, the others are appended (64-byte aligned); ``bin_path`` is deleted.
-    Variants of one chunk differ only in a few small shape constants, so they share the weights."""
-    shared = shared_bin.read_bytes()
-    index: dict[bytes, int] = {}
-    for m in _CONST_DATA.finditer(shared_bin.with_suffix(".xml").read_bytes()):
-        off, size = int(m.group(2)), int(m.group(4))
-        index.setdefault(hashlib.sha1(shared[off:off + size]).digest() + size.to_bytes(8, "little"), off)
-    mine = bin_path.read_bytes()
-    appended = bytearray()
-    base = len(shared)
+def export_layers(ctx: ExportContext) -> None:
+    """Every decoder layer, ``layers_per_chunk`` at a time (:func:`export_layer_group`)."""
+    n_layers = ctx.config.num_hidden_layers
+    for first in range(0, n_layers, ctx.layers_per_chunk):
+        ctx.groups.append(export_layer_group(ctx, first, min(first + ctx.layers_per_chunk, n_layers)))
 
-    def relocate(m: re.Match) -> bytes:
-        nonlocal appended
-        off, size = int(m.group(2)), int(m.group(4))
-        blob = mine[off:off + size]
-        key = hashlib.sha1(blob).digest() + size.to_bytes(8, "little")
-        if key not in index:
-            pad = (-(base + len(appended))) % 64
-            appended += b"\0" * pad
-            index[key] = base + len(appended)
-            appended += blob
-        return m.group(1) + str(index[key]).encode() + m.group(3) + m.group(4) + m.group(5)
 
-    text = _CONST_DATA.sub(relocate, xml.read_bytes())
-    if appended:
-        with open(shared_bin, "ab") as f:
-            f.write(appended)
-    xml.write_bytes(text)
-    bin_path.unlink()
+def export_head(ctx: ExportContext) -> None:
+    """Final norm and LM head. Quantized formats convert the norm alone and append the LM
+    matrix, streamed through NNCF's quantizer (:mod:`.vocab`)."""
+    import torch
+
+    from . import chunks as ch
+
+    norm, lm_head, softcap = ctx.blocks["norm"], ctx.blocks["lm_head"], ctx.blocks["softcap"]
+    hidden = ctx.hidden
+    ch.materialize(ctx.model, norm, ctx.checkpoint)
+    if ctx.quant is not None:
+        from . import vocab
+
+        q = _streamed_vocab(ctx, lm_head)
+        normed = ctx.writer.convert(ch.NormChunk(norm).eval(), (torch.zeros(1, 1, hidden),),
+                                    [(1, 1, hidden)], [X], ["normed"], compress_weights=False)
+        head_model = vocab.append_lm_head(normed, q, ctx.quant, ctx.vocab_shape, softcap)
+        name_ports(head_model, [X], [LOGITS])
+        ctx.head = ctx.writer.save(head_model, "npu_head")
+        del normed, head_model, q
+    else:
+        ch.materialize(ctx.model, lm_head, ctx.checkpoint)
+        ctx.head = ctx.writer.write(ch.cast_linears(ch.HeadChunk(norm, lm_head, softcap).eval()),
+                                    (torch.zeros(1, 1, hidden),), [X], [LOGITS], "npu_head")
+        ch.release(lm_head)
+    ch.release(norm)
+
+
+def save_configs(ctx: ExportContext) -> None:
+    """``config.json`` and ``generation_config.json`` (from the model's config when the checkpoint
+    has none)."""
+    from transformers import GenerationConfig
+
+    ctx.config.save_pretrained(ctx.out)
+    try:
+        GenerationConfig.from_pretrained(ctx.src).save_pretrained(ctx.out)
+    except OSError:
+        GenerationConfig.from_model_config(ctx.config).save_pretrained(ctx.out)
+
+
+def save_tokenizers(ctx: ExportContext) -> None:
+    """The HF tokenizer and its OpenVINO pair (:func:`.convert.export_tokenizers`)."""
+    ctx.tokenizer = export_tokenizers(ctx.src, ctx.out)
+
+
+def write_manifest(ctx: ExportContext) -> None:
+    """``npu_export.json``, written last: its presence marks a complete export."""
+    import openvino
+    import torch
+    import transformers
+
+    switch = ctx.longrope_switch
+    manifest = NPUExportManifest(
+        format_version=FORMAT_VERSION, model_type=ctx.config.model_type, max_seq_len=ctx.max_seq_len,
+        prefill_block=ctx.prefill_block, kv_buckets=ctx.buckets, prefill_capacity=ctx.prefill_capacity,
+        hidden_size=ctx.hidden, num_layers=ctx.config.num_hidden_layers, num_kv_heads=ctx.kv_heads,
+        head_dim=ctx.head_dim, vocab_size=ctx.config.vocab_size, embedding=ctx.embed, head=ctx.head,
+        layer_groups=ctx.groups, quantization=ctx.quant, tokenizer=ctx.tokenizer,
+        longrope=None if switch is None else dict(original_max_position_embeddings=switch,
+                                                  input=SEQUENCE_LENGTH),
+        exporter=dict(aipc_plugins=_package_version(), openvino=openvino.__version__,
+                      transformers=transformers.__version__, torch=torch.__version__,
+                      target=ctx.target))
+    manifest.write(ctx.out)
+
+
+#: the export, step by step; each writes into ``ctx.out`` and records what it wrote in ``ctx``
+EXPORT_STEPS = (export_embedding, export_layers, export_head, save_configs,
+                save_tokenizers, write_manifest)
 
 
 def export_npu_model(
@@ -328,170 +361,19 @@ def export_npu_model(
     if max_pos and max_seq_len > max_pos:
         raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's "
                          f"max_position_embeddings={max_pos}; choose max_seq_len <= {max_pos}")
+    checkpoint = HFCheckpoint(src)
 
     out = Path(output_dir)
     with atomic_output_dir(out, what="export", redo="export again", param="output_dir",
                            keep_others=True, always_writes=ALWAYS_WRITTEN,
                            legacy_owned=legacy_export_files) as part:
-        _write_export(part, src, config, quant, weight_format, target, max_seq_len, prefill_block,
-                      buckets, layers_per_chunk)
+        ctx = ExportContext(out=part, src=src, config=config, checkpoint=checkpoint, quant=quant,
+                            weight_format=weight_format, target=target, max_seq_len=max_seq_len,
+                            prefill_block=prefill_block, buckets=buckets,
+                            layers_per_chunk=layers_per_chunk)
+        for step in EXPORT_STEPS:
+            step(ctx)
     return out
-
-
-def _write_export(out: Path, src: Path, config, quant: dict[str, Any] | None, weight_format: str,
-                  target: str, max_seq_len: int, prefill_block: int, buckets: list[int],
-                  layers_per_chunk: int) -> None:
-    """Writes every file of the export into the staging directory ``out``, the manifest last."""
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from . import chunks as ch
-
-    reader = ch.CheckpointReader(src)
-    model = ch.build_skeleton(config, ch.weight_dtype(weight_format, reader.dtype()))
-    blocks = ch.parts(model)
-    rotary = ch.rotary_module(model, config)
-    switch = ch.longrope_switch(config)
-    rope_inputs = [SEQUENCE_LENGTH] if switch is not None else []  # LongRoPE: factors chosen in-graph
-    windows = ch.sliding_windows(config)
-    n_layers = config.num_hidden_layers
-    hidden = config.hidden_size
-    kv_heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    prefill_capacity = math.ceil(max_seq_len / prefill_block) * prefill_block
-    writer = _Writer(out, quant, fp16=(weight_format == "fp16"))
-
-    # Embedding: one IR with the prefill block's width (decode uses its first row: a gather).
-    # Quantized formats stream the vocabulary matrix through NNCF's quantizer a block of rows at
-    # a time (optimum_npu.vocab) instead of materialising it.
-    vocab_shape = (config.vocab_size, hidden)
-    if quant is not None:
-        from . import vocab
-
-        key = ch.checkpoint_key(model, blocks["embed"], "weight", reader)
-        q = vocab.quantize_rows(lambda a, b: reader.rows(key, a, b), vocab_shape, quant)
-        emb = vocab.embedding_model(q, quant, vocab_shape, prefill_block,
-                                    getattr(blocks["embed"], "scalar_embed_scale", None),
-                                    (TOKEN, X))
-        _name_ports(emb, [TOKEN], [X])
-        embed = writer.save(emb, "npu_embed")
-        del emb, q
-    else:
-        ch.materialize(model, blocks["embed"], reader)
-        embed = writer.write(ch.EmbeddingChunk(blocks["embed"]).eval(),
-                             (torch.zeros(1, prefill_block, dtype=torch.int64),),
-                             [TOKEN], [X], "npu_embed")
-        ch.release(blocks["embed"])
-
-    groups = []
-    for first in range(0, n_layers, layers_per_chunk):
-        last = min(first + layers_per_chunk, n_layers)
-        layers = blocks["layers"][first:last]
-        for layer in layers:
-            ch.materialize(model, layer, reader)
-        chunk = ch.cast_linears(ch.LayersChunk(layers, first, rotary, windows).eval())
-        in_names, out_names, states = [X, POSITION, *rope_inputs], [X_OUT], {}
-        for i in range(first, last):
-            for kind in ("k", "v"):
-                in_names.append(cache_name(kind, i))
-                out_names.append(cache_out_name(kind, i))
-                states[cache_name(kind, i)] = cache_out_name(kind, i)
-        n_caches = 2 * (last - first)
-
-        def shapes(tokens: int, capacity: int) -> list[tuple[int, ...]]:
-            return [(1, tokens, hidden), (1,)] + [(1,)] * len(rope_inputs) + \
-                [(1, kv_heads, capacity, head_dim)] * n_caches
-
-        # traced once with the token count and KV capacity read from the input shapes, compressed
-        # once; the prefill and every decode bucket are static reshapes of that one graph
-        example = (torch.zeros(1, 2, hidden), torch.zeros(1, dtype=torch.int64),
-                   *(torch.full((1,), 2, dtype=torch.int64) for _ in rope_inputs),
-                   *(torch.zeros(1, kv_heads, 4, head_dim) for _ in range(n_caches)))
-        ov_model = writer.convert(chunk, example, shapes(-1, -1), in_names, out_names)
-        if quant is not None:  # the graph now holds NNCF's copies of every linear weight
-            ch.release_linears(chunk)
-        stem = f"npu_layers_{first:02d}_{last - 1:02d}"
-        variants = {f"{stem}_prefill": shapes(prefill_block, prefill_capacity)}
-        variants.update({f"{stem}_kv{c}": shapes(1, c) for c in buckets})
-        files = writer.write_variants(
-            ov_model, {k: dict(zip(in_names, map(list, v), strict=True))
-                       for k, v in variants.items()}, states)
-        del ov_model
-        groups.append(LayerGroup(first, last, files[f"{stem}_prefill"],
-                                 {str(c): files[f"{stem}_kv{c}"] for c in buckets}))
-        for layer in layers:
-            ch.release(layer)
-        logger.info("exported layers %d..%d", first, last - 1)
-
-    ch.materialize(model, blocks["norm"], reader)
-    if quant is not None:
-        from . import vocab
-
-        key = ch.checkpoint_key(model, blocks["lm_head"], "weight", reader)
-        q = vocab.quantize_rows(lambda a, b: reader.rows(key, a, b), vocab_shape, quant)
-        normed = writer.convert(ch.NormChunk(blocks["norm"]).eval(), (torch.zeros(1, 1, hidden),),
-                                [(1, 1, hidden)], [X], ["normed"], compress=False)
-        head_model = vocab.append_lm_head(normed, q, quant, vocab_shape, blocks["softcap"])
-        _name_ports(head_model, [X], [LOGITS])
-        head = writer.save(head_model, "npu_head")
-        del normed, head_model, q
-    else:
-        ch.materialize(model, blocks["lm_head"], reader)
-        head = writer.write(
-            ch.cast_linears(ch.HeadChunk(blocks["norm"], blocks["lm_head"],
-                                         blocks["softcap"]).eval()),
-            (torch.zeros(1, 1, hidden),), [X], [LOGITS], "npu_head")
-        ch.release(blocks["lm_head"])
-    ch.release(blocks["norm"])
-
-    config.save_pretrained(out)
-    try:
-        GenerationConfig.from_pretrained(src).save_pretrained(out)
-    except OSError:
-        GenerationConfig.from_model_config(config).save_pretrained(out)
-    tokenizer_info = _save_tokenizers(src, out, AutoTokenizer)
-
-    import openvino
-    import transformers
-
-    manifest = NPUExportManifest(
-        format_version=FORMAT_VERSION, model_type=config.model_type, max_seq_len=max_seq_len,
-        prefill_block=prefill_block, kv_buckets=buckets, prefill_capacity=prefill_capacity,
-        hidden_size=hidden, num_layers=n_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-        vocab_size=config.vocab_size, embedding=embed, head=head, layer_groups=groups,
-        quantization=quant, tokenizer=tokenizer_info,
-        longrope=None if switch is None else dict(original_max_position_embeddings=switch,
-                                                  input=SEQUENCE_LENGTH),
-        exporter=dict(aipc_plugins=_package_version(), openvino=openvino.__version__,
-                      transformers=transformers.__version__, torch=torch.__version__,
-                      target=target))
-    manifest.write(out)
-
-
-def _save_tokenizers(src: Path, out: Path, auto_tokenizer) -> dict[str, str]:
-    """Saves the HF tokenizer and, when openvino_tokenizers converts it, the OpenVINO
-    tokenizer/detokenizer pair (``openvino_tokenizer.xml``, ``openvino_detokenizer.xml``)."""
-    info: dict[str, str] = {}
-    try:
-        tok = auto_tokenizer.from_pretrained(src)
-    except (OSError, ValueError) as e:
-        logger.warning("no tokenizer saved: %s", e)
-        return {"hf": "missing"}
-    tok.save_pretrained(out)
-    info["hf"] = "saved"
-    try:
-        import openvino as ov
-        from openvino_tokenizers import convert_tokenizer
-
-        ov_tok, ov_detok = convert_tokenizer(tok, with_detokenizer=True)
-        ov.save_model(ov_tok, out / "openvino_tokenizer.xml")
-        ov.save_model(ov_detok, out / "openvino_detokenizer.xml")
-        info["openvino"] = "openvino_tokenizer.xml"
-        info["openvino_detokenizer"] = "openvino_detokenizer.xml"
-    except Exception as e:  # noqa: BLE001 - the model is usable without them; say why they are absent
-        logger.warning("OpenVINO tokenizer not converted (%s: %s)", type(e).__name__, e)
-        info["openvino"] = f"not converted: {type(e).__name__}"
-    return info
 
 
 def copy_export(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

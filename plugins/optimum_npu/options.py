@@ -5,7 +5,7 @@
 that ``export_npu=True`` accepts. All are checked by
 :func:`aipc_kernels.config_schema.parse` (exact types, choices, ranges; errors name the keyword);
 rules that tie several keywords together stay with the code that applies them
-(``export.validate_shape_args``, ``export.WeightCompression``). Importing this module is cheap.
+(``export.validate_shape_args``, ``compression.WeightCompression``). Importing this module is cheap.
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ import torch
 from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
 from aipc_kernels.config_schema import parse
 from aipc_kernels.formats import FORMAT_NAME, LowBitWeight, pack_codes, save_lowbit
+from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.quantizers import quantize_weight
 
@@ -49,25 +49,6 @@ def quantize_rows(
 
 
 # ---------------------------------------------------------------------- reading a checkpoint
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        return [model_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors files; convert .bin checkpoints with transformers first")
-    return files
-
-
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
 
 
 def _linear_names(config: dict[str, Any], skip: tuple[str, ...]) -> set[str]:
@@ -170,7 +151,7 @@ def _bitnet_weight(name: str, packed: torch.Tensor, weight_scale: torch.Tensor, 
 def _copy_side_files(src: Path, out: Path) -> None:
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt")) and f.name not in (
-            "model.safetensors.index.json", "config.json", "aipc_tiny_model.json", RECORD_NAME,
+            INDEX_NAME, "config.json", "aipc_tiny_model.json", RECORD_NAME,
         ):  # fmt: skip
             shutil.copy2(f, out / f.name)
 
@@ -197,10 +178,7 @@ def convert_checkpoint(
                                act_group=act_group, modules_to_not_convert=modules_to_not_convert or []),
           API_NAMING)  # fmt: skip
     src, out = Path(model_dir), Path(out_dir)
-    cfg_path = src / "config.json"
-    if not cfg_path.exists():
-        raise ValueError(f"{src} has no config.json; pass a Hugging Face model directory")
-    config = json.loads(cfg_path.read_text())
+    config = read_config(src)
     qcfg = config.get("quantization_config")
     source = None
     if qcfg is not None:
@@ -225,17 +203,17 @@ def convert_checkpoint(
             )
     skip = tuple(DEFAULT_SKIP) + tuple(modules_to_not_convert or ())
     linears = _linear_names(config, skip)
-    files = _weight_files(src)
+    checkpoint = HFCheckpoint(src)
 
     with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
-        n_quant = _write_checkpoint(part, src, config, files, linears, source, codebook, group_size,
+        n_quant = _write_checkpoint(part, checkpoint, config, linears, source, codebook, group_size,
                                     quantizer, scale_dtype, modules_to_not_convert, act_group, progress)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
     return out
 
 
 def _write_checkpoint(
-    out: Path, src: Path, config: dict[str, Any], files: list[Path], linears: set[str], source: Optional[str],
+    out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str], source: Optional[str],
     codebook: str, group_size: int, quantizer: str, scale_dtype: str,
     modules_to_not_convert: Optional[list[str]], act_group: int, progress: bool,
 ) -> int:
@@ -243,17 +221,11 @@ def _write_checkpoint(
     without it is never taken for a model); returns the number of quantized linears."""
     sdtype = SCALE_DTYPES[scale_dtype]
     writer = _ShardWriter(out)
-    from safetensors import safe_open
-
-    names = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            names += list(st.keys())
-    bar = _progress(len(names), f"lowbit2 {codebook} g{group_size}") if progress else None
+    bar = _progress(len(checkpoint), f"lowbit2 {codebook} g{group_size}") if progress else None
     pending_scale: dict[str, torch.Tensor] = {}
     pending_packed: dict[str, torch.Tensor] = {}
     n_quant = 0
-    for name, t in _iter_tensors(files):
+    for name, t in checkpoint.tensors():
         prefix, _, leaf = name.rpartition(".")
         if source == "bitnet" and prefix in linears and leaf in ("weight", "weight_scale"):
             (pending_packed if leaf == "weight" else pending_scale)[prefix] = t
@@ -280,10 +252,12 @@ def _write_checkpoint(
     if leftover:
         raise ValueError(f"BitNet checkpoint: {leftover[0]} lacks its weight or weight_scale tensor")
     if n_quant == 0:
-        raise ValueError(f"{src}: no linear weight was found to quantize (linear modules: {sorted(linears)[:5]}...)")
+        raise ValueError(
+            f"{checkpoint.directory}: no linear weight was found to quantize (linear modules: {sorted(linears)[:5]}...)"
+        )
     writer.close()
 
-    _copy_side_files(src, out)
+    _copy_side_files(checkpoint.directory, out)
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
         modules_to_not_convert=list(modules_to_not_convert or []), source=source,

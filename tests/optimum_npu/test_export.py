@@ -148,10 +148,10 @@ def test_streamed_vocab_quantization_equals_nncf(mode, source_model, monkeypatch
     import openvino.opset13 as ops
 
     from optimum_npu import vocab
-    from optimum_npu.chunks import CheckpointReader
+    from aipc_kernels.hf_checkpoint import HFCheckpoint
 
     monkeypatch.setattr(vocab, "ROWS", 100)  # the tiny vocabulary spans several blocks
-    reader = CheckpointReader(source_model("llama"))
+    reader = HFCheckpoint(source_model("llama"))
     table = reader.get("model.embed_tokens.weight")
     shape = tuple(table.shape)
     int4 = mode.startswith("int4")
