@@ -22,7 +22,8 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from aipc_kernels.segment_attention import SUPPORTED_DTYPES, max_group
+from aipc_kernels.segment_attention import max_group
+from aipc_kernels.segment_contract import SUPPORTED_DTYPES
 
 DEFAULT_RESPONSE_STEP = 16
 _PENDING = threading.local()  # the layer whose update() ran last on this thread, for the attention function
