@@ -29,7 +29,8 @@ import torch
 FORMAT_NAME = "lowbit2"
 FORMAT_VERSION = 1
 GROUP_SIZES = (32, 64, 128)  # or -1: one group per row
-SCALE_DTYPES = (torch.float16, torch.bfloat16)
+#: storage dtypes of scales (and zeros), by the name configs and checkpoints use
+SCALE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class LowBitWeight:
                 raise ValueError(f"{tname} has shape {tuple(t.shape)}, expected {shape} (N={N}, K={K}, group={G})")
             if dtype is not None and t.dtype != dtype:
                 raise ValueError(f"{tname} has dtype {t.dtype}, expected {dtype}")
-        if self.scales.dtype not in SCALE_DTYPES:
+        if self.scales.dtype not in SCALE_DTYPES.values():
             raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use float16 or bfloat16")
 
     def codes(self) -> torch.Tensor:

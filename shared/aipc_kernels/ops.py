@@ -100,10 +100,10 @@ def check_operands(
             f"K={x.shape[-1]} and out_features={out_features}: expected torch.uint8 {plan.qweight_shape} ({layout}, "
             f"{plan.bits}-bit codebook {codebook!r})"
         )
-    if scales.dtype not in SCALE_DTYPES or scales.shape != plan.group_shape:
+    if scales.dtype not in SCALE_DTYPES.values() or scales.shape != plan.group_shape:
         raise ValueError(
             f"lowbit_linear: scales of shape {tuple(scales.shape)} and dtype {scales.dtype}: expected {plan.group_shape} "
-            f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {SCALE_DTYPES}"
+            f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {tuple(SCALE_DTYPES.values())}"
         )
     if plan.per_group_zeros:
         if zeros is None or zeros.dtype != scales.dtype or zeros.shape != plan.group_shape:
