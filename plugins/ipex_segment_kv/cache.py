@@ -197,9 +197,6 @@ class SegmentKVCache(Cache):
         """Bytes of K/V allocated now (both segments, all layers; capacity, not only the filled part)."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
-    def path_bytes(self) -> int:
-        return 0 if self.path is None else self.path.numel() * self.path.element_size()
-
     def _capacity_for(self, needed: int) -> int:
         step = self.response_step
         planned = self.max_new_tokens

@@ -17,6 +17,16 @@ binary    1     {-1, +1} (cmul = 2)                  1
 ========  ====  ==================================  =============================
 
 Device layouts (``aipc_kernels.packing``) are derived from this one and never stored.
+
+Whole-row groups and per-token activations have one representation below the configs. A group size
+of ``-1`` ("one group per row") exists only in configs (``quantization_config.group_size``) and may
+appear in file metadata; :func:`resolve_group_size` turns it into ``K`` (and
+:meth:`LowBitWeight.from_state_dict` for metadata), and everything below holds ``K``:
+:attr:`LowBitWeight.group_size`, the packed layouts, the op's ``group_size`` and the kernels (a
+tuning-cache key may print it as ``row``). ``act_group`` is ``0`` (one int8 activation scale per
+token) in configs and in the op; the operand plan
+(:func:`aipc_kernels.lowbit_contract.operand_plan`, ``act_span``) is the one place that turns it
+into ``K``, for the native kernel.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .segment_contract import SegmentDims, additive_mask, check_args, reference_segment_sdpa
+from .segment_contract import SegmentDims, additive_mask, check_args, kernel_mask, reference_segment_sdpa
 
 # Rows (beams or samples) sharing one prompt that each backend handles; the cache checks it early.
 MAX_GROUP = {"native": 256, "reference": 1 << 30, "triton": 64}
@@ -98,11 +98,8 @@ def native_segment_sdpa(
     path = path.contiguous()
     m_ptr, ms = None, (0, 0, 0)
     if attn_mask is not None:
-        mask = additive_mask(attn_mask).expand(d.N, attn_mask.shape[1], d.Lq, d.L)
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
+        mask, ms = kernel_mask(attn_mask, d)
         m_ptr = mask.data_ptr()
-        ms = (mask.stride(0), mask.stride(1) if mask.shape[1] == d.Hq else 0, mask.stride(2))
     if out is None:
         out = torch.empty(d.N, d.Lq, d.Hq, d.D, dtype=torch.float32)
     elif out.shape != (d.N, d.Lq, d.Hq, d.D) or out.dtype != torch.float32 or not out.is_contiguous():

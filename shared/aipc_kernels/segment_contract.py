@@ -110,6 +110,15 @@ def additive_mask(attn_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return attn_mask.to(dtype)
 
 
+def kernel_mask(attn_mask: torch.Tensor, d: SegmentDims) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``attn_mask`` as the kernels read it: additive float32 ``[N, Hq|1, Lq, Np + Nr]``, unit stride over
+    positions, and its (row, head, query) element strides (head stride 0 when it broadcasts over heads)."""
+    mask = additive_mask(attn_mask).expand(d.N, attn_mask.shape[1], d.Lq, d.L)
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    return mask, (mask.stride(0), mask.stride(1) if mask.shape[1] == d.Hq else 0, mask.stride(2))
+
+
 def gather_segments(
     prompt: torch.Tensor, response: torch.Tensor, path: torch.Tensor, rows_per_prompt: int
 ) -> torch.Tensor:

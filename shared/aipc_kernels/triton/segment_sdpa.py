@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..segment_contract import additive_mask, check_args
+from ..segment_contract import check_args, kernel_mask
 
 MAX_TILE_ROWS = 128  # E * G * Lq rows per KV head that one program holds
 
@@ -214,10 +214,7 @@ def segment_sdpa(
         path = torch.zeros(1, dtype=torch.int32, device=dev)
     mask, ms = query.new_zeros(1, dtype=torch.float32), (0, 0, 0)
     if attn_mask is not None:
-        mask = additive_mask(attn_mask).expand(d.N, attn_mask.shape[1], d.Lq, d.L)
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
-        ms = (mask.stride(0), mask.stride(1) if mask.shape[1] == d.Hq else 0, mask.stride(2))
+        mask, ms = kernel_mask(attn_mask, d)
     BLOCK_R = max(16, triton.next_power_of_2(R))
     BLOCK_D = max(16, triton.next_power_of_2(d.D))
     units = d.B * d.Hkv
