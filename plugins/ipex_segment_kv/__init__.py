@@ -8,15 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["register", "optimize", "undo", "SegmentKVCache"]
-
-
-def register() -> bool:
-    """Discovery hook (``aipc_plugins`` entry point). Registers the ``segment_kv`` attention with
-    transformers (``ipex_segment_kv.integration``) once it exists; returns whether it did."""
-    from aipc_kernels.plugin_hooks import import_integration
-
-    return import_integration(__name__, "integration")
+__all__ = ["optimize", "undo", "SegmentKVCache"]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,8 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from aipc_kernels.segment_attention import SUPPORTED_DTYPES, max_group
+from aipc_kernels.segment_attention import max_group
+from aipc_kernels.segment_contract import SUPPORTED_DTYPES
 
 DEFAULT_RESPONSE_STEP = 16
 _PENDING = threading.local()  # the layer whose update() ran last on this thread, for the attention function
@@ -195,9 +196,6 @@ class SegmentKVCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes of K/V allocated now (both segments, all layers; capacity, not only the filled part)."""
         return sum(layer.kv_bytes() for layer in self.layers)
-
-    def path_bytes(self) -> int:
-        return 0 if self.path is None else self.path.numel() * self.path.element_size()
 
     def _capacity_for(self, needed: int) -> int:
         step = self.response_step

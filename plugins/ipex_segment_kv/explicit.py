@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from aipc_kernels.config_schema import Naming, option, parse
-from aipc_kernels.segment_attention import SUPPORTED_DTYPES
+from aipc_kernels.segment_contract import SUPPORTED_DTYPES
 
 from .cache import DEFAULT_RESPONSE_STEP
 from .hook import install

@@ -2,8 +2,7 @@
 
 Called by ``aipc_kernels._autoload`` right after ``transformers.modeling_utils`` finishes importing
 (so ``AutoModelForCausalLM.from_pretrained(path, attn_implementation="segment_kv")`` works with no
-import of this package), by ``ipex_segment_kv.integration`` (the ``aipc_plugins`` entry point) and by
-``ipex_segment_kv.optimize``. Idempotent.
+import of this package) and by ``ipex_segment_kv.optimize``. Idempotent.
 """
 from __future__ import annotations
 

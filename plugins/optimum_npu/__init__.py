@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OVNPUModelForCausalLM", "export_npu_model", "check_npu_ready", "NPUReadinessError",
-           "register"]
+__all__ = ["OVNPUModelForCausalLM", "export_npu_model", "check_npu_ready", "NPUReadinessError"]
 
 _LAZY = {
     "OVNPUModelForCausalLM": "optimum_npu.modeling",
@@ -26,11 +25,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'optimum_npu' has no attribute {name!r}")
-
-
-def register() -> bool:
-    """Discovery hook (``aipc_plugins`` entry point). Activates the Optimum-Intel integration
-    (``optimum_npu.integration``) once it exists; returns whether anything was activated."""
-    from aipc_kernels.plugin_hooks import import_integration
-
-    return import_integration(__name__, "integration")

@@ -1,8 +1,8 @@
 """Post-import hook: teaches ``OVModelForCausalLM.from_pretrained`` the ``export_npu=True`` path.
 
 Called by ``aipc_kernels._autoload`` right after ``optimum.intel.openvino.modeling_decoder`` is
-imported (or by ``optimum_npu.integration``). optimum-intel drops unknown keyword arguments
-silently, so without this hook ``export_npu=True`` would give a dynamic model without a word.
+imported. optimum-intel drops unknown keyword arguments silently, so without this hook
+``export_npu=True`` would give a dynamic model without a word.
 Importing this module imports nothing heavy; the exporter loads on first use.
 """
 from __future__ import annotations

@@ -20,32 +20,15 @@ import torch
 
 from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
 from aipc_kernels.config_schema import parse
-from aipc_kernels.formats import FORMAT_NAME, LowBitWeight, pack_codes, save_lowbit
+from aipc_kernels.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, pack_codes, save_lowbit
 from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.modules import DEFAULT_SKIP
-from aipc_kernels.quantizers import quantize_weight
+from aipc_kernels.quantizers import quantize_rows
 
-from .options import API_NAMING, SCALE_DTYPES, LowBit2Options, quantization_config_dict
+from .options import API_NAMING, LowBit2Options, quantization_config_dict
 
-QUANT_ROW_BLOCK = 4096  # rows quantized at once (bounds the quantizer's float32 temporaries)
 SHARD_BYTES = 2 << 30
 BITNET_VALUES_PER_BYTE = 4
-
-
-def quantize_rows(
-    w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype, name: str = "weight"
-) -> LowBitWeight:
-    """Quantizes ``w[N, K]`` with the shared quantizer ``method``, ``QUANT_ROW_BLOCK`` rows at a time.
-    Every group lies within one row, so the result equals quantizing the whole matrix at once."""
-    parts = [
-        quantize_weight(w[i : i + QUANT_ROW_BLOCK].float(), codebook, group_size, method=method, scale_dtype=scale_dtype)
-        for i in range(0, w.shape[0], QUANT_ROW_BLOCK)
-    ]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return LowBitWeight(
-        cat([p.qweight for p in parts]), cat([p.scales for p in parts]), cat([p.zeros for p in parts]),
-        codebook, parts[0].group_size, w.shape[1], name=name,
-    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- reading a checkpoint

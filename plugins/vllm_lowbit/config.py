@@ -37,11 +37,13 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from aipc_kernels.config_schema import to_dict
+from aipc_kernels.formats import SCALE_DTYPES
 from aipc_kernels.modules import DEFAULT_SKIP
 
 from . import PLUGIN_NAME
-from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, SCALE_DTYPES, QuantizationConfigOptions,
-                      parse_quantization_config, quantization_config_dict)  # fmt: skip
+from .linear_method import LowBit2LinearMethod, LowBit2LMHeadMethod, LowBit2OnlineLinearMethod
+from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, QuantizationConfigOptions, parse_quantization_config,
+                      quantization_config_dict)  # fmt: skip
 
 #: --hf-overrides keys that carry a quantization_config in a file or a JSON string
 OVERRIDE_FILE_KEYS = ("quantization_config_file", "quantization_config_dict_json")
@@ -179,15 +181,11 @@ class LowBit2Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         if isinstance(layer, ParallelLMHead) and self.quantize_lm_head:
-            from .linear_method import LowBit2LMHeadMethod
-
             return LowBit2LMHeadMethod(self)
         if not isinstance(layer, LinearBase):
             return None  # embeddings (and lm_head unless quantize_lm_head) stay in the model dtype
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
-        from .linear_method import LowBit2LinearMethod, LowBit2OnlineLinearMethod
-
         return LowBit2LinearMethod(self) if self.prequantized else LowBit2OnlineLinearMethod(self)
 
 

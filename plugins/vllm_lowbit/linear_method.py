@@ -12,10 +12,15 @@
 Both end in :func:`install_packed`: the canonical weight is repacked once into the layout of the
 device the layer lives on (``cpu_vnni16`` on CPU) and ``apply`` calls the op; the op's dispatch
 picks the kernel (native W2A8 on CPU).
+
+Each method is built by ``LowBit2Config.get_quant_method`` with that config (its ``codebook``,
+``group_size``, ``quantizer``, ``scale_dtype``, ``act_group``, ``packed_modules_mapping``); the
+dependency goes one way, as in vLLM's own quantization methods: ``config`` imports this module, never
+the reverse (the methods are typed with vLLM's ``QuantizationConfig``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from vllm.logger import init_logger
@@ -25,6 +30,7 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     register_weight_loader_v2_supported_method,
 )
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.parameter import (
@@ -37,11 +43,7 @@ import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.formats import LowBitWeight, get_codebook, resolve_group_size
 from aipc_kernels import packing
 from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
-
-from .checkpoint import quantize_rows
-
-if TYPE_CHECKING:
-    from .config import LowBit2Config
+from aipc_kernels.quantizers import quantize_rows
 
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 logger = init_logger(__name__)
@@ -56,7 +58,7 @@ def pack_for_device(w: LowBitWeight, device: torch.device) -> PackedLowBit:
     return pack_for_triton(w) if pack_for_triton is not None else as_canonical_packed(w)
 
 
-def effective_group_size(config: "LowBit2Config", layer: torch.nn.Module, k_part: int) -> int:
+def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_part: int) -> int:
     """The group size of this layer's partition, with an error naming the layer when it does not fit."""
     try:
         return resolve_group_size(config.group_size, k_part)
@@ -71,7 +73,7 @@ def effective_group_size(config: "LowBit2Config", layer: torch.nn.Module, k_part
 _warned_tp_act = False
 
 
-def check_partition(config: "LowBit2Config", layer: torch.nn.Module, k_part: int) -> int:
+def check_partition(config: QuantizationConfig, layer: torch.nn.Module, k_part: int) -> int:
     """Validates this rank's slice of a layer and returns its group size. Warns once when a
     row-parallel slice quantizes activations per token (act_group 0): its int8 scale then comes
     from the rank's own K slice, so TP>1 is not bit-identical to TP=1 (a multiple of group_size
@@ -150,7 +152,7 @@ def _checkpoint_rows(layer: torch.nn.Module, shard) -> int:
 class LowBit2LinearMethod(LinearMethodBase):
     """Pre-quantized ``lowbit2`` checkpoint -> device layout -> ``aipc::lowbit_linear``."""
 
-    def __init__(self, config: "LowBit2Config"):
+    def __init__(self, config: QuantizationConfig):
         self.config = config
         self.cb = get_codebook(config.codebook)
 
@@ -277,7 +279,7 @@ class LowBit2LinearMethod(LinearMethodBase):
 class LowBit2OnlineLinearMethod(OnlineLinearBase):
     """bf16/fp16 checkpoint -> quantized while loading, one layer at a time -> ``aipc::lowbit_linear``."""
 
-    def __init__(self, config: "LowBit2Config"):
+    def __init__(self, config: QuantizationConfig):
         super().__init__()
         self.config = config
 
@@ -320,7 +322,7 @@ class LowBit2LMHeadMethod(UnquantizedEmbeddingMethod):
     tied to the input embedding) as usual; a tied embedding keeps it for the token lookup, an untied
     head drops it after quantizing."""
 
-    def __init__(self, config: "LowBit2Config"):
+    def __init__(self, config: QuantizationConfig):
         self.config = config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -12,13 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 from aipc_kernels.config_schema import Naming, option, parse, to_dict
-from aipc_kernels.formats import CODEBOOKS, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES
+from aipc_kernels.formats import CODEBOOKS, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
 from aipc_kernels.quantizers import QUANTIZERS
-
-SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
 CONFIG_NAMING = Naming(f"{FORMAT_NAME} quantization_config", "json")
@@ -110,6 +106,6 @@ def quantization_config_dict(
 
 
 __all__ = [
-    "CHECKPOINT_KEYS", "ConverterOptions", "LowBit2Options", "QuantizationConfigOptions", "SCALE_DTYPES",
+    "CHECKPOINT_KEYS", "ConverterOptions", "LowBit2Options", "QuantizationConfigOptions",
     "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

@@ -17,6 +17,16 @@ binary    1     {-1, +1} (cmul = 2)                  1
 ========  ====  ==================================  =============================
 
 Device layouts (``aipc_kernels.packing``) are derived from this one and never stored.
+
+Whole-row groups and per-token activations have one representation below the configs. A group size
+of ``-1`` ("one group per row") exists only in configs (``quantization_config.group_size``) and may
+appear in file metadata; :func:`resolve_group_size` turns it into ``K`` (and
+:meth:`LowBitWeight.from_state_dict` for metadata), and everything below holds ``K``:
+:attr:`LowBitWeight.group_size`, the packed layouts, the op's ``group_size`` and the kernels (a
+tuning-cache key may print it as ``row``). ``act_group`` is ``0`` (one int8 activation scale per
+token) in configs and in the op; the operand plan
+(:func:`aipc_kernels.lowbit_contract.operand_plan`, ``act_span``) is the one place that turns it
+into ``K``, for the native kernel.
 """
 from __future__ import annotations
 
@@ -29,7 +39,8 @@ import torch
 FORMAT_NAME = "lowbit2"
 FORMAT_VERSION = 1
 GROUP_SIZES = (32, 64, 128)  # or -1: one group per row
-SCALE_DTYPES = (torch.float16, torch.bfloat16)
+#: storage dtypes of scales (and zeros), by the name configs and checkpoints use
+SCALE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ class LowBitWeight:
                 raise ValueError(f"{tname} has shape {tuple(t.shape)}, expected {shape} (N={N}, K={K}, group={G})")
             if dtype is not None and t.dtype != dtype:
                 raise ValueError(f"{tname} has dtype {t.dtype}, expected {dtype}")
-        if self.scales.dtype not in SCALE_DTYPES:
+        if self.scales.dtype not in SCALE_DTYPES.values():
             raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use float16 or bfloat16")
 
     def codes(self) -> torch.Tensor:

@@ -1,21 +1,18 @@
-"""What the plugins' entry-point hooks share: activating an integration module that may not exist yet."""
+"""What a framework's plugin hook needs: importing the module that registers the plugin, with every
+failure reported (vLLM's ``general_plugins`` hook ``vllm_lowbit.register`` uses it)."""
 from __future__ import annotations
 
 import importlib
 
 
 def import_integration(package: str, module: str) -> bool:
-    """Imports ``package.module`` (whose import performs the framework registration); returns False
-    when that module does not exist, and re-raises any other import error. A ``SystemExit`` (or other
-    ``BaseException`` but KeyboardInterrupt) raised by that import becomes a RuntimeError naming it, so
-    the framework calling the hook reports it instead of its process ending silently."""
+    """Imports ``package.module`` (whose import performs the framework registration) and returns True;
+    its import errors propagate. A ``SystemExit`` (or other ``BaseException`` but KeyboardInterrupt)
+    raised by that import becomes a RuntimeError naming it, so the framework calling the hook reports it
+    instead of its process ending silently."""
     name = f"{package}.{module}"
     try:
         importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        return False
     except (Exception, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001

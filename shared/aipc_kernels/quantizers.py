@@ -4,6 +4,7 @@
 * :func:`quantize_optimized` - fits scale (and zero) per group by alternating least squares: codes
   given the scale, then the least-squares scale (and zero) given the codes, starting from a grid of
   clipping ratios and keeping the best per group. Monotone in the group's squared error.
+* :func:`quantize_rows` - a named method over a large matrix, a block of rows at a time (bounded memory).
 * :func:`quantize_activations` - absmax int8 per token (or per K-group), the kernels' exact rounding.
 
 All are vectorised torch over every group at once; computation in float32.
@@ -17,6 +18,7 @@ import torch
 from .formats import Codebook, LowBitWeight, get_codebook, pack_codes, resolve_group_size
 
 QUANTIZERS = ("rtn", "optimized")
+QUANT_ROW_BLOCK = 4096  # rows quantized at once by quantize_rows (bounds the float32 temporaries)
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -150,6 +152,22 @@ def quantize_weight(
     if method == "optimized":
         return quantize_optimized(w, codebook, group_size, **kw)
     raise ValueError(f"method={method!r} is unknown; use one of {QUANTIZERS}")
+
+
+def quantize_rows(
+    w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype, name: str = "weight"
+) -> LowBitWeight:
+    """Quantizes ``w[N, K]`` with the quantizer ``method``, ``QUANT_ROW_BLOCK`` rows at a time.
+    Every group lies within one row, so the result equals quantizing the whole matrix at once."""
+    parts = [
+        quantize_weight(w[i : i + QUANT_ROW_BLOCK].float(), codebook, group_size, method=method, scale_dtype=scale_dtype)
+        for i in range(0, w.shape[0], QUANT_ROW_BLOCK)
+    ]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return LowBitWeight(
+        cat([p.qweight for p in parts]), cat([p.scales for p in parts]), cat([p.zeros for p in parts]),
+        codebook, parts[0].group_size, w.shape[1], name=name,
+    )  # fmt: skip
 
 
 def quantize_activations(x: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Triton segment-KV attention (CUDA, Intel XPU; ``TRITON_INTERPRET=1`` on CPU for tests).
 
-Same contract as :func:`aipc_kernels.segment_attention.reference_segment_sdpa`. One program per
+Same contract as :func:`aipc_kernels.segment_contract.reference_segment_sdpa`. One program per
 (batch entry, KV head, split of the positions): it loads the queries of all ``E`` beams x ``G`` heads x
 ``Lq`` queries of that KV head as one tile, reads each prompt K/V block once for the whole tile
 (``tl.dot``), then each beam's response rows through the path table, with one online softmax over
@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ..segment_contract import check_args, kernel_mask
 
 MAX_TILE_ROWS = 128  # E * G * Lq rows per KV head that one program holds
 
@@ -193,8 +195,6 @@ def segment_sdpa(
 ) -> torch.Tensor:
     """Triton segment attention ``[N, Lq, Hq, D]`` in the query's dtype (see the module docstring).
     ``out_poison`` fills every intermediate and the output with NaN first (tests)."""
-    from ..segment_attention import additive_mask, check_args
-
     d = check_args(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask)
     R = d.E * (d.Hq // d.Hkv) * d.Lq
     if R > MAX_TILE_ROWS:
@@ -214,10 +214,7 @@ def segment_sdpa(
         path = torch.zeros(1, dtype=torch.int32, device=dev)
     mask, ms = query.new_zeros(1, dtype=torch.float32), (0, 0, 0)
     if attn_mask is not None:
-        mask = additive_mask(attn_mask).expand(d.N, attn_mask.shape[1], d.Lq, d.L)
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
-        ms = (mask.stride(0), mask.stride(1) if mask.shape[1] == d.Hq else 0, mask.stride(2))
+        mask, ms = kernel_mask(attn_mask, d)
     BLOCK_R = max(16, triton.next_power_of_2(R))
     BLOCK_D = max(16, triton.next_power_of_2(d.D))
     units = d.B * d.Hkv

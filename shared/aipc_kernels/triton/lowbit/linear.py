@@ -5,15 +5,14 @@ from typing import Optional
 
 import torch
 
+from ...lowbit_contract import check_operands
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from .registry import batch_invariant, invariant_config, launch
 from .tuning import select_config
 
 
 def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int) -> None:
-    """The Triton kernels' own limits, then every operand against the others (``ops.check_operands``)."""
-    from ...ops import check_operands  # the op's module imports this one lazily
-
+    """The Triton kernels' own limits, then every operand against the others (``lowbit_contract.check_operands``)."""
     if weight.layout != TRITON_LAYOUT:
         raise ValueError(
             f"weight.layout={weight.layout!r}: the Triton kernels need {TRITON_LAYOUT!r}; "

@@ -1,0 +1,120 @@
+"""The operand contract of ``aipc::lowbit_linear`` that every backend checks first: the shapes and
+dtypes its tensors must have for its scalar arguments (:func:`operand_plan`) and the check of every
+operand against the others (:func:`check_operands`). Registers nothing, imports no backend; the op
+(:mod:`aipc_kernels.ops`) and the Triton kernels both import it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from .formats import CODEBOOKS, GROUP_SIZES, SCALE_DTYPES
+from .packing import LAYOUTS, packed_shapes
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x (and y) dtypes of every path
+
+
+@dataclass(frozen=True, slots=True)
+class OperandPlan:
+    """What the tensors of a ``lowbit_linear`` call must be, derived from its scalar arguments."""
+
+    bits: int
+    cmul: float
+    zero: float  # the code book's fixed zero point; NaN when zero points are stored per group (zeros)
+    per_group_zeros: bool
+    qweight_shape: tuple[int, ...]
+    group_shape: tuple[int, ...]  # scales (and zeros)
+    act_span: int  # activation-scale span for the native kernel: act_group, or K for per-token scales
+
+
+@lru_cache(maxsize=512)
+def operand_plan(layout: str, codebook: str, group_size: int, out_features: int, K: int, act_group: int) -> OperandPlan:
+    """Validates the scalar arguments against x's ``K`` (ValueError naming the argument) and returns the
+    shapes the tensors must have. Cached: a model has a handful of distinct (layout, shape) keys."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"lowbit_linear: layout={layout!r} is unknown; use one of {LAYOUTS}")
+    cb = CODEBOOKS.get(codebook)
+    if cb is None:
+        raise ValueError(f"lowbit_linear: codebook={codebook!r} is unknown; use one of {sorted(CODEBOOKS)}")
+    if out_features < 1:
+        raise ValueError(f"lowbit_linear: out_features={out_features} must be positive")
+    if K < 32 or K % 32:
+        raise ValueError(f"lowbit_linear: x has K={K} features (last dim); low-bit weights need a positive multiple of 32")
+    G = group_size
+    if not (G == K or G in GROUP_SIZES) or K % G:
+        raise ValueError(
+            f"lowbit_linear: group_size={G} must be one of {GROUP_SIZES} dividing x's K={K}, or K itself (one "
+            f"group per row)"
+        )
+    if act_group < 0 or (act_group and (act_group % G or K % act_group)):
+        raise ValueError(
+            f"lowbit_linear: act_group={act_group} must be 0 (per-token activation scales) or a multiple of "
+            f"group_size={G} that divides x's K={K}"
+        )
+    qshape, gshape = packed_shapes(layout, cb.bits, out_features, K, G)
+    zero = math.nan if cb.zero is None else float(cb.zero)
+    return OperandPlan(cb.bits, float(cb.cmul), zero, cb.zero is None, qshape, gshape, act_group or K)
+
+
+def check_operands(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    layout: str,
+    codebook: str,
+    group_size: int,
+    out_features: int,
+    act_group: int,
+    check_devices: bool = True,
+) -> OperandPlan:
+    """Validates every operand of ``aipc::lowbit_linear`` against the others before any kernel runs: x's
+    dtype and K, qweight's dtype and full shape for the layout, scales/zeros shape and dtype (zeros exactly
+    when the code book stores per-group zero points), bias, group_size, act_group and devices. Raises a
+    ValueError naming the operand and what was expected. Cheap (the decode hot path runs it each call):
+    a cached plan and a few shape/dtype comparisons. Strided operands are allowed (each path makes them dense).
+    ``check_devices=False``: for the CPU kernel, which the dispatcher calls only when every tensor is on the CPU."""
+    if x.dim() == 0 or x.dtype not in NATIVE_DTYPES:
+        raise ValueError(
+            f"lowbit_linear: x has dtype {x.dtype} and shape {tuple(x.shape)}; expected [..., K] in one of {NATIVE_DTYPES}"
+        )
+    plan = operand_plan(layout, codebook, group_size, out_features, x.shape[-1], act_group)
+    if qweight.dtype != torch.uint8 or qweight.shape != plan.qweight_shape:
+        raise ValueError(
+            f"lowbit_linear: qweight of shape {tuple(qweight.shape)} and dtype {qweight.dtype} does not match x's "
+            f"K={x.shape[-1]} and out_features={out_features}: expected torch.uint8 {plan.qweight_shape} ({layout}, "
+            f"{plan.bits}-bit codebook {codebook!r})"
+        )
+    if scales.dtype not in SCALE_DTYPES.values() or scales.shape != plan.group_shape:
+        raise ValueError(
+            f"lowbit_linear: scales of shape {tuple(scales.shape)} and dtype {scales.dtype}: expected {plan.group_shape} "
+            f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {tuple(SCALE_DTYPES.values())}"
+        )
+    if plan.per_group_zeros:
+        if zeros is None or zeros.dtype != scales.dtype or zeros.shape != plan.group_shape:
+            got = "None" if zeros is None else f"{zeros.dtype} {tuple(zeros.shape)}"
+            raise ValueError(
+                f"lowbit_linear: zeros is {got}; codebook {codebook!r} stores a zero point per group: expected "
+                f"{scales.dtype} {plan.group_shape} like scales"
+            )
+    elif zeros is not None:
+        raise ValueError(
+            f"lowbit_linear: zeros given for codebook {codebook!r}, whose zero point is fixed ({plan.zero}); pass None"
+        )
+    if bias is not None and (not bias.dtype.is_floating_point or bias.shape != (out_features,)):
+        raise ValueError(
+            f"lowbit_linear: bias of shape {tuple(bias.shape)} and dtype {bias.dtype}: expected a floating "
+            f"[out_features={out_features}] vector"
+        )
+    if not check_devices:
+        return plan
+    device = x.device
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"lowbit_linear: {name} is on {t.device} but x is on {device}; move them to one device")
+    return plan
