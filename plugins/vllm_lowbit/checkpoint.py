@@ -5,9 +5,13 @@ every ``nn.Linear`` weight of the model (except ``lm_head``, embeddings and
 ``modules_to_not_convert``) with the shared quantizers, and writes ``X.qweight``/``X.scales``
 (/``X.zeros``) in the canonical ``lowbit2`` format (:mod:`aipc_kernels.formats`) beside the
 untouched tensors, plus ``quantization_config`` in config.json, so that ``vllm serve OUT`` loads it
-without flags. A BitNet b1.58 checkpoint (transformers' ``quant_method: bitnet``, packed ternary
-``bitlinear`` weights with a per-tensor ``weight_scale``) is imported losslessly into the
-``ternary`` code book; any other quantized checkpoint is refused.
+without flags. A BitNet b1.58 checkpoint (transformers' ``quant_method: bitnet``: packed ternary
+``bitlinear`` or ``autobitlinear`` weights with a per-tensor ``weight_scale``, or bf16 masters) is
+imported into the ``ternary`` code book with the reader the server uses
+(:mod:`aipc_kernels.bitnet_format`): the ternary codes exactly, each tensor's scale rounded once to
+the scale dtype; any other quantized checkpoint is refused. ``vllm serve`` also serves BitNet
+checkpoints as they are (the ``bitnet`` method of :mod:`vllm_lowbit.bitnet`): converting them is
+only needed to store them in the ``lowbit2`` layout.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import torch
 
 from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
 from aipc_kernels.config_schema import parse
-from aipc_kernels.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, pack_codes, save_lowbit
+from aipc_kernels import bitnet_format as bf
+from aipc_kernels.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, save_lowbit
 from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.quantizers import quantize_rows
@@ -28,7 +33,6 @@ from aipc_kernels.quantizers import quantize_rows
 from .options import API_NAMING, LowBit2Options, quantization_config_dict
 
 SHARD_BYTES = 2 << 30
-BITNET_VALUES_PER_BYTE = 4
 
 
 # ---------------------------------------------------------------------- reading a checkpoint
@@ -101,31 +105,27 @@ class _ShardWriter:
 # ---------------------------------------------------------------------- BitNet import
 
 
-def unpack_bitnet(packed: torch.Tensor) -> torch.Tensor:
-    """BitNet b1.58 packed ternary weights (transformers' ``bitlinear`` layout: uint8 ``[N/4, K]``,
-    value ``i`` of row block ``i`` in bits ``2i..2i+1``, stored as ``v + 1``) -> codes ``v + 1`` ``[N, K]``."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise ValueError(f"BitNet packed weight must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    shifts = torch.arange(BITNET_VALUES_PER_BYTE, dtype=torch.uint8) * 2
-    codes = (packed.unsqueeze(0) >> shifts.view(-1, 1, 1)) & 3  # [4, N/4, K]: block i holds rows i*N/4...
-    return codes.reshape(-1, packed.shape[1])
+def _bitnet_spec(src: Path, qcfg: dict[str, Any], codebook: str) -> bf.BitNetQuantization:
+    """The BitNet family of ``src`` (every family imports: packed ``bitlinear`` and ``autobitlinear``,
+    and the bf16 masters), checked before any work."""
+    spec, _ = bf.parse_quantization_config(qcfg)
+    if codebook != "ternary":
+        raise ValueError(f"{src} is a BitNet b1.58 (ternary) checkpoint: pass codebook='ternary' (--codebook ternary)")
+    return spec
 
 
-def _bitnet_weight(name: str, packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-                   scale_dtype: torch.dtype) -> LowBitWeight:  # fmt: skip
-    """One BitNet linear -> ``ternary`` lowbit2: ``W = (c - 1) / weight_scale`` exactly in the codes,
-    the scale ``1 / weight_scale`` rounded once to ``scale_dtype``."""
-    codes = unpack_bitnet(packed)
-    if (codes > 2).any():
-        raise ValueError(f"BitNet tensor {name}.weight holds the code 3, which is not ternary; the checkpoint is corrupt")
-    if weight_scale.numel() != 1:
-        raise ValueError(f"BitNet tensor {name}.weight_scale has {weight_scale.numel()} elements; expected one per tensor")
-    N, K = codes.shape
-    G = K if group_size == -1 else group_size
-    if K % G:
-        raise ValueError(f"group_size={group_size} does not divide in_features K={K} of {name}; pick one that does, or -1")
-    scale = (1.0 / weight_scale.double()).to(scale_dtype)
-    return LowBitWeight(pack_codes(codes, 2), scale.expand(N, K // G).contiguous(), None, "ternary", G, K, name=name)
+def _bitnet_weight(spec: bf.BitNetQuantization, name: str, tensors: dict[str, torch.Tensor], group_size: int,
+                   scale_dtype: torch.dtype) -> tuple[LowBitWeight, torch.Tensor]:  # fmt: skip
+    """One BitNet linear -> (its ``ternary`` lowbit2 weight, the source's own float weight): codes
+    exact, the value of a 1 rounded once to ``scale_dtype``."""
+    if spec.packed:
+        values = bf.unpack_ternary(tensors["weight"], f"{name}.weight")
+        one = bf.packed_scale(tensors["weight_scale"], spec.linear_class, f"{name}.weight_scale")
+    else:
+        values, one = bf.ternarize(tensors["weight"], bf.absmean_multiplier(tensors["weight"]))
+    row_one = torch.full((values.shape[0],), one, dtype=torch.float32)
+    w = bf.ternary_weight(values, row_one, name, scale_dtype, group_size)
+    return w, values.double() * one
 
 
 # ---------------------------------------------------------------------- conversion
@@ -149,91 +149,104 @@ def convert_checkpoint(
     modules_to_not_convert: Optional[list[str]] = None,
     act_group: int = 0,
     progress: bool = True,
+    verify: bool = False,
     log: Callable[[str], None] = print,
 ) -> Path:
     """Writes the ``lowbit2`` checkpoint of ``model_dir`` to ``out_dir`` and returns ``out_dir``.
 
     Unquantized checkpoints are quantized with ``quantizer`` (``optimized`` or ``rtn``); a BitNet
-    b1.58 checkpoint is imported into the ``ternary`` code book (``codebook`` must then be
-    ``ternary``); any other ``quantization_config`` is refused. ``act_group`` is recorded for the
-    server (0: one int8 activation scale per token; else per that many K)."""
+    b1.58 checkpoint (packed ``bitlinear`` or ``autobitlinear``, or bf16 masters) is imported into
+    the ``ternary`` code book (``codebook`` must then be ``ternary``): codes exact, each tensor's
+    scale rounded once to ``scale_dtype``; any other ``quantization_config`` is refused.
+    ``act_group`` is recorded for the server (0: one int8 activation scale per token; else per that
+    many K). ``verify``: logs the largest reconstruction error against the source's own weights."""
     parse(LowBit2Options, dict(codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
                                act_group=act_group, modules_to_not_convert=modules_to_not_convert or []),
           API_NAMING)  # fmt: skip
     src, out = Path(model_dir), Path(out_dir)
     config = read_config(src)
     qcfg = config.get("quantization_config")
-    source = None
+    bitnet = None
     if qcfg is not None:
         method = qcfg.get("quant_method")
-        if method == "bitnet":
-            if qcfg.get("linear_class", "bitlinear") != "bitlinear" or qcfg.get("use_rms_norm", False):
-                raise ValueError(
-                    f"{src}: BitNet checkpoint with linear_class={qcfg.get('linear_class')!r}, "
-                    f"use_rms_norm={qcfg.get('use_rms_norm', False)} cannot be imported; only packed ternary "
-                    f"'bitlinear' weights without a per-linear RMSNorm map onto lowbit2"
-                )
-            if codebook != "ternary":
-                raise ValueError(f"{src} is a BitNet b1.58 (ternary) checkpoint: pass codebook='ternary' (--codebook ternary)")
-            source = "bitnet"
+        if method == bf.QUANT_METHOD:
+            bitnet = _bitnet_spec(src, qcfg, codebook)
         elif method == FORMAT_NAME:
             raise ValueError(f"{src} is already a {FORMAT_NAME} checkpoint; serve it directly")
         else:
             raise ValueError(
                 f"{src}: quantization_config.quant_method={method!r} cannot be converted to {FORMAT_NAME}; "
                 f"supported inputs are unquantized (bf16/fp16/fp32) checkpoints and BitNet b1.58 ('bitnet') "
-                f"packed ternary checkpoints"
+                f"checkpoints"
             )
     skip = tuple(DEFAULT_SKIP) + tuple(modules_to_not_convert or ())
     linears = _linear_names(config, skip)
+    kept = list(modules_to_not_convert or [])
+    if bitnet is not None:  # the BitNet checkpoint's own float linears stay float
+        float_linears = sorted(n for n in linears if bf.not_converted(n, bitnet.skipped))
+        linears -= set(float_linears)
+        kept += float_linears
     checkpoint = HFCheckpoint(src)
 
     with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
-        n_quant = _write_checkpoint(part, checkpoint, config, linears, source, codebook, group_size,
-                                    quantizer, scale_dtype, modules_to_not_convert, act_group, progress)
+        n_quant, worst = _write_checkpoint(part, checkpoint, config, linears, bitnet, codebook, group_size,
+                                           quantizer, scale_dtype, kept, act_group, progress, verify)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    if worst is not None:
+        log(f"verify: largest reconstruction error max|W - Wq| / max|W| = {worst[0]:.3g} ({worst[1]})")
     return out
 
 
 def _write_checkpoint(
-    out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str], source: Optional[str],
-    codebook: str, group_size: int, quantizer: str, scale_dtype: str,
-    modules_to_not_convert: Optional[list[str]], act_group: int, progress: bool,
-) -> int:
+    out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str],
+    bitnet: Optional[bf.BitNetQuantization], codebook: str, group_size: int, quantizer: str, scale_dtype: str,
+    modules_to_not_convert: list[str], act_group: int, progress: bool, verify: bool,
+) -> tuple[int, Optional[tuple[float, str]]]:
     """Writes the checkpoint into the staging directory ``out``, config.json last (a directory
-    without it is never taken for a model); returns the number of quantized linears."""
+    without it is never taken for a model); returns the number of quantized linears and, with
+    ``verify``, the largest relative reconstruction error and its layer."""
     sdtype = SCALE_DTYPES[scale_dtype]
     writer = _ShardWriter(out)
     bar = _progress(len(checkpoint), f"lowbit2 {codebook} g{group_size}") if progress else None
-    pending_scale: dict[str, torch.Tensor] = {}
-    pending_packed: dict[str, torch.Tensor] = {}
+    bitnet_leaves = () if bitnet is None else ("weight", "weight_scale") if bitnet.packed else ("weight",)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    worst: Optional[tuple[float, str]] = (0.0, "") if verify else None
     n_quant = 0
+
+    def add(prefix: str, w: LowBitWeight, source_weight: torch.Tensor) -> None:
+        nonlocal n_quant, worst
+        writer.add_lowbit(prefix, w)
+        n_quant += 1
+        if worst is not None:
+            ref = source_weight.double()
+            err = float((w.dequantize().double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+            worst = max(worst, (err, prefix))
+
     for name, t in checkpoint.tensors():
         prefix, _, leaf = name.rpartition(".")
-        if source == "bitnet" and prefix in linears and leaf in ("weight", "weight_scale"):
-            (pending_packed if leaf == "weight" else pending_scale)[prefix] = t
-            if prefix in pending_packed and prefix in pending_scale:
-                w = _bitnet_weight(prefix, pending_packed.pop(prefix), pending_scale.pop(prefix), group_size, sdtype)
-                writer.add_lowbit(prefix, w)
-                n_quant += 1
-        elif source is None and leaf == "weight" and prefix in linears:
+        if bitnet is not None and prefix in linears and leaf in bitnet_leaves:
+            parts = pending.setdefault(prefix, {})
+            parts[leaf] = t
+            if len(parts) == len(bitnet_leaves):
+                add(prefix, *_bitnet_weight(bitnet, prefix, pending.pop(prefix), group_size, sdtype))
+        elif bitnet is None and leaf == "weight" and prefix in linears:
             if t.dim() != 2 or not t.is_floating_point():
                 raise ValueError(f"tensor {name} has dtype {t.dtype} and shape {tuple(t.shape)}; expected a float matrix")
             try:
                 w = quantize_rows(t, codebook, group_size, quantizer, sdtype, name=prefix)
             except ValueError as e:
                 raise ValueError(f"cannot quantize {name}: {e}; or pass it in modules_to_not_convert") from None
-            writer.add_lowbit(prefix, w)
-            n_quant += 1
+            add(prefix, w, t)
         else:
             writer.add(name, t)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    leftover = sorted(set(pending_packed) | set(pending_scale))
-    if leftover:
-        raise ValueError(f"BitNet checkpoint: {leftover[0]} lacks its weight or weight_scale tensor")
+    if pending:
+        prefix, parts = sorted(pending.items())[0]
+        missing = [leaf for leaf in bitnet_leaves if leaf not in parts]
+        raise ValueError(f"BitNet checkpoint: tensor {prefix}.{missing[0]} is missing")
     if n_quant == 0:
         raise ValueError(
             f"{checkpoint.directory}: no linear weight was found to quantize (linear modules: {sorted(linears)[:5]}...)"
@@ -243,7 +256,7 @@ def _write_checkpoint(
     _copy_side_files(checkpoint.directory, out)
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
-        modules_to_not_convert=list(modules_to_not_convert or []), source=source,
+        modules_to_not_convert=modules_to_not_convert, source=None if bitnet is None else bf.QUANT_METHOD,
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return n_quant
+    return n_quant, worst

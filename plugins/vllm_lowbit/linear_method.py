@@ -121,7 +121,7 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
     )  # fmt: skip
 
 
-def _shards(layer: torch.nn.Module) -> list:
+def layer_shards(layer: torch.nn.Module) -> list:
     """The checkpoint shards a layer is loaded from (``None``: one unfused tensor)."""
     if isinstance(layer, QKVParallelLinear):
         return ["q", "k", "v"]
@@ -130,7 +130,7 @@ def _shards(layer: torch.nn.Module) -> list:
     return [None]
 
 
-def _checkpoint_rows(layer: torch.nn.Module, shard) -> int:
+def checkpoint_rows(layer: torch.nn.Module, shard) -> int:
     """Rows (output features) of the full, unsharded checkpoint tensor for ``shard``."""
     if isinstance(layer, QKVParallelLinear):
         sizes = {
@@ -146,6 +146,24 @@ def _checkpoint_rows(layer: torch.nn.Module, shard) -> int:
             return sum(layer.output_sizes[i] for i in shard)
         return layer.output_sizes[shard]
     return layer.output_size
+
+
+def shard_index(shard) -> int:
+    """Position of a checkpoint shard in its merged layer (q, k, v -> 0, 1, 2; merged index as is)."""
+    return _QKV_INDEX.get(shard, shard)
+
+
+def checkpoint_tensor_name(config: QuantizationConfig, layer: torch.nn.Module, pname: str, shard) -> str:
+    """The checkpoint name of ``layer``'s tensor ``pname`` for ``shard`` (``q_proj.weight`` for the
+    q shard of ``qkv_proj``), for the errors of the loaders."""
+    if shard is None:
+        return f"{layer.prefix}.{pname}"
+    parent, _, last = layer.prefix.rpartition(".")
+    parts = config.packed_modules_mapping.get(last)
+    idx = shard_index(shard)
+    if parts and isinstance(idx, int) and idx < len(parts):
+        return f"{parent}.{parts[idx]}.{pname}" if parent else f"{parts[idx]}.{pname}"
+    return f"{layer.prefix}.{pname} (shard {shard})"
 
 
 @register_weight_loader_v2_supported_method
@@ -200,17 +218,10 @@ class LowBit2LinearMethod(LinearMethodBase):
     # ------------------------------------------------------------------ checkpoint checks
 
     def _checkpoint_name(self, layer: torch.nn.Module, pname: str, shard) -> str:
-        if shard is None:
-            return f"{layer.prefix}.{pname}"
-        parent, _, last = layer.prefix.rpartition(".")
-        parts = self.config.packed_modules_mapping.get(last)
-        idx = _QKV_INDEX.get(shard, shard)
-        if parts and isinstance(idx, int) and idx < len(parts):
-            return f"{parent}.{parts[idx]}.{pname}" if parent else f"{parts[idx]}.{pname}"
-        return f"{layer.prefix}.{pname} (shard {shard})"
+        return checkpoint_tensor_name(self.config, layer, pname, shard)
 
     def _expected(self, layer: torch.nn.Module, pname: str, shard) -> tuple[tuple[int, int], torch.dtype]:
-        rows, K = _checkpoint_rows(layer, shard), layer.input_size
+        rows, K = checkpoint_rows(layer, shard), layer.input_size
         if pname == "qweight":
             return (rows, K * self.cb.bits // 8), torch.uint8
         groups = 1 if self.config.group_size == -1 else K // self.config.group_size
@@ -233,7 +244,7 @@ class LowBit2LinearMethod(LinearMethodBase):
                     f"(quantization_config.scale_dtype={self.config.scale_dtype_name})"
                 )
             if loaded_shard_id is None:
-                layer.lowbit_loaded.update((pname, s) for s in _shards(layer))
+                layer.lowbit_loaded.update((pname, s) for s in layer_shards(layer))
                 return loader(param, loaded_weight)
             ids = loaded_shard_id if isinstance(loaded_shard_id, tuple) else (loaded_shard_id,)
             layer.lowbit_loaded.update((pname, s) for s in ids)
@@ -244,7 +255,7 @@ class LowBit2LinearMethod(LinearMethodBase):
     def _check_loaded(self, layer: torch.nn.Module) -> LowBitWeight:
         """The layer's canonical weight, after checking every tensor arrived and holds valid codes."""
         pnames = ["qweight", "scales"] + (["zeros"] if self.cb.zero is None else [])
-        missing = [self._checkpoint_name(layer, p, s) for p in pnames for s in _shards(layer) if (p, s) not in layer.lowbit_loaded]
+        missing = [self._checkpoint_name(layer, p, s) for p in pnames for s in layer_shards(layer) if (p, s) not in layer.lowbit_loaded]
         if missing:
             raise ValueError(
                 f"lowbit2 checkpoint is missing tensor {missing[0]}"

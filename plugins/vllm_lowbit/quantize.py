@@ -2,7 +2,7 @@
 without flags.
 
     python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --group-size 64 --codebook affine
-    python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary   # BitNet b1.58 import
+    python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary --verify   # BitNet b1.58 import
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                          "group size that divides K/tp makes tensor-parallel results identical to TP=1")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--verify", action="store_true",
+                    help="print the largest reconstruction error max|W - Wq| / max|W| against the source's weights")
     args = ap.parse_args(argv)
     try:  # the checks the server applies to the same keys, before any work
         opts = parse(ConverterOptions, {k: getattr(args, k) for k in field_names(ConverterOptions)}, CLI_NAMING)
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_dir, args.out_dir, codebook=args.codebook, group_size=args.group_size,
             quantizer=args.quantizer, scale_dtype=args.scale_dtype,
             modules_to_not_convert=args.modules_to_not_convert, act_group=args.act_group,
-            progress=not args.no_progress,
+            progress=not args.no_progress, verify=args.verify,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

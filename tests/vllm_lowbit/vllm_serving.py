@@ -42,13 +42,11 @@ def run_vllm_script(code: str, timeout: float = 300) -> subprocess.CompletedProc
 # ---------------------------------------------------------------------- references
 
 
-def hf_teacher_forced(model_dir: Path, prompts: list[list[int]], continuations: list[list[int]], kind: str,
-                      **q) -> list[tuple[int, float, float]]:  # fmt: skip
-    """For each generated position, with ``hf_model(model_dir, kind)`` fed the server's own prefix:
+def teacher_forced(model, prompts: list[list[int]], continuations: list[list[int]]) -> list[tuple[int, float, float]]:
+    """For each generated position, with the transformers ``model`` fed the server's own prefix:
     (the reference's argmax, its logit minus the logit of the server's token, the logits' std)."""
     import torch
 
-    model = hf_model(model_dir, kind, **q)
     rows = []
     with torch.inference_mode():
         for ids, cont in zip(prompts, continuations):
@@ -59,12 +57,13 @@ def hf_teacher_forced(model_dir: Path, prompts: list[list[int]], continuations: 
     return rows
 
 
-def check_teacher_forced(model_dir, prompts, got, kind: str, min_agree: float, max_gap_in_std: float, **q) -> float:
-    """Teacher-forced agreement of the server's greedy tokens with ``hf_model(model_dir, kind)``.
-    Returns the agreement rate; fails when it is below ``min_agree`` or when a disagreement is not a
-    near-tie (the reference's best logit above the server token's by more than ``max_gap_in_std``
-    standard deviations of the logits)."""
-    rows = hf_teacher_forced(model_dir, prompts, got, kind, **q)
+def check_teacher_forced(model_dir, prompts, got, kind: str, min_agree: float, max_gap_in_std: float, model=None,
+                         **q) -> float:  # fmt: skip
+    """Teacher-forced agreement of the server's greedy tokens with ``hf_model(model_dir, kind)`` (or
+    ``model``, a transformers model, when given). Returns the agreement rate; fails when it is below
+    ``min_agree`` or when a disagreement is not a near-tie (the reference's best logit above the
+    server token's by more than ``max_gap_in_std`` standard deviations of the logits)."""
+    rows = teacher_forced(model if model is not None else hf_model(model_dir, kind, **q), prompts, got)
     flat = [t for cont in got for t in cont]
     agree = [ref == tok for (ref, _, _), tok in zip(rows, flat)]
     rate = sum(agree) / len(agree)

@@ -1,0 +1,211 @@
+"""BitNet b1.58 checkpoints served as published (``vllm serve DIR``, no flag): the three families
+written in their hub layouts with transformers' own packer, against transformers' own BitNet forward
+passes (``AutoModelForCausalLM.from_pretrained`` of the same directory: AutoBitLinear / BitLinear).
+
+Which comparison is exact. Both sides quantize activations to int8 absmax per token with the same
+float32 arithmetic and multiply integer dot products by the activation scale and the weight's value of
+a 1. For ``autobitlinear`` (W = v * weight_scale) and the bf16 masters (W = v * mean|W|) that value is
+stored exactly (bf16), so vLLM eager float32 gives transformers' greedy tokens exactly. ``bitlinear``
+divides by its bf16 ``weight_scale``: the kernel holds 1/weight_scale rounded once to fp16 (relative
+error <= 2^-11), and its tokens are checked by teacher forcing (a disagreement must be a near-tie).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aipc_kernels.testing.bitnet_checkpoint import FAMILIES, write_bitnet_checkpoint
+from vllm_serving import check_teacher_forced, completion_tokens, run_vllm_script, start_server
+
+N_NEW = 48
+EXACT = ("autobitlinear", "online")  # the families whose scale the kernel holds exactly
+
+
+@pytest.fixture(scope="module")
+def families(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Llama in each BitNet family's published layout (Falcon3-1.58bit is a Llama)."""
+    root = tmp_path_factory.mktemp("bitnet-families")
+    return {f: write_bitnet_checkpoint(llama_dir, root / f, f) for f in FAMILIES}
+
+
+def reference(model_dir: Path):
+    """transformers' own BitNet model of the directory (its quantizer replaces the linears), float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from aipc_kernels.testing.references import greedy
+
+    return greedy(reference(model_dir), prompts, n)
+
+
+def _script(model: Path, prompts: list[list[int]], n: int = N_NEW, **llm_kw) -> str:
+    """An in-process vLLM engine that loads ``model`` and prints the greedy tokens of ``prompts``."""
+    kw = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True) | llm_kw
+    return textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        if __name__ == "__main__":
+            llm = LLM({str(model)!r}, **{kw!r})
+            ps = [TokensPrompt(prompt_token_ids=p) for p in {prompts!r}]
+            out = llm.generate(ps, SamplingParams(max_tokens={n}, temperature=0.0, ignore_eos=True))
+            print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in out]))
+    """)
+
+
+def _tokens(res: subprocess.CompletedProcess) -> list[list[int]]:
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS=")]
+    assert res.returncode == 0 and lines, res.stderr[-4000:]
+    return json.loads(lines[-1][len("TOKENS=") :])
+
+
+def _check(model_dir: Path, family: str, prompts, got) -> None:
+    if family in EXACT:
+        assert got == reference_greedy(model_dir, prompts, N_NEW)
+    else:
+        check_teacher_forced(model_dir, prompts, got, family, min_agree=0.9, max_gap_in_std=0.05,
+                             model=reference(model_dir))  # fmt: skip
+
+
+# ---------------------------------------------------------------------- each family, no flag
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_served_as_published(families, prompts, family):
+    """``LLM(DIR)`` with no quantization argument: vLLM picks ``bitnet`` from the checkpoint, loads the
+    published tensors and matches transformers' own BitNet model over 48 greedy steps."""
+    res = run_vllm_script(_script(families[family], prompts))
+    got = _tokens(res)
+    assert "quantization=bitnet" in res.stderr
+    _check(families[family], family, prompts, got)
+
+
+def test_lowbit2_flag_and_compiled(families, prompts):
+    """``--quantization lowbit2`` on a BitNet checkpoint is served by the bitnet method, compiled (vLLM's
+    CPU default): inductor rounds RMSNorm/rotary/attention differently, so teacher forcing."""
+    model = families["autobitlinear"]
+    res = run_vllm_script(_script(model, prompts, quantization="lowbit2", enforce_eager=False), timeout=600)
+    got = _tokens(res)
+    assert "quantization=bitnet" in res.stderr and "enforce_eager=False" in res.stderr
+    check_teacher_forced(model, prompts, got, "autobitlinear", min_agree=0.9, max_gap_in_std=0.05,
+                         model=reference(model))  # fmt: skip
+
+
+def test_serve_chat_without_flag(families, prompts, tmp_path, request):
+    """``vllm serve DIR`` of the bf16 masters answers /v1/chat/completions and greedy completions that
+    agree with transformers' online AutoBitLinear (compiled server: teacher forcing)."""
+    model = families["online"]
+    server = start_server(model, ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"],
+                          tmp_path / "serve.log", request)  # fmt: skip
+    r = server.post("/v1/chat/completions", dict(model=server.model, max_tokens=8, temperature=0.0,
+                                                 messages=[{"role": "user", "content": "Hello"}]))  # fmt: skip
+    assert r["choices"][0]["message"]["content"] and r["usage"]["completion_tokens"] == 8
+    got = completion_tokens(server, prompts, 16)
+    check_teacher_forced(model, prompts, got, "online", min_agree=0.9, max_gap_in_std=0.05, model=reference(model))
+    assert "quantization=bitnet" in server.log.read_text(errors="replace")
+
+
+# ---------------------------------------------------------------------- the converter, same reader
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_converter_imports_every_family(families, family, tmp_path):
+    """``python -m vllm_lowbit.quantize`` imports each family with the server's reader: codes equal
+    transformers' own unpacking / ternarization, ``--verify`` prints the largest error (0 where the
+    scale is exact in fp16, else the fp16 rounding of 1/weight_scale)."""
+    import sys
+
+    from aipc_kernels.formats import load_lowbit
+
+    out = tmp_path / "lowbit2"
+    res = subprocess.run([sys.executable, "-m", "vllm_lowbit.quantize", str(families[family]), str(out), "--codebook",
+                          "ternary", "--group-size", "-1", "--verify", "--no-progress"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    err = float(re.search(r"verify: largest reconstruction error max\|W - Wq\| / max\|W\| = (\S+)", res.stdout)[1])
+    assert err == 0.0 if family != "bitlinear" else 0.0 < err <= 2.0**-11
+    model = reference(families[family])  # transformers' own dequantized weights
+    weights, _ = load_lowbit(str(out / "model.safetensors"))
+    assert len(weights) == 14 and all(w.codebook == "ternary" for w in weights.values())
+    for name, w in weights.items():
+        module = model.get_submodule(name)
+        if family == "bitlinear":  # BitLinear: packed buffer, W = v / weight_scale
+            from transformers.integrations.bitnet import unpack_weights
+
+            unpack = getattr(unpack_weights, "_torchdynamo_orig_callable", unpack_weights)
+            ref = unpack(module.weight, dtype=torch.float32) / module.weight_scale.float()
+        elif family == "autobitlinear":  # AutoBitLinear offline: unpacked v, W = v * weight_scale
+            ref = module.weight.float() * module.weight_scale.float()
+        else:  # AutoBitLinear online: WeightQuant of the masters
+            from transformers.integrations.bitnet import WeightQuant
+
+            quant = getattr(WeightQuant.forward, "_torchdynamo_orig_callable", WeightQuant.forward)
+            ref = quant(None, module.weight.detach().float())
+        torch.testing.assert_close(w.dequantize().float(), ref, rtol=2.0**-11, atol=0)
+
+
+# ---------------------------------------------------------------------- bad checkpoints, named errors
+
+
+def _corrupt(src: Path, dst: Path, fn) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _set_code3(t: dict) -> None:
+    w = t["model.layers.1.mlp.down_proj.weight"]
+    w[3, 5] = 0b11000000  # row 3*N/4 + 3 of the packed tensor holds the code 3
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_set_code3, r"BitNet tensor model\.layers\.1\.mlp\.down_proj\.weight holds the 2-bit code 3"),
+    (lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_scale"),
+     r"bitnet checkpoint is missing tensor model\.layers\.0\.self_attn\.k_proj\.weight_scale"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:-8]}),
+     r"bitnet checkpoint tensor model\.layers\.0\.mlp\.up_proj\.weight has shape \(120, 256\)"),
+])  # fmt: skip
+def test_bad_checkpoint_fails_naming_the_tensor(families, tmp_path, edit, needle):
+    model = _corrupt(families["bitlinear"], tmp_path / "model", edit)
+    res = run_vllm_script(_script(model, [[1, 2, 3]], n=1))
+    assert res.returncode != 0, "the engine loaded a corrupt checkpoint"
+    assert re.search(needle, res.stderr), res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("qcfg, needle", [
+    (dict(linear_class="bitlinear2"), "bitnet quantization_config.linear_class=\"bitlinear2\""),
+    (dict(quantization_mode="dynamic"), "bitnet quantization_config.quantization_mode=\"dynamic\""),
+    (dict(use_rms_norm=True), "bitnet quantization_config.use_rms_norm=true"),
+    (dict(modules_to_not_convert="lm_head"), "bitnet quantization_config.modules_to_not_convert=\"lm_head\""),
+])  # fmt: skip
+def test_bad_quantization_config_is_named(qcfg, needle):
+    from vllm_lowbit.bitnet import BitNetConfig
+
+    with pytest.raises(ValueError) as e:
+        BitNetConfig.from_config({"quant_method": "bitnet", **qcfg})
+    assert needle in str(e.value)
+
+
+def test_published_configs_parse():
+    """The quantization_config entries as the hub repos write them (and keys transformers adds that
+    change nothing) parse to the family they are."""
+    from vllm_lowbit.bitnet import BitNetConfig
+
+    for family, qcfg in FAMILIES.items():
+        cfg = BitNetConfig.from_config({**qcfg, "pre_quantized": True})
+        assert cfg.spec.packed == (family != "online")
+        assert cfg.spec.linear_class == ("bitlinear" if family == "bitlinear" else "autobitlinear")
