@@ -1,5 +1,6 @@
 """vllm_lowbit: 2-bit weight quantization (``--quantization lowbit2``) and BitNet b1.58 checkpoints
-(``quant_method: bitnet``, served as published) for vLLM.
+(``quant_method: bitnet``, served as published) for vLLM, and the model classes vLLM lacks for the
+low-bit checkpoints it serves (``BitNetForCausalLM``).
 
 Loaded by vLLM through the ``vllm.general_plugins`` entry point (in the API server, the engine core
 and every worker). Importing this package imports neither vLLM nor torch.
@@ -8,12 +9,31 @@ from __future__ import annotations
 
 PLUGIN_NAME = "lowbit2"
 
+#: architectures (config.json ``architectures``) registered with vLLM when it has none of that name,
+#: as lazy ``module:class`` references (imported only when a checkpoint names them)
+MODELS = {"BitNetForCausalLM": "vllm_lowbit.bitnet_model:BitNetForCausalLM"}
+
 
 def register() -> bool:
     """vLLM plugin hook: imports ``vllm_lowbit.config`` and ``vllm_lowbit.bitnet``, whose imports
     register the ``lowbit2`` and ``bitnet`` quantization methods with vLLM
-    (``register_quantization_config``); returns True once registered.
+    (``register_quantization_config``), and registers ``MODELS`` that vLLM does not know with its
+    ``ModelRegistry``; returns True once registered.
     """
     from aipc_kernels.plugin_hooks import import_integration
 
-    return import_integration(__name__, "config") and import_integration(__name__, "bitnet")
+    registered = import_integration(__name__, "config") and import_integration(__name__, "bitnet")
+    register_models()
+    return registered
+
+
+def register_models() -> list[str]:
+    """Registers each of ``MODELS`` that vLLM's ``ModelRegistry`` lacks (a vLLM with its own class
+    keeps it); returns the architectures registered now."""
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    added = [arch for arch in MODELS if arch not in known]
+    for arch in added:
+        ModelRegistry.register_model(arch, MODELS[arch])
+    return added

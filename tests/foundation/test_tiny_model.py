@@ -68,6 +68,28 @@ def test_arch_loads_generates_and_tokenizes(tiny_model, arch):
     assert ids[0] == tok.bos_token_id and ids.count(im_start) == 2 and ids.count(im_end) == 2
 
 
+def test_bitnet_is_the_published_float_layout(tmp_path):
+    """bitnet: as microsoft/bitnet-b1.58-2B-4T's config and tensor names (tied embeddings by default,
+    relu2, GQA, separate q/k/v and gate/up, the two sub-norms), float weights, no quantization_config."""
+    path = tm.build_tiny_model("bitnet", tmp_path / "tied", **SMALL)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["BitNetForCausalLM"] and config["model_type"] == "bitnet"
+    assert config["hidden_act"] == "relu2" and config["tie_word_embeddings"] is True
+    assert config["num_key_value_heads"] == 2 and "quantization_config" not in config
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    layer = "model.layers.0"
+    assert tensors[f"{layer}.self_attn.attn_sub_norm.weight"].shape == (64,)
+    assert tensors[f"{layer}.mlp.ffn_sub_norm.weight"].shape == (128,)
+    assert {f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"} <= set(tensors)
+    assert {f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} <= set(tensors)
+    assert "lm_head.weight" not in tensors and all(t.dtype == torch.bfloat16 for t in tensors.values())
+    untied = tm.build_tiny_model("bitnet", tmp_path / "untied", tie_embeddings=False, **SMALL)
+    assert json.loads((untied / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "lm_head.weight" in load_file(str(untied / "model.safetensors"))
+
+
 def _files(path):
     return {name: (path / name).read_bytes() for name in ("model.safetensors", "tokenizer.json")}
 
@@ -135,7 +157,7 @@ def test_out_dir_is_replaced_but_foreign_dirs_are_kept(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(arch="bert"), r"arch='bert'.*llama, qwen2, mistral, phi3, phi3_longrope, gemma, gpt_neox, opt"),
+    (dict(arch="bert"), r"arch='bert'.*llama, qwen2, mistral, phi3, phi3_longrope, gemma, gpt_neox, opt, bitnet"),
     (dict(hidden=100, heads=8), r"hidden=100 is not divisible by heads=8"),
     (dict(heads=4, kv_heads=3), r"heads=4 is not divisible by kv_heads=3"),
     (dict(arch="gpt_neox", heads=4, kv_heads=2), r"gpt_neox.*no grouped-query.*kv_heads=4"),

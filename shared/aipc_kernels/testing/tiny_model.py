@@ -2,7 +2,7 @@
 
 Tests and benchmarks need Hugging Face checkpoints without access to the Hub. This module trains
 a small byte-level BPE tokenizer on an embedded corpus and writes randomly initialised models of
-seven architectures (and ``phi3_longrope``, Phi-3 with LongRoPE) with ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(path)``
+eight architectures (and ``phi3_longrope``, Phi-3 with LongRoPE) with ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(path)``
 and ``AutoTokenizer.from_pretrained(path)`` load them like downloaded ones. The same arguments
 give byte-identical files; without an explicit output directory, models are built once into a
 per-machine cache (``$AIPC_CACHE_DIR``, default ``~/.cache/aipc-plugins``) and reused.
@@ -31,7 +31,7 @@ from typing import Any
 BUILDER_VERSION = 1
 MANIFEST = "aipc_tiny_model.json"
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "phi3_longrope", "gemma", "gpt_neox", "opt")
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "phi3_longrope", "gemma", "gpt_neox", "opt", "bitnet")
 _CONFIG_CLASSES = {
     "llama": "LlamaConfig",
     "qwen2": "Qwen2Config",
@@ -41,8 +41,13 @@ _CONFIG_CLASSES = {
     "gemma": "GemmaConfig",
     "gpt_neox": "GPTNeoXConfig",
     "opt": "OPTConfig",
+    "bitnet": "BitNetConfig",
 }
 _NO_GQA = ("gpt_neox", "opt")  # multi-head attention only: kv_heads must equal heads
+# Tied input/output embeddings unless told otherwise, as the published models of the architecture
+# (microsoft/bitnet-b1.58-2B-4T). bitnet: float weights and no quantization_config (the "bf16
+# master" layout); relu2 MLP and the attention/FFN sub-norms come from transformers' BitNetConfig.
+_TIED_BY_DEFAULT = ("bitnet",)
 # phi3_longrope: Phi-3.5-style LongRoPE (short and long factor lists; transformers switches to the
 # long factors once a sequence is longer than original_max_position_embeddings). The switch is
 # placed at LONGROPE_ORIGINAL_MAX tokens so that tests generate across it.
@@ -260,7 +265,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = TOKENIZER_VOCA
 
 def _resolve(arch: str, hidden: int, layers: int, heads: int, kv_heads: int | None,
              intermediate: int | None, vocab: int | None, max_position: int, seed: int,
-             dtype: str, tie_embeddings: bool) -> dict[str, Any]:
+             dtype: str, tie_embeddings: bool | None) -> dict[str, Any]:
     """Validate the arguments and fill the derived defaults; the result names one model."""
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not supported; use one of {', '.join(ARCHS)}")
@@ -281,6 +286,8 @@ def _resolve(arch: str, hidden: int, layers: int, heads: int, kv_heads: int | No
         intermediate = 4 * hidden if arch in _NO_GQA else 2 * hidden
     if vocab is None:
         vocab = TOKENIZER_VOCAB
+    if tie_embeddings is None:
+        tie_embeddings = arch in _TIED_BY_DEFAULT
     if vocab < TOKENIZER_VOCAB:
         raise ValueError(f"vocab={vocab} is smaller than the tokenizer's {TOKENIZER_VOCAB} trained "
                          "tokens; pass vocab >= that (or leave it out)")
@@ -412,7 +419,7 @@ def build_tiny_model(
     max_position: int = 2048,
     seed: int = 0,
     dtype: str = "bfloat16",
-    tie_embeddings: bool = False,
+    tie_embeddings: bool | None = None,
 ) -> Path:
     """Build (or reuse from the cache) a random ``arch`` model with the tiny tokenizer beside it.
 
@@ -420,7 +427,8 @@ def build_tiny_model(
     it and to ``heads`` otherwise; ``intermediate`` to 2x ``hidden`` (4x for gpt_neox/opt);
     ``vocab`` to the tokenizer's 1024 trained tokens (a larger one, as in the ``PRESETS``, pads the
     tokenizer with reserved tokens). ``tie_embeddings`` ties the output projection to the input
-    embedding (random tied models tend to repeat tokens under greedy decoding). With
+    embedding (random tied models tend to repeat tokens under greedy decoding); it defaults to
+    the published models' choice: tied for bitnet, untied otherwise. With
     ``out_dir=None`` the model goes into the per-machine cache and is reused when already there.
     Returns the model directory.
     """
