@@ -248,6 +248,8 @@ class BitNetOnlineLinearMethod(OnlineLinearBase):
 
         def bitnet_master_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
             _record(layer, loaded_shard_id, bf.absmean_multiplier(loaded_weight))  # before any TP slice
+            if loaded_shard_id is None:
+                return vllm_loader(param, loaded_weight)
             return vllm_loader(param, loaded_weight, loaded_shard_id)
 
         extra_weight_attrs["weight_loader"] = bitnet_master_loader

@@ -75,8 +75,11 @@ def parse_quantization_config(config: dict[str, Any]) -> tuple[BitNetQuantizatio
 
 def not_converted(module: str, patterns: tuple[str, ...]) -> bool:
     """Whether ``modules_to_not_convert`` keeps ``module`` a float linear: transformers' rule
-    (``should_convert_module``): a pattern that matches the name's start (a regex) or ends it."""
-    return any(re.match(f"{p}\\.", module) or re.match(p, module) or module.endswith(p) for p in patterns)
+    (``should_convert_module``, as of 5.24): a pattern (a regex) that matches the name's start up to a
+    dot or its end, or a suffix of the name. (Before 5.24 a pattern matched any start: ``layers.1``
+    also kept ``layers.11``.)"""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
 
 
 def unpack_ternary(packed: torch.Tensor, name: str) -> torch.Tensor:

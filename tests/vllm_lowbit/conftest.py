@@ -24,6 +24,29 @@ def llama_dir(tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bitnet_dir(tiny_model, tmp_path_factory) -> Path:
+    """The tiny float BitNet (tied embeddings, GQA, relu2, separate q/k/v and gate/up as the published
+    2B-4T) with every RMSNorm weight, the two sub-norms included, set to random values: with all-ones
+    norms a model that skipped a norm's weight, or loaded the wrong tensor-parallel slice of it, would
+    compute the same tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model("bitnet", **TINY)
+    out = tmp_path_factory.mktemp("bitnet-float") / "model"
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {"model.layers.0.self_attn.attn_sub_norm.weight", "model.layers.0.mlp.ffn_sub_norm.weight"} <= set(tensors)
+    assert "lm_head.weight" not in tensors  # tied, as microsoft/bitnet-b1.58-2B-4T
+    g = torch.Generator().manual_seed(11)
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (0.5 + torch.rand(t.shape, generator=g)).to(t.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
 def qwen2_dir(tiny_model, tmp_path_factory) -> Path:
     """Tiny Qwen2 with non-zero q/k/v biases (the builder writes zero biases, which would make it
     compute exactly what the Llama does) and its own seed."""

@@ -4,10 +4,10 @@ passes (``AutoModelForCausalLM.from_pretrained`` of the same directory: AutoBitL
 
 Which comparison is exact. Both sides quantize activations to int8 absmax per token with the same
 float32 arithmetic and multiply integer dot products by the activation scale and the weight's value of
-a 1. For ``autobitlinear`` (W = v * weight_scale) and the bf16 masters (W = v * mean|W|) that value is
-stored exactly (bf16), so vLLM eager float32 gives transformers' greedy tokens exactly. ``bitlinear``
-divides by its bf16 ``weight_scale``: the kernel holds 1/weight_scale rounded once to fp16 (relative
-error <= 2^-11), and its tokens are checked by teacher forcing (a disagreement must be a near-tie).
+a 1. For ``autobitlinear`` (W = v * weight_scale, a bf16 number) the kernel holds that value exactly,
+so vLLM eager float32 gives transformers' greedy tokens exactly. ``bitlinear`` (W = v / weight_scale)
+and the float32 masters (W = v * mean|W|, a float32 number) are held rounded once to fp16 (relative
+error <= 2^-11); their tokens are checked by teacher forcing (a disagreement must be a near-tie).
 """
 from __future__ import annotations
 
@@ -25,14 +25,22 @@ from aipc_kernels.testing.bitnet_checkpoint import FAMILIES, write_bitnet_checkp
 from vllm_serving import check_teacher_forced, completion_tokens, run_vllm_script, start_server
 
 N_NEW = 48
-EXACT = ("autobitlinear", "online")  # the families whose scale the kernel holds exactly
+EXACT = ("autobitlinear",)  # the families whose value of a 1 the kernel holds exactly
+#: the published repos' combinations: (architecture of the tiny model, BitNet family)
+PUBLISHED = {
+    "bitnet-b1.58-2B-4T": ("bitnet", "autobitlinear"),
+    "bitnet-b1.58-2B-4T-bf16": ("bitnet", "online"),
+    "Falcon3-1.58bit": ("llama", "bitlinear"),
+}
 
 
 @pytest.fixture(scope="module")
-def families(llama_dir, tmp_path_factory) -> dict[str, Path]:
-    """The tiny Llama in each BitNet family's published layout (Falcon3-1.58bit is a Llama)."""
+def families(bitnet_dir, llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """Each published repo's layout, from the tiny float BitNet (2B-4T and its bf16 masters) and the
+    tiny Llama (Falcon3-*-1.58bit is a LlamaForCausalLM), keyed by family."""
     root = tmp_path_factory.mktemp("bitnet-families")
-    return {f: write_bitnet_checkpoint(llama_dir, root / f, f) for f in FAMILIES}
+    src = {"bitnet": bitnet_dir, "llama": llama_dir}
+    return {f: write_bitnet_checkpoint(src[arch], root / f, f) for arch, f in PUBLISHED.values()}
 
 
 def reference(model_dir: Path):
@@ -48,11 +56,12 @@ def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[
     return greedy(reference(model_dir), prompts, n)
 
 
-def _script(model: Path, prompts: list[list[int]], n: int = N_NEW, **llm_kw) -> str:
+def _script(model: Path, prompts: list[list[int]], n: int = N_NEW, env: dict[str, str] | None = None, **llm_kw) -> str:
     """An in-process vLLM engine that loads ``model`` and prints the greedy tokens of ``prompts``."""
     kw = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True) | llm_kw
     return textwrap.dedent(f"""
-        import json
+        import json, os
+        os.environ.update({env or {}!r})
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         if __name__ == "__main__":
@@ -80,13 +89,13 @@ def _check(model_dir: Path, family: str, prompts, got) -> None:
 # ---------------------------------------------------------------------- each family, no flag
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [f for _, f in PUBLISHED.values()], ids=list(PUBLISHED))
 def test_family_served_as_published(families, prompts, family):
     """``LLM(DIR)`` with no quantization argument: vLLM picks ``bitnet`` from the checkpoint, loads the
     published tensors and matches transformers' own BitNet model over 48 greedy steps."""
     res = run_vllm_script(_script(families[family], prompts))
     got = _tokens(res)
-    assert "quantization=bitnet" in res.stderr
+    assert "quantization=bitnet" in res.stdout + res.stderr  # vLLM logs to stdout
     _check(families[family], family, prompts, got)
 
 
@@ -96,7 +105,20 @@ def test_lowbit2_flag_and_compiled(families, prompts):
     model = families["autobitlinear"]
     res = run_vllm_script(_script(model, prompts, quantization="lowbit2", enforce_eager=False), timeout=600)
     got = _tokens(res)
-    assert "quantization=bitnet" in res.stderr and "enforce_eager=False" in res.stderr
+    log = res.stdout + res.stderr  # vLLM logs to stdout
+    assert "quantization=bitnet" in log and "enforce_eager=False" in log
+    check_teacher_forced(model, prompts, got, "autobitlinear", min_agree=0.9, max_gap_in_std=0.05,
+                         model=reference(model))  # fmt: skip
+
+
+def test_tensor_parallel_2(families, prompts):
+    """TP=2 (one core per rank): every packed tensor is unpacked whole before vLLM cuts the rank's rows
+    (q/k/v, gate/up) or columns (o_proj, down_proj). The row-parallel layers quantize activations per
+    token over their own half of K (BitNet quantizes over all of it), so teacher forcing."""
+    model = families["autobitlinear"]
+    res = run_vllm_script(_script(model, prompts, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2),
+                          timeout=600)  # fmt: skip
+    got = _tokens(res)
     check_teacher_forced(model, prompts, got, "autobitlinear", min_agree=0.9, max_gap_in_std=0.05,
                          model=reference(model))  # fmt: skip
 
@@ -122,7 +144,7 @@ def test_serve_chat_without_flag(families, prompts, tmp_path, request):
 def test_converter_imports_every_family(families, family, tmp_path):
     """``python -m vllm_lowbit.quantize`` imports each family with the server's reader: codes equal
     transformers' own unpacking / ternarization, ``--verify`` prints the largest error (0 where the
-    scale is exact in fp16, else the fp16 rounding of 1/weight_scale)."""
+    value of a 1 is exact in fp16, else its fp16 rounding)."""
     import sys
 
     from aipc_kernels.formats import load_lowbit
@@ -133,10 +155,10 @@ def test_converter_imports_every_family(families, family, tmp_path):
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     err = float(re.search(r"verify: largest reconstruction error max\|W - Wq\| / max\|W\| = (\S+)", res.stdout)[1])
-    assert err == 0.0 if family != "bitlinear" else 0.0 < err <= 2.0**-11
+    assert err == 0.0 if family in EXACT else 0.0 < err <= 2.0**-11
     model = reference(families[family])  # transformers' own dequantized weights
     weights, _ = load_lowbit(str(out / "model.safetensors"))
-    assert len(weights) == 14 and all(w.codebook == "ternary" for w in weights.values())
+    assert len(weights) == 14 and all(w.codebook == "ternary" for w in weights.values())  # 2 layers x 7 linears
     for name, w in weights.items():
         module = model.get_submodule(name)
         if family == "bitlinear":  # BitLinear: packed buffer, W = v / weight_scale
@@ -187,10 +209,12 @@ def test_bad_checkpoint_fails_naming_the_tensor(families, tmp_path, edit, needle
 
 
 @pytest.mark.parametrize("qcfg, needle", [
-    (dict(linear_class="bitlinear2"), "bitnet quantization_config.linear_class=\"bitlinear2\""),
-    (dict(quantization_mode="dynamic"), "bitnet quantization_config.quantization_mode=\"dynamic\""),
-    (dict(use_rms_norm=True), "bitnet quantization_config.use_rms_norm=true"),
-    (dict(modules_to_not_convert="lm_head"), "bitnet quantization_config.modules_to_not_convert=\"lm_head\""),
+    (dict(linear_class="bitlinear2"),
+     "bitnet quantization_config.linear_class='bitlinear2' is not supported; use one of \"bitlinear\", \"autobitlinear\""),
+    (dict(quantization_mode="dynamic"), "bitnet quantization_config.quantization_mode='dynamic' is not supported"),
+    (dict(use_rms_norm=True), "bitnet quantization_config.use_rms_norm=True (an RMSNorm inside every linear"),
+    (dict(modules_to_not_convert="lm_head"),
+     "bitnet quantization_config.modules_to_not_convert='lm_head' must be a list of strings or null"),
 ])  # fmt: skip
 def test_bad_quantization_config_is_named(qcfg, needle):
     from vllm_lowbit.bitnet import BitNetConfig

@@ -9,7 +9,6 @@ loaded the wrong tensor-parallel slice of it, would compute the same tokens.
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -20,25 +19,6 @@ from vllm_serving import TINY, hf_greedy, run_vllm_script
 N_NEW = 40
 PROMPTS = [[1, 45, 541, 84], [1, 298, 272, 452, 282], [1, 100, 200], [1, 7, 19, 301, 44, 12, 650, 98, 3]]
 OUR_CLASS = "vllm_lowbit.bitnet_model.BitNetForCausalLM"
-
-
-@pytest.fixture(scope="module")
-def bitnet_dir(tiny_model, tmp_path_factory) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    src = tiny_model("bitnet", **TINY)
-    out = tmp_path_factory.mktemp("bitnet-float") / "model"
-    shutil.copytree(src, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    assert {"model.layers.0.self_attn.attn_sub_norm.weight", "model.layers.0.mlp.ffn_sub_norm.weight"} <= set(tensors)
-    assert "lm_head.weight" not in tensors  # tied, as microsoft/bitnet-b1.58-2B-4T
-    g = torch.Generator().manual_seed(11)
-    for name, t in tensors.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = (0.5 + torch.rand(t.shape, generator=g)).to(t.dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 @pytest.fixture(scope="module")
