@@ -10,7 +10,10 @@ before the split, ``triton/lowbit/`` after); it is loaded as a submodule of the 
 (the packed layout must be the same) and its shipped configs are the JSON beside it. Each version's calls over
 weight copies >= 4x the L2 are captured once (as ``bench/gemv_gpu.py`` times its rows); rounds alternate the
 order (base first, then new first, ...), each round's time is the median of 5 replays, and the median round is
-reported with the spread of the rounds. ``same_bits``: the two versions' outputs are bit-identical.
+reported with the spread of the rounds. ``same_bits``: the two versions' outputs are bit-identical;
+``repeat_bits``: the working tree's output is bit-identical to itself called again (not so where the
+config adds split-K partials with float atomics, in no fixed order); ``same_bits_det``: the two versions
+bit-identical under ``torch.use_deterministic_algorithms`` (split-K then takes the ordered ticket path).
 ``new_over_base`` > 1: the working tree is slower. Rows: the shapes of ``bench/llama_shapes.py``.
 """
 from __future__ import annotations
@@ -104,6 +107,12 @@ def main() -> None:
             for M in (int(m) for m in args.m.split(",")):
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 same = torch.equal(base.lowbit_linear_triton(x, p), new.lowbit_linear_triton(x, p))
+                repeat = torch.equal(new.lowbit_linear_triton(x, p), new.lowbit_linear_triton(x, p))
+                torch.use_deterministic_algorithms(True, warn_only=True)
+                try:
+                    same_det = torch.equal(base.lowbit_linear_triton(x, p), new.lowbit_linear_triton(x, p))
+                finally:
+                    torch.use_deterministic_algorithms(False)
                 graphs = {"base": capture(base.lowbit_linear_triton, x, ws), "new": capture(new.lowbit_linear_triton, x, ws)}
                 t: dict[str, list[float]] = {"base": [], "new": []}
                 for r in range(args.rounds):
@@ -112,11 +121,13 @@ def main() -> None:
                 del graphs
                 torch.cuda.empty_cache()
                 b, n = statistics.median(t["base"]), statistics.median(t["new"])
-                key = new.config_key(M, N, K, GROUP, 2)
+                cfg = new.cached_configs(new.device_name(x.device)).get(new.config_key(M, N, K, GROUP, 2))
+                kernel = "heuristic" if cfg is None else cfg["KERNEL"] + (" atomic split-K" if cfg.get("ATOMIC") else "")
                 rows.append(dict(shape=label, M=M, base_us=b, new_us=n, new_over_base=n / b,
                                  base_spread=(max(t["base"]) - min(t["base"])) / b, new_spread=(max(t["new"]) - min(t["new"])) / n,
-                                 same_bits="yes" if same else "NO", copies=len(ws), rounds_base=t["base"], rounds_new=t["new"],
-                                 config=new.cached_configs(new.device_name(x.device)).get(key, "heuristic")))  # fmt: skip
+                                 same_bits="yes" if same else "NO", repeat_bits="yes" if repeat else "NO",
+                                 same_bits_det="yes" if same_det else "NO", copies=len(ws), rounds_base=t["base"], rounds_new=t["new"],
+                                 kernel=kernel, config=cfg or "heuristic"))  # fmt: skip
                 print({k: v for k, v in rows[-1].items() if not k.startswith("rounds")}, flush=True)
             del W, p, ws
             torch.cuda.empty_cache()
@@ -125,7 +136,7 @@ def main() -> None:
              f"{args.rounds} rounds alternating which version goes first, each the median of 5 replays; the median "
              f"round is shown, spread = (max - min) / median of the rounds. base = {args.base_name}, new = the working "
              f"tree. new_over_base > 1: the working tree is slower.")
-    cols = ["shape", "M", "base_us", "new_us", "new_over_base", "base_spread", "new_spread", "same_bits"]
+    cols = ["shape", "M", "base_us", "new_us", "new_over_base", "base_spread", "new_spread", "same_bits", "repeat_bits", "same_bits_det", "kernel"]
     write_results(args.out, args.name, f"Triton lowbit_linear A/B: working tree vs {args.base_name}", info, rows,
                   markdown_table(rows, cols, ".3f"), notes)
 
