@@ -28,7 +28,7 @@ import torch
 from aipc_kernels.packing import PackedLowBit, pack_for_triton
 from aipc_kernels.quantizers import quantize_rtn
 from aipc_kernels.triton import lowbit as new
-from gemv_gpu import GROUP, n_copies  # bench/ is on sys.path when run as a script
+from gemv_gpu import GROUP, capture, n_copies, replay_seconds  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, gpu_info, machine_info, markdown_table, write_results
 from llama_shapes import SHAPES
 
@@ -49,40 +49,6 @@ def load_base(path: str):
     if not hasattr(mod, "lowbit_linear_triton"):
         raise ValueError(f"--base {path}: exports no lowbit_linear_triton")
     return mod
-
-
-def capture(fn, x: torch.Tensor, weights: list[PackedLowBit]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn(x, w)`` once per weight copy (compiled and configured outside the capture)."""
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in weights:
-            fn(x, w)
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def replay_us(g: torch.cuda.CUDAGraph, calls: int, replays: int = 5) -> float:
-    """Median us per call over ``replays`` replays of ``g``."""
-    ts = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> None:
@@ -113,11 +79,11 @@ def main() -> None:
                     same_det = torch.equal(base.lowbit_linear_triton(x, p), new.lowbit_linear_triton(x, p))
                 finally:
                     torch.use_deterministic_algorithms(False)
-                graphs = {"base": capture(base.lowbit_linear_triton, x, ws), "new": capture(new.lowbit_linear_triton, x, ws)}
+                graphs = {v: capture([lambda w=w, f=m.lowbit_linear_triton: f(x, w) for w in ws]) for v, m in (("base", base), ("new", new))}
                 t: dict[str, list[float]] = {"base": [], "new": []}
                 for r in range(args.rounds):
                     for v in ("base", "new") if r % 2 == 0 else ("new", "base"):
-                        t[v].append(replay_us(graphs[v], len(ws)))
+                        t[v].append(replay_seconds(graphs[v], len(ws)) * 1e6)
                 del graphs
                 torch.cuda.empty_cache()
                 b, n = statistics.median(t["base"]), statistics.median(t["new"])
