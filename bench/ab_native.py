@@ -48,13 +48,13 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="path of the baseline build (.so)")
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,2,4,8,16,128")
-    ap.add_argument("--isas", default="", help="comma list (default: the best ISA and avx_vnni where present)")
+    ap.add_argument("--isas", default="", help="comma list (default: the best ISA, and avx_vnni where this CPU has it)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--rotate-gb", type=float, default=1.2)
     args = ap.parse_args()
     base, new = load(args.base), native.library()
     best = native.best_isa()
-    isas = args.isas.split(",") if args.isas else [best] + (["avx_vnni"] if best != "avx_vnni" and native.ISAS[best] > native.ISAS["avx_vnni"] else [])
+    isas = args.isas.split(",") if args.isas else [best] + (["avx_vnni"] if best != "avx_vnni" and "avx_vnni" in native.supported_isas() else [])
     torch.manual_seed(0)
     rows = []
     with bench_lock(enabled=not args.no_lock):

@@ -42,8 +42,8 @@ GROUP = 64
 MAX_COPIES = 1024
 
 
-def time_rotating(calls: list, replays: int = 5) -> float:
-    """Median seconds per call of a CUDA graph that runs every call once (each on its own copy)."""
+def capture(calls: list) -> torch.cuda.CUDAGraph:
+    """A CUDA graph that runs every call once (each on its own copy), replayed once."""
     for c in calls[:2]:
         c()  # compile / tune / allocate outside the capture
     torch.cuda.synchronize()
@@ -60,6 +60,11 @@ def time_rotating(calls: list, replays: int = 5) -> float:
             c()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def replay_seconds(g: torch.cuda.CUDAGraph, calls: int, replays: int = 5) -> float:
+    """Median seconds per call over ``replays`` replays of ``g`` (a graph of ``calls`` calls)."""
     ts = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -67,9 +72,16 @@ def time_rotating(calls: list, replays: int = 5) -> float:
         g.replay()
         e.record()
         torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3 / len(calls))
-    del g
+        ts.append(s.elapsed_time(e) / 1e3 / calls)
     return sorted(ts)[len(ts) // 2]
+
+
+def time_rotating(calls: list, replays: int = 5) -> float:
+    """Median seconds per call of a CUDA graph that runs every call once (each on its own copy)."""
+    g = capture(calls)
+    t = replay_seconds(g, len(calls), replays)
+    del g
+    return t
 
 
 def n_copies(bytes_per_copy: int, l2: int) -> int:

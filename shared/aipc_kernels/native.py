@@ -99,6 +99,18 @@ def get_isa() -> str:
     return ISA_NAMES[_lib().aipc_get_isa()]
 
 
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs the kernels with (those :func:`set_isa` accepts), in
+    :data:`ISAS` order: not every ISA ranked below the best one (an AVX-512 CPU may lack AVX-VNNI).
+    Each is tried with the library's own check; the ISA in use is left as it was."""
+    lib = _lib()
+    current = lib.aipc_get_isa()
+    try:
+        return [name for name, code in ISAS.items() if lib.aipc_set_isa(code) == 0]
+    finally:
+        lib.aipc_set_isa(current)
+
+
 def set_isa(name: str, lib: Optional[ctypes.CDLL] = None) -> None:
     """Forces an instruction set (``AIPC_ISA`` does the same at load); errors if the CPU lacks it."""
     if name not in ISAS:

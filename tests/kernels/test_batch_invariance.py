@@ -11,7 +11,7 @@ from aipc_kernels.quantizers import quantize_rtn
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
-ISAS = [i for i in native.ISAS if native.available() and native.ISAS[i] <= native.ISAS[native.best_isa()]]
+ISAS = native.supported_isas() if native.available() else []
 # batch sizes that reach every kernel and remainder: decode (1), on-the-fly tiles of 1-4 tokens (2-7),
 # up-converted tiles of 8 with every remainder (8-15, 23), AMX tiles of 16 with padding (16, 17, 33) and
 # a second AMX pass (AMX_MB = 256 tokens: 257)

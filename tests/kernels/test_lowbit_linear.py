@@ -128,6 +128,25 @@ def test_isa_override_is_validated():
         native.set_isa("sse9")
 
 
+def test_supported_isas_are_exactly_those_set_isa_accepts():
+    """Not every ISA ranked below the best one (an AVX-512 CPU may lack AVX-VNNI); the query leaves the
+    ISA in use as it was."""
+    native.set_isa("scalar")
+    try:
+        supported = native.supported_isas()
+        assert native.get_isa() == "scalar"
+        assert "scalar" in supported and native.best_isa() in supported
+        for isa in native.ISAS:
+            try:
+                native.set_isa(isa)
+                accepted = True
+            except ValueError:
+                accepted = False
+            assert accepted == (isa in supported), isa
+    finally:
+        native.set_isa(native.best_isa())
+
+
 def test_reference_path_for_canonical_layout():
     w, _ = _case(20, 128, "ternary", 64, seed=5)
     x = torch.randn(3, 128)

@@ -32,22 +32,7 @@ PACK = {
     packing.TRITON_LAYOUT: packing.pack_for_triton,
 }
 LAYOUTS = list(PACK)
-def _supported_isas() -> list[str]:
-    """The native kernels' ISAs this CPU runs (none without the library)."""
-    if not native.available():
-        return []
-    ok = []
-    for isa in native.ISAS:
-        try:
-            native.set_isa(isa)
-            ok.append(isa)
-        except ValueError:
-            pass
-    native.set_isa(native.best_isa())
-    return ok
-
-
-ISAS = _supported_isas()
+ISAS = native.supported_isas() if native.available() else []  # the native kernels' ISAs this CPU runs
 ARGS = ("x", "qweight", "scales", "zeros", "bias", "layout", "codebook", "group_size", "out_features", "act_group")
 
 
