@@ -25,6 +25,7 @@ from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.quantizers import quantize_rows
 
+from .grid_linears import GridLinears
 from .options import API_NAMING, LowBit2Options, quantization_config_dict
 
 SHARD_BYTES = 2 << 30
@@ -150,16 +151,19 @@ def convert_checkpoint(
     act_group: int = 0,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    detect_grid: bool = True,
 ) -> Path:
     """Writes the ``lowbit2`` checkpoint of ``model_dir`` to ``out_dir`` and returns ``out_dir``.
 
     Unquantized checkpoints are quantized with ``quantizer`` (``optimized`` or ``rtn``); a BitNet
     b1.58 checkpoint is imported into the ``ternary`` code book (``codebook`` must then be
     ``ternary``); any other ``quantization_config`` is refused. ``act_group`` is recorded for the
-    server (0: one int8 activation scale per token; else per that many K)."""
+    server (0: one int8 activation scale per token; else per that many K). ``detect_grid``: linears
+    whose weights already lie on a binary/ternary/2-bit grid are written exactly
+    (:mod:`vllm_lowbit.grid_linears`), the others with ``quantizer``."""
     parse(LowBit2Options, dict(codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
-                               act_group=act_group, modules_to_not_convert=modules_to_not_convert or []),
-          API_NAMING)  # fmt: skip
+                               act_group=act_group, modules_to_not_convert=modules_to_not_convert or [],
+                               detect_grid=detect_grid), API_NAMING)  # fmt: skip
     src, out = Path(model_dir), Path(out_dir)
     config = read_config(src)
     qcfg = config.get("quantization_config")
@@ -187,18 +191,30 @@ def convert_checkpoint(
     skip = tuple(DEFAULT_SKIP) + tuple(modules_to_not_convert or ())
     linears = _linear_names(config, skip)
     checkpoint = HFCheckpoint(src)
+    grids = GridLinears(linears, lambda p, t: _quantize(p, t, codebook, group_size, quantizer, scale_dtype),
+                        detect_grid and source is None, group_size, act_group, SCALE_DTYPES[scale_dtype])  # fmt: skip
 
     with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
         n_quant = _write_checkpoint(part, checkpoint, config, linears, source, codebook, group_size,
-                                    quantizer, scale_dtype, modules_to_not_convert, act_group, progress)
+                                    quantizer, scale_dtype, modules_to_not_convert, act_group, progress, grids)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    if grids.summary():
+        log(grids.summary())
     return out
+
+
+def _quantize(prefix: str, t: torch.Tensor, codebook: str, group_size: int, quantizer: str, scale_dtype: str) -> LowBitWeight:
+    """One float linear weight quantized with the shared quantizer; errors name the tensor."""
+    try:
+        return quantize_rows(t, codebook, group_size, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
+    except ValueError as e:
+        raise ValueError(f"cannot quantize {prefix}.weight: {e}; or pass it in modules_to_not_convert") from None
 
 
 def _write_checkpoint(
     out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str], source: Optional[str],
     codebook: str, group_size: int, quantizer: str, scale_dtype: str,
-    modules_to_not_convert: Optional[list[str]], act_group: int, progress: bool,
+    modules_to_not_convert: Optional[list[str]], act_group: int, progress: bool, grids: GridLinears,
 ) -> int:
     """Writes the checkpoint into the staging directory ``out``, config.json last (a directory
     without it is never taken for a model); returns the number of quantized linears."""
@@ -219,18 +235,18 @@ def _write_checkpoint(
         elif source is None and leaf == "weight" and prefix in linears:
             if t.dim() != 2 or not t.is_floating_point():
                 raise ValueError(f"tensor {name} has dtype {t.dtype} and shape {tuple(t.shape)}; expected a float matrix")
-            try:
-                w = quantize_rows(t, codebook, group_size, quantizer, sdtype, name=prefix)
-            except ValueError as e:
-                raise ValueError(f"cannot quantize {name}: {e}; or pass it in modules_to_not_convert") from None
-            writer.add_lowbit(prefix, w)
-            n_quant += 1
+            for p, w in grids.add(prefix, t):  # grid layers exactly (merged siblings together), else quantized
+                writer.add_lowbit(p, w)
+                n_quant += 1
         else:
             writer.add(name, t)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    for p, w in grids.finish():
+        writer.add_lowbit(p, w)
+        n_quant += 1
     leftover = sorted(set(pending_packed) | set(pending_scale))
     if leftover:
         raise ValueError(f"BitNet checkpoint: {leftover[0]} lacks its weight or weight_scale tensor")
@@ -243,7 +259,7 @@ def _write_checkpoint(
     _copy_side_files(checkpoint.directory, out)
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
-        modules_to_not_convert=list(modules_to_not_convert or []), source=source,
+        modules_to_not_convert=list(modules_to_not_convert or []), source=source, layer_formats=grids.layer_formats,
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return n_quant
