@@ -30,6 +30,7 @@ from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.quantizers import quantize_rows
 
+from .grid_linears import GridLinears
 from .options import API_NAMING, LowBit2Options, quantization_config_dict
 
 SHARD_BYTES = 2 << 30
@@ -151,6 +152,7 @@ def convert_checkpoint(
     progress: bool = True,
     verify: bool = False,
     log: Callable[[str], None] = print,
+    detect_grid: bool = True,
 ) -> Path:
     """Writes the ``lowbit2`` checkpoint of ``model_dir`` to ``out_dir`` and returns ``out_dir``.
 
@@ -159,10 +161,12 @@ def convert_checkpoint(
     the ``ternary`` code book (``codebook`` must then be ``ternary``): codes exact, each tensor's
     scale rounded once to ``scale_dtype``; any other ``quantization_config`` is refused.
     ``act_group`` is recorded for the server (0: one int8 activation scale per token; else per that
-    many K). ``verify``: logs the largest reconstruction error against the source's own weights."""
+    many K). ``detect_grid``: linears whose weights already lie on a binary/ternary/2-bit grid are
+    written exactly (:mod:`vllm_lowbit.grid_linears`), the others with ``quantizer``. ``verify``:
+    logs the largest reconstruction error against the source's own weights."""
     parse(LowBit2Options, dict(codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
-                               act_group=act_group, modules_to_not_convert=modules_to_not_convert or []),
-          API_NAMING)  # fmt: skip
+                               act_group=act_group, modules_to_not_convert=modules_to_not_convert or [],
+                               detect_grid=detect_grid), API_NAMING)  # fmt: skip
     src, out = Path(model_dir), Path(out_dir)
     config = read_config(src)
     qcfg = config.get("quantization_config")
@@ -187,20 +191,32 @@ def convert_checkpoint(
         linears -= set(float_linears)
         kept += float_linears
     checkpoint = HFCheckpoint(src)
+    grids = GridLinears(linears, lambda p, t: _quantize(p, t, codebook, group_size, quantizer, scale_dtype),
+                        detect_grid and bitnet is None, group_size, act_group, SCALE_DTYPES[scale_dtype])  # fmt: skip
 
     with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
         n_quant, worst = _write_checkpoint(part, checkpoint, config, linears, bitnet, codebook, group_size,
-                                           quantizer, scale_dtype, kept, act_group, progress, verify)
+                                           quantizer, scale_dtype, kept, act_group, progress, grids, verify)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    if grids.summary():
+        log(grids.summary())
     if worst is not None:
         log(f"verify: largest reconstruction error max|W - Wq| / max|W| = {worst[0]:.3g} ({worst[1]})")
     return out
 
 
+def _quantize(prefix: str, t: torch.Tensor, codebook: str, group_size: int, quantizer: str, scale_dtype: str) -> LowBitWeight:
+    """One float linear weight quantized with the shared quantizer; errors name the tensor."""
+    try:
+        return quantize_rows(t, codebook, group_size, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
+    except ValueError as e:
+        raise ValueError(f"cannot quantize {prefix}.weight: {e}; or pass it in modules_to_not_convert") from None
+
+
 def _write_checkpoint(
     out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str],
     bitnet: Optional[bf.BitNetQuantization], codebook: str, group_size: int, quantizer: str, scale_dtype: str,
-    modules_to_not_convert: list[str], act_group: int, progress: bool, verify: bool,
+    modules_to_not_convert: list[str], act_group: int, progress: bool, grids: GridLinears, verify: bool,
 ) -> tuple[int, Optional[tuple[float, str]]]:
     """Writes the checkpoint into the staging directory ``out``, config.json last (a directory
     without it is never taken for a model); returns the number of quantized linears and, with
@@ -211,13 +227,14 @@ def _write_checkpoint(
     bitnet_leaves = () if bitnet is None else ("weight", "weight_scale") if bitnet.packed else ("weight",)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     worst: Optional[tuple[float, str]] = (0.0, "") if verify else None
+    sources: dict[str, torch.Tensor] = {}  # float weights held for --verify until their layer is written
     n_quant = 0
 
-    def add(prefix: str, w: LowBitWeight, source_weight: torch.Tensor) -> None:
+    def add(prefix: str, w: LowBitWeight, source_weight: Optional[torch.Tensor]) -> None:
         nonlocal n_quant, worst
         writer.add_lowbit(prefix, w)
         n_quant += 1
-        if worst is not None:
+        if worst is not None and source_weight is not None:
             ref = source_weight.double()
             err = float((w.dequantize().double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
             worst = max(worst, (err, prefix))
@@ -232,17 +249,18 @@ def _write_checkpoint(
         elif bitnet is None and leaf == "weight" and prefix in linears:
             if t.dim() != 2 or not t.is_floating_point():
                 raise ValueError(f"tensor {name} has dtype {t.dtype} and shape {tuple(t.shape)}; expected a float matrix")
-            try:
-                w = quantize_rows(t, codebook, group_size, quantizer, sdtype, name=prefix)
-            except ValueError as e:
-                raise ValueError(f"cannot quantize {name}: {e}; or pass it in modules_to_not_convert") from None
-            add(prefix, w, t)
+            if verify:
+                sources[prefix] = t
+            for p, w in grids.add(prefix, t):  # grid layers exactly (merged siblings together), else quantized
+                add(p, w, sources.pop(p, None))
         else:
             writer.add(name, t)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    for p, w in grids.finish():
+        add(p, w, sources.pop(p, None))
     if pending:
         prefix, parts = sorted(pending.items())[0]
         missing = [leaf for leaf in bitnet_leaves if leaf not in parts]
@@ -257,6 +275,7 @@ def _write_checkpoint(
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
         modules_to_not_convert=modules_to_not_convert, source=None if bitnet is None else bf.QUANT_METHOD,
+        layer_formats=grids.layer_formats,
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return n_quant, worst

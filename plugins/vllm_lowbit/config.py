@@ -20,11 +20,17 @@ binary), ``group_size`` (32, 64, 128 or -1 for one group per row), ``quantizer``
 on-the-fly only), ``scale_dtype`` (float16, bfloat16), ``act_group`` (0: one int8 activation scale
 per token; else per K-group), ``modules_to_not_convert`` (name fragments that stay unquantized;
 ``lm_head`` and the embeddings stay unquantized), ``quantize_lm_head`` (opt-in: the output
-projection quantized at load too; decode of small models is dominated by it), ``prequantized``.
+projection quantized at load too; decode of small models is dominated by it), ``detect_grid``
+(default true; on-the-fly only: a layer whose weights already lie on a binary, ternary or 2-bit
+grid, e.g. a ParetoQ checkpoint stored as bf16, is stored exactly in the matching code book with
+one scale per row instead of being quantized; false quantizes every layer with the keys above),
+``prequantized``, ``layer_formats`` (written by the converter: checkpoint layer name ->
+``{codebook, group_size, scale_dtype}`` for the layers it recovered from a grid).
 Their types, choices and ranges are declared once in :mod:`vllm_lowbit.options`.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -41,7 +47,7 @@ from aipc_kernels.formats import SCALE_DTYPES
 from aipc_kernels.modules import DEFAULT_SKIP
 
 from . import PLUGIN_NAME
-from .linear_method import LowBit2LinearMethod, LowBit2LMHeadMethod, LowBit2OnlineLinearMethod
+from .linear_method import GridReport, LowBit2LinearMethod, LowBit2LMHeadMethod, LowBit2OnlineLinearMethod
 from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, QuantizationConfigOptions, parse_quantization_config,
                       quantization_config_dict)  # fmt: skip
 
@@ -60,6 +66,7 @@ class LowBit2Config(QuantizationConfig):
         super().__init__()
         self._given = dict(config)  # the keys as vLLM passed them (see maybe_update_config)
         self._apply(parse_quantization_config(config))
+        self.grid_report = GridReport()  # on the fly: which layers detect_grid recovered (one log line)
 
     def _apply(self, o: QuantizationConfigOptions) -> None:
         self.options = o
@@ -72,13 +79,16 @@ class LowBit2Config(QuantizationConfig):
         self.modules_to_not_convert = list(o.modules_to_not_convert)
         self.prequantized = o.prequantized
         self.quantize_lm_head = o.quantize_lm_head
+        self.detect_grid = o.detect_grid
+        self.layer_formats = dict(o.layer_formats)
 
     def __repr__(self) -> str:
         return (
             f"LowBit2Config(codebook={self.codebook}, group_size={self.group_size}, "
             f"{'prequantized' if self.prequantized else 'on-the-fly ' + self.quantizer}, "
             f"scale_dtype={self.scale_dtype_name}, act_group={self.act_group}, "
-            f"modules_to_not_convert={self.modules_to_not_convert}, quantize_lm_head={self.quantize_lm_head})"
+            f"modules_to_not_convert={self.modules_to_not_convert}, quantize_lm_head={self.quantize_lm_head}, "
+            f"detect_grid={self.detect_grid})"
         )
 
     # ------------------------------------------------------------------ vLLM interface
@@ -168,10 +178,12 @@ class LowBit2Config(QuantizationConfig):
         """The ``quantization_config`` entry that describes this config in a checkpoint."""
         d = quantization_config_dict(
             self.codebook, self.group_size, self.quantizer, self.scale_dtype_name, self.act_group,
-            self.modules_to_not_convert, self.prequantized, self.options.source,
+            self.modules_to_not_convert, self.prequantized, self.options.source, self.layer_formats,
         )  # fmt: skip
         if self.quantize_lm_head:
             d["quantize_lm_head"] = True
+        if not self.detect_grid:
+            d["detect_grid"] = False
         return d
 
     def is_skipped(self, prefix: str) -> bool:
@@ -186,7 +198,31 @@ class LowBit2Config(QuantizationConfig):
             return None  # embeddings (and lm_head unless quantize_lm_head) stay in the model dtype
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
-        return LowBit2LinearMethod(self) if self.prequantized else LowBit2OnlineLinearMethod(self)
+        if self.prequantized:
+            return LowBit2LinearMethod(self.for_layer(prefix))
+        self.grid_report.expect(prefix)
+        return LowBit2OnlineLinearMethod(self)
+
+    def for_layer(self, prefix: str) -> "LowBit2Config":
+        """This config with the ``layer_formats`` entry of layer ``prefix`` (of every checkpoint
+        layer merged into it: q/k/v, gate/up) as its code book, group size and scale dtype."""
+        parent, _, last = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(last) or [last]
+        names = [f"{parent}.{p}" if parent else p for p in parts]
+        formats = [self.layer_formats.get(n) for n in names]
+        if any(f != formats[0] for f in formats):
+            raise ValueError(
+                f"{CONFIG_NAMING.key('layer_formats')} gives the layers {names}, which vLLM loads as one merged "
+                f"layer {prefix!r}, different formats {formats}; convert the model again with python -m "
+                f"vllm_lowbit.quantize (it gives merged layers one format)"
+            )
+        if formats[0] is None:
+            return self
+        layer = copy.copy(self)
+        layer.codebook, layer.group_size = formats[0]["codebook"], formats[0]["group_size"]
+        layer.scale_dtype_name = formats[0]["scale_dtype"]
+        layer.scale_dtype = SCALE_DTYPES[layer.scale_dtype_name]
+        return layer
 
 
 # ---------------------------------------------------------------------- the checkpoint's own config

@@ -7,7 +7,10 @@
   presence, code range) with an error that names it.
 * :class:`LowBit2OnlineLinearMethod` quantizes a bf16/fp16 checkpoint while it loads: vLLM's online
   quantization base keeps the float weight on the meta device and materializes one layer at a time,
-  then ``process_weights_after_loading`` quantizes it with the shared quantizer.
+  then ``process_weights_after_loading`` quantizes it with the shared quantizer, unless the weight
+  already lies on a binary/ternary/2-bit grid (``detect_grid``, e.g. ParetoQ's fake-quantized bf16
+  weights): then it is stored exactly in that code book (:mod:`aipc_kernels.grid_detect`), and
+  :class:`GridReport` logs once per model which layers were.
 
 Both end in :func:`install_packed`: the canonical weight is repacked once into the layout of the
 device the layer lives on (``cpu_vnni16`` on CPU) and ``apply`` calls the op; the op's dispatch
@@ -42,11 +45,12 @@ from vllm.model_executor.parameter import (
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.formats import LowBitWeight, get_codebook, resolve_group_size
 from aipc_kernels import packing
+from aipc_kernels.grid_detect import GridWeight, detect_grid
 from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
 from aipc_kernels.quantizers import quantize_rows
 
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
 
 def pack_for_device(w: LowBitWeight, device: torch.device) -> PackedLowBit:
@@ -287,6 +291,52 @@ class LowBit2LinearMethod(LinearMethodBase):
         return apply_lowbit(layer, x, bias)
 
 
+class GridReport:
+    """Which on-the-fly layers ``detect_grid`` recovered: one INFO line per model once every expected
+    layer is processed (with a warning when only some of them lay on a grid)."""
+
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
+        self.grids: dict[str, GridWeight] = {}
+        self.others: list[str] = []
+
+    def expect(self, prefix: str) -> None:
+        self.pending.add(prefix)
+
+    def add(self, prefix: str, grid: Optional[GridWeight], config: QuantizationConfig) -> None:
+        self.pending.discard(prefix)
+        if grid is None:
+            self.others.append(prefix)
+        else:
+            self.grids[prefix] = grid
+        if not self.pending and self.grids:
+            self._log(config)
+            self.grids, self.others = {}, []
+
+    def _log(self, config: QuantizationConfig) -> None:
+        n, total = len(self.grids), len(self.grids) + len(self.others)
+        books: dict[str, int] = {}
+        for g in self.grids.values():
+            books[g.codebook] = books.get(g.codebook, 0) + 1
+        exact = sum(g.exact for g in self.grids.values())
+        worst = max(g.max_rel_error for g in self.grids.values())
+        how = "all exact" if exact == n else (
+            f"{exact} exact, {n - exact} within the scale's rounding (largest error {100 * worst:.3g}% of a row's "
+            f"largest weight)")  # fmt: skip
+        logger.info(
+            "lowbit2: %d of %d linear layers already lie on a low-bit grid (ParetoQ-style) and are stored "
+            "with one scale per row instead of being quantized: %s; %s",
+            n, total, ", ".join(f"{k} {v}" for k, v in sorted(books.items())), how,
+        )  # fmt: skip
+        if self.others:
+            logger.warning(
+                "lowbit2: %d of %d linear layers lie on a low-bit grid but %d do not (e.g. %s) and were quantized "
+                "with codebook=%s group_size=%d (lossy); if the checkpoint is meant to be fully quantized, those "
+                "layers were not exported on their grid (quantization_config.detect_grid false treats all alike)",
+                n, total, len(self.others), self.others[0], config.codebook, config.group_size,
+            )  # fmt: skip
+
+
 class LowBit2OnlineLinearMethod(OnlineLinearBase):
     """bf16/fp16 checkpoint -> quantized while loading, one layer at a time -> ``aipc::lowbit_linear``."""
 
@@ -318,8 +368,15 @@ class LowBit2OnlineLinearMethod(OnlineLinearBase):
             raise ValueError(f"lowbit2: layer {layer.prefix!r} received no weight from the checkpoint")
         G = effective_group_size(self.config, layer, weight.shape[1])
         cfg = self.config
-        w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=layer.prefix)
+        grid = None
+        if cfg.detect_grid:  # whole-row scales, unless act_group needs groups
+            grid = detect_grid(weight.detach(), layer.prefix, -1 if cfg.act_group == 0 else G, cfg.scale_dtype)
+        if grid is not None:
+            w = grid.weight
+        else:
+            w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=layer.prefix)
         install_packed(layer, w, self.config.act_group)
+        cfg.grid_report.add(layer.prefix, grid, cfg)
         if self.requantization_source is not None:
             self.release_requantization_source_weights(layer)
 

@@ -1,18 +1,19 @@
 """The ``lowbit2`` options, declared once for the server and the converter (no vLLM import).
 
 :class:`LowBit2Options` holds what both take (code book, group size, quantizer, scale dtype,
-activation groups, modules kept unquantized); :class:`QuantizationConfigOptions` is the whole
-``quantization_config`` entry (config.json, ``--hf-overrides``, ``quantization_config_file``) that
-``LowBit2Config`` parses; :class:`ConverterOptions` adds the converter's ``--threads``. All are
-checked by :func:`aipc_kernels.config_schema.parse`: exact types, choices, ranges, and
-``act_group`` against ``group_size``.
+activation groups, modules kept unquantized, grid detection); :class:`QuantizationConfigOptions` is
+the whole ``quantization_config`` entry (config.json, ``--hf-overrides``, ``quantization_config_file``)
+that ``LowBit2Config`` parses, with the per-layer :class:`LayerFormat` of ``layer_formats``;
+:class:`ConverterOptions` adds the converter's ``--threads``. All are checked by
+:func:`aipc_kernels.config_schema.parse`: exact types, choices, ranges, and ``act_group`` against
+``group_size``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from aipc_kernels.config_schema import Naming, option, parse, to_dict
+from aipc_kernels.config_schema import Naming, field_names, option, parse, to_dict
 from aipc_kernels.formats import CODEBOOKS, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
 from aipc_kernels.quantizers import QUANTIZERS
 
@@ -34,6 +35,9 @@ class LowBit2Options:
     scale_dtype: str = option("float16", choices=tuple(SCALE_DTYPES))
     act_group: int = option(0, ge=0, example=64)
     modules_to_not_convert: list[str] = option([], example=["lm_head"])
+    #: layers whose float weights already lie on a binary/ternary/2-bit grid are stored exactly
+    #: (aipc_kernels.grid_detect) instead of being quantized with the options above
+    detect_grid: bool = option(True)
 
     def check(self, naming: Naming) -> None:
         """``act_group``: 0 (one int8 activation scale per token) or a multiple of ``group_size``."""
@@ -46,6 +50,15 @@ class LowBit2Options:
 
 
 @dataclass(frozen=True)
+class LayerFormat:
+    """One entry of ``layer_formats``: how a converted checkpoint stores that layer (all keys required)."""
+
+    codebook: str = option(None, choices=sorted(CODEBOOKS))
+    group_size: int = option(None, choices=GROUP_SIZES + (-1,), note="-1: one group per row")
+    scale_dtype: str = option(None, choices=tuple(SCALE_DTYPES))
+
+
+@dataclass(frozen=True)
 class QuantizationConfigOptions(LowBit2Options):
     """The ``quantization_config`` entry of a ``lowbit2`` checkpoint or ``--hf-overrides``."""
 
@@ -54,9 +67,20 @@ class QuantizationConfigOptions(LowBit2Options):
     prequantized: bool = option(False)
     quantize_lm_head: bool = option(False)
     source: Optional[str] = option(None, choices=(None, "bitnet"))
+    #: checkpoint layer name -> LayerFormat keys, overriding codebook/group_size/scale_dtype for it
+    #: (the converter writes it for layers recovered from a grid)
+    layer_formats: dict[str, Any] = option({}, example={"model.layers.0.mlp.up_proj": {
+        "codebook": "sym", "group_size": -1, "scale_dtype": "float16"}})  # fmt: skip
 
     def check(self, naming: Naming) -> None:
         super().check(naming)
+        for layer, fmt in self.layer_formats.items():
+            inner = Naming(f"{naming.key('layer_formats')}[{layer!r}]", naming.style)
+            parse(LayerFormat, fmt, inner)
+            missing = [k for k in field_names(LayerFormat) if k not in fmt]
+            if missing:
+                raise naming.error("layer_formats", {layer: fmt}, f"lacks {missing}: each layer needs "
+                                   f"{list(field_names(LayerFormat))}")  # fmt: skip
         if self.format_version > FORMAT_VERSION:
             raise naming.error(
                 "format_version", self.format_version,
@@ -66,7 +90,7 @@ class QuantizationConfigOptions(LowBit2Options):
 
 #: keys fixed by the tensors of a converted checkpoint (an override may not change them)
 CHECKPOINT_KEYS = ("quant_method", "format_version", "codebook", "group_size", "scale_dtype",
-                   "modules_to_not_convert", "prequantized", "source")  # fmt: skip
+                   "modules_to_not_convert", "prequantized", "source", "layer_formats")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,22 +114,27 @@ def quantization_config_dict(
     modules_to_not_convert: Optional[list[str]] = None,
     prequantized: bool = True,
     source: Optional[str] = None,
+    layer_formats: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json."""
+    """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json (``detect_grid``,
+    ``quantize_lm_head`` and empty ``source``/``layer_formats`` left out)."""
     d = to_dict(
         parse_quantization_config(dict(
             codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
             act_group=act_group, modules_to_not_convert=list(modules_to_not_convert or []),
-            prequantized=prequantized, source=source,
+            prequantized=prequantized, source=source, layer_formats=dict(layer_formats or {}),
         ))
     )  # fmt: skip
     d.pop("quantize_lm_head")
+    d.pop("detect_grid")
     if source is None:
         d.pop("source")
+    if not d["layer_formats"]:
+        d.pop("layer_formats")
     return d
 
 
 __all__ = [
-    "CHECKPOINT_KEYS", "ConverterOptions", "LowBit2Options", "QuantizationConfigOptions",
+    "CHECKPOINT_KEYS", "ConverterOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
     "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

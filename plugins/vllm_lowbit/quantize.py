@@ -3,6 +3,7 @@ without flags.
 
     python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --group-size 64 --codebook affine
     python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary --verify   # BitNet b1.58 import
+    python -m vllm_lowbit.quantize PARETOQ_DIR OUT_DIR   # weights on a 1/1.58/2-bit grid: written exactly
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--act-group", type=int, default=0,
                     help="int8 activation scale per token (0, default) or per this many K: a multiple of the "
                          "group size that divides K/tp makes tensor-parallel results identical to TP=1")
+    ap.add_argument("--no-detect-grid", dest="detect_grid", action="store_false",
+                    help="quantize every linear, also those whose weights already lie on a binary/ternary/2-bit "
+                         "grid (by default those are written exactly, e.g. ParetoQ checkpoints)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", action="store_true",
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_dir, args.out_dir, codebook=args.codebook, group_size=args.group_size,
             quantizer=args.quantizer, scale_dtype=args.scale_dtype,
             modules_to_not_convert=args.modules_to_not_convert, act_group=args.act_group,
-            progress=not args.no_progress, verify=args.verify,
+            progress=not args.no_progress, detect_grid=args.detect_grid, verify=args.verify,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

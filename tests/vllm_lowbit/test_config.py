@@ -57,12 +57,43 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"format_version": "1"}, "format_version='1' must be an integer >= 1"),
     ({"source": "gptq"}, "source='gptq' is not supported"),
     ({"quant_method": "gptq"}, "quant_method='gptq' is not supported; use one of \"lowbit2\""),
+    # issue 22: grid detection and the converter's per-layer formats
+    ({"detect_grid": "no"}, "detect_grid='no' must be true or false"),
+    ({"layer_formats": ["m.q_proj"]}, "layer_formats=['m.q_proj'] must be a JSON object"),
+    ({"layer_formats": {"m.q_proj": "sym"}}, "layer_formats['m.q_proj'] must be a JSON object of keys"),
+    ({"layer_formats": {"m.q_proj": {"codebook": "sym", "group_size": -1}}}, "lacks ['scale_dtype']"),
+    ({"layer_formats": {"m.q_proj": {"codebook": "int3", "group_size": -1, "scale_dtype": "float16"}}},
+     "layer_formats['m.q_proj'].codebook='int3' is not supported"),
+    ({"layer_formats": {"m.q_proj": {"codebook": "sym", "group_size": -1, "scale_dtype": "float16", "zero": 1}}},
+     "layer_formats['m.q_proj'] has unknown keys ['zero']"),
 ])  # fmt: skip
 def test_bad_config_names_the_key(config_cls, cfg, message):
     with pytest.raises(ValueError) as e:
         config_cls.from_config(dict({"quant_method": "lowbit2"}, **cfg))
     assert str(e.value).startswith("lowbit2 quantization_config")
     assert message in str(e.value)
+
+
+def test_detect_grid_and_layer_formats(config_cls):
+    """detect_grid defaults to true and round-trips when off; a converted checkpoint's layer_formats
+    gives a layer (and the merged layer of its q/k/v or gate/up shards) its own format, and refuses
+    shards of one merged layer with different formats, naming them."""
+    assert config_cls().detect_grid is True
+    off = config_cls.from_config({"quant_method": "lowbit2", "detect_grid": False})
+    assert off.detect_grid is False and config_cls.from_config(off.to_dict()).detect_grid is False
+    fmt = {"codebook": "ternary", "group_size": -1, "scale_dtype": "bfloat16"}
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    c = config_cls.from_config({"quant_method": "lowbit2", "prequantized": True, "layer_formats": {n: fmt for n in names}})
+    c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    layer = c.for_layer("model.layers.0.self_attn.qkv_proj")
+    assert (layer.codebook, layer.group_size, layer.scale_dtype_name) == ("ternary", -1, "bfloat16")
+    assert (c.codebook, c.group_size) == ("affine", 64)  # the config itself is unchanged
+    assert c.for_layer("model.layers.0.self_attn.o_proj") is c
+    assert config_cls.from_config(c.to_dict()).layer_formats == c.layer_formats
+    c.layer_formats.pop(names[2])
+    with pytest.raises(ValueError, match=r"layer_formats gives the layers .*k_proj.*v_proj.*one merged layer "
+                                         r"'model.layers.0.self_attn.qkv_proj'"):  # fmt: skip
+        c.for_layer("model.layers.0.self_attn.qkv_proj")
 
 
 def test_exact_values_are_kept(config_cls):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-KINDS = ("float", "lowbit", "dequantized")
+KINDS = ("float", "float_a8", "lowbit", "dequantized")
 
 
 def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
@@ -14,6 +14,10 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
     """The transformers model of ``model_dir`` in float32:
 
     * ``float``: the checkpoint's weights as they are;
+    * ``float_a8``: the checkpoint's weights as they are, the input of every linear that the plugins
+      quantize rounded to int8 per token (or per ``act_group`` of K) as the native W2A8 kernel does
+      (:func:`aipc_kernels.quantizers.quantize_activations`): the exact reference for a checkpoint
+      whose weights already lie on a lowbit2 grid (no weight of ours in it);
     * ``lowbit``: linears replaced by :class:`aipc_kernels.modules.LowBitLinear`, the op and native
       W2A8 kernel that the vLLM plugin calls (activations quantized to int8 per token, or per
       ``act_group`` of K), weights quantized from the bf16 checkpoint as the plugin does;
@@ -28,6 +32,8 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
     kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if kind == "float":
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
+    if kind == "float_a8":
+        return _int8_inputs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval(), act_group)
 
     from aipc_kernels.modules import LowBitLinear, dequantized_linear, quantize_linears
 
@@ -37,6 +43,23 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw).eval()
     quantize_linears(model, codebook, group_size, replace=dequantized_linear if kind == "dequantized" else lowbit)
     return model.float()
+
+
+def _int8_inputs(model, act_group: int):
+    """``model`` with the input of each quantizable linear (``aipc_kernels.modules.linear_names``)
+    replaced by its int8 rounding (``xq * scale``, float32)."""
+    from aipc_kernels.modules import linear_names
+    from aipc_kernels.quantizers import quantize_activations
+
+    def hook(module, args):
+        x = args[0]
+        xq, s = quantize_activations(x, act_group or None)
+        g = x.shape[-1] // s.shape[-1]
+        return ((xq.float().unflatten(-1, (-1, g)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype),) + tuple(args[1:])
+
+    for name in linear_names(model):
+        model.get_submodule(name).register_forward_pre_hook(hook)
+    return model
 
 
 def greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
