@@ -11,10 +11,8 @@ error <= 2^-11); their tokens are checked by teacher forcing (a disagreement mus
 """
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aipc_kernels.testing.bitnet_checkpoint import FAMILIES, write_bitnet_checkpoint
-from vllm_serving import check_teacher_forced, completion_tokens, run_vllm_script, start_server
+from vllm_serving import (check_teacher_forced, completion_tokens, greedy_script, run_vllm_script, script_tokens,
+                           start_server)  # fmt: skip
 
 N_NEW = 48
 EXACT = ("autobitlinear",)  # the families whose value of a 1 the kernel holds exactly
@@ -56,26 +55,11 @@ def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[
     return greedy(reference(model_dir), prompts, n)
 
 
-def _script(model: Path, prompts: list[list[int]], n: int = N_NEW, env: dict[str, str] | None = None, **llm_kw) -> str:
-    """An in-process vLLM engine that loads ``model`` and prints the greedy tokens of ``prompts``."""
-    kw = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True) | llm_kw
-    return textwrap.dedent(f"""
-        import json, os
-        os.environ.update({env or {}!r})
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-        if __name__ == "__main__":
-            llm = LLM({str(model)!r}, **{kw!r})
-            ps = [TokensPrompt(prompt_token_ids=p) for p in {prompts!r}]
-            out = llm.generate(ps, SamplingParams(max_tokens={n}, temperature=0.0, ignore_eos=True))
-            print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in out]))
-    """)
+def _script(model: Path, prompts: list[list[int]], n: int = N_NEW, **kw) -> str:
+    return greedy_script(model, prompts, n, **kw)
 
 
-def _tokens(res: subprocess.CompletedProcess) -> list[list[int]]:
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS=")]
-    assert res.returncode == 0 and lines, res.stderr[-4000:]
-    return json.loads(lines[-1][len("TOKENS=") :])
+_tokens = script_tokens
 
 
 def _check(model_dir: Path, family: str, prompts, got) -> None:

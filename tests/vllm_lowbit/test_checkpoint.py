@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,29 +16,17 @@ from safetensors.torch import load_file, save_file
 
 from aipc_kernels.formats import load_lowbit
 from aipc_kernels.quantizers import quantize_weight
-from vllm_serving import TINY, hf_greedy, run_vllm_script
+from vllm_serving import TINY, greedy_script, hf_greedy, run_vllm_script, script_tokens
 
 LINEAR = "model.layers.0.self_attn.k_proj"
 
 
 def _generate_script(model: Path, n: int = 8, **llm_kw) -> str:
     """An in-process vLLM engine that loads ``model`` and prints the greedy tokens of two prompts."""
-    return textwrap.dedent(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-        if __name__ == "__main__":
-            llm = LLM({str(model)!r}, enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **{llm_kw!r})
-            ps = [TokensPrompt(prompt_token_ids=p) for p in ([1, 45, 541, 84], [1, 298, 272, 452, 282])]
-            out = llm.generate(ps, SamplingParams(max_tokens={n}, temperature=0.0, ignore_eos=True))
-            print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in out]))
-    """)
+    return greedy_script(model, [[1, 45, 541, 84], [1, 298, 272, 452, 282]], n, **llm_kw)
 
 
-def _tokens(res: subprocess.CompletedProcess) -> list[list[int]]:
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS=")]
-    assert res.returncode == 0 and lines, res.stderr[-4000:]
-    return json.loads(lines[-1][len("TOKENS=") :])
+_tokens = script_tokens
 
 
 def _copy(src: Path, dst: Path) -> Path:

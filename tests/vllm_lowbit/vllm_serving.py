@@ -3,7 +3,9 @@ transformers references (the server and the references themselves live in aipc_k
 shared with scripts/demo.py)."""
 from __future__ import annotations
 
+import json
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -37,6 +39,31 @@ def run_vllm_script(code: str, timeout: float = 300) -> subprocess.CompletedProc
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def greedy_script(model: Path | str, prompts: list[list[int]], n: int, env: dict[str, str] | None = None,
+                  **llm_kw) -> str:  # fmt: skip
+    """An in-process vLLM engine (float32, eager unless ``llm_kw`` says otherwise) that loads ``model``
+    and prints the greedy tokens of ``prompts`` (``TOKENS=`` line, read by :func:`script_tokens`)."""
+    kw = dict(enforce_eager=True, dtype="float32", max_model_len=256, seed=0) | llm_kw
+    return textwrap.dedent(f"""
+        import json, os
+        os.environ.update({env or {}!r})
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        if __name__ == "__main__":
+            llm = LLM({str(model)!r}, **{kw!r})
+            ps = [TokensPrompt(prompt_token_ids=p) for p in {prompts!r}]
+            out = llm.generate(ps, SamplingParams(max_tokens={n}, temperature=0.0, ignore_eos=True))
+            print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in out]))
+    """)
+
+
+def script_tokens(res: subprocess.CompletedProcess) -> list[list[int]]:
+    """The tokens a :func:`greedy_script` printed; fails with its stderr when it did not finish."""
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS=")]
+    assert res.returncode == 0 and lines, res.stderr[-4000:]
+    return json.loads(lines[-1][len("TOKENS=") :])
 
 
 # ---------------------------------------------------------------------- references
