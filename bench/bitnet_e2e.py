@@ -32,7 +32,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -159,8 +158,9 @@ def _write_bitnet_checkpoint(src: Path, out: Path, family: str) -> Path:
                 "online": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     if family == "online":
-        for f in src.glob("*.safetensors*"):
-            shutil.copy2(f, out / f.name)
+        for f in src.iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(f, out / f.name)
     else:
         tensors = {}
         for name, t in HFCheckpoint(src).tensors():
@@ -175,7 +175,7 @@ def _write_bitnet_checkpoint(src: Path, out: Path, family: str) -> Path:
             tensors[name + "_scale"] = scale.reshape(1).to(torch.bfloat16)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in src.iterdir():
-        if f.is_file() and not f.name.startswith("model.safetensors") and f.name != "config.json":
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and f.name != "config.json":
             shutil.copy2(f, out / f.name)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = families[family]
@@ -302,11 +302,12 @@ def _stage_for_llamacpp(masters: Path, stage: Path, shard_bytes: int = 2**30) ->
     _sentencepiece_model(stage / "tokenizer.model")
 
 
-def ggufs(masters: Path, cache: Path, qtypes: list[str]) -> dict[str, Path]:
+def ggufs(masters: Path, cache: Path, qtypes: list[str], key: str) -> dict[str, Path]:
     """The bf16 masters converted by llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype bf16``;
     its BitNet class ternarizes q/k/v/o/gate/up/down with the absmean rule) and quantized by
-    ``llama-quantize`` to each of ``qtypes``; cached under ``cache/gguf/<model>``."""
-    root = cache / "gguf" / masters.name
+    ``llama-quantize`` to each of ``qtypes``; cached under ``cache/gguf/<key>`` (``key``: the float
+    model, whose weights the masters are, whichever writer wrote them)."""
+    root = cache / "gguf" / key
     root.mkdir(parents=True, exist_ok=True)
     out = {q: root / f"model-{q}.gguf" for q in qtypes}
     bf16 = root / "model-bf16.gguf"
@@ -354,16 +355,27 @@ def gguf_bytes(path: Path, cache: Path) -> dict[str, Any]:
     return dict(roles, linear_types=sorted(types["linear"]), output_type=",".join(sorted(types["output"])))
 
 
-def peak_rss_run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
-    """Runs ``cmd`` and returns (the completed process, its peak resident set in bytes, from ``wait4``)."""
-    import tempfile
+# runs argv[1:] in a child forked from this small process and reports the child's peak RSS: a child spawned
+# straight from the bench would inherit the bench's own high-water mark at exec (Linux keeps it in ru_maxrss)
+_RSS_TRAMPOLINE = """import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[1], sys.argv[1:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nAIPC_MAXRSS_KB={usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-        out.seek(0), err.seek(0)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()), usage.ru_maxrss * 1024
+
+def peak_rss_run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
+    """Runs ``cmd`` and returns (the completed process, its peak resident set in bytes)."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_TRAMPOLINE, *cmd], capture_output=True, text=True)
+    lines = proc.stderr.rstrip().splitlines()
+    rss = int(lines[-1].partition("=")[2]) * 1024 if lines and lines[-1].startswith("AIPC_MAXRSS_KB=") else 0
+    return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, "\n".join(lines[:-1])), rss
 
 
 def run_llamacpp(name: str, gguf: Path, cache: Path, threads: int, new_tokens: int, prompt: int, reps: int,
@@ -398,9 +410,11 @@ def run_llamacpp(name: str, gguf: Path, cache: Path, threads: int, new_tokens: i
 # ---------------------------------------------------------------------- vLLM rows (own process)
 
 
-def _rss_now() -> int:
+def _proc_status(key: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (this process image's peak: unlike ``ru_maxrss``, not
+    inherited from the parent at exec) of this process, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -431,18 +445,19 @@ def run_vllm(name: str, model: Path, new_tokens: int, prompt: int, reps: int, pr
         return time.perf_counter() - t
 
     timed(short, 4), timed(long, 1)  # warm-up: compiles the decode and both prefill sizes
-    bw = read_bandwidth(1)
     rates, ttft = [], []
     for _ in range(reps):
         t1, tn = timed(short, 1), timed(short, 1 + new_tokens)
         rates.append(new_tokens / (tn - t1))
     for _ in range(prompt_reps):
         ttft.append(timed(long, 1))
+    peak_rss, steady_rss = _proc_status("VmHWM"), _proc_status("VmRSS")  # before the probe's 1 GB buffer
+    bw = read_bandwidth(1)  # right after the timing, under the same load
     return dict(variant=name, label=ROWS[name]["label"], model=str(model), threads=1, load_s=load_s,
                 weight_bytes=wbytes, quant_methods=methods, model_class=model_cls, read_bw_gbs_1thread=bw,
                 decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates), decode_tok_s_all=rates,
                 ttft_s=statistics.median(ttft), ttft_s_best=min(ttft), ttft_s_all=ttft,
-                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, steady_rss=_rss_now())  # fmt: skip
+                peak_rss=peak_rss, steady_rss=steady_rss)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- report
@@ -487,17 +502,19 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
             "row": r["variant"], "what": r["label"], "threads": r["threads"],
             "decode tok/s (median)": r["decode_tok_s"], "decode tok/s (best)": r["decode_tok_s_best"],
             "x TQ2_0 (best)": r["decode_tok_s_best"] / base["decode_tok_s_best"] if base else None,
-            "TTFT 512 s (median)": r["ttft_s"], "TTFT 512 s (best)": r["ttft_s_best"],
+            f"TTFT {meta['prompt']} s (median)": r["ttft_s"], f"TTFT {meta['prompt']} s (best)": r["ttft_s_best"],
             "TTFT speed-up vs llama.cpp best": llama_best["ttft_s_best"] / r["ttft_s_best"] if llama_best else None,
-            "peak RSS MB": r["peak_rss"] / 1e6, "linears MB": lin / 1e6, "output proj. MB": outb / 1e6,
+            "peak RSS MB": r["peak_rss"] / 1e6,
+            "RSS after timing MB": r["steady_rss"] / 1e6 if r.get("steady_rss") else None,
+            "linears MB": lin / 1e6, "output proj. MB": outb / 1e6,
             "output proj. type": otype, "bound tok/s": bound, "% of bound (best)": 100 * r["decode_tok_s_best"] / bound,
         })  # fmt: skip
     cols = list(table[0])
     probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
     lines = [markdown_table(table, cols), "",
-             f"Bound: read bandwidth {bw:.1f} GB/s (best single-thread probe of the run; each row probes right before "
-             f"it is timed: {probes}) divided by the "
-             f"bytes a decode step must read: the ternary linears at 2 bits + one scale per tensor "
+             f"Bound: read bandwidth {bw:.1f} GB/s (best single-thread probe of the run; each row probes just before "
+             f"(llama.cpp) or after (vLLM) it is timed: {probes}) divided by the bytes a decode step must read: "
+             "the ternary linears at 2 bits + one scale per tensor "
              f"({ideal / 1e6:.0f} MB) + the output projection as the row stores it (tied to the embedding). "
              "\"linears MB\" is what the row actually stores (TQ1_0 1.69, TQ2_0 2.06, Q4_0 4.5 bits per weight). "
              "TTFT: vLLM, one request of the prompt with `max_tokens=1` (prefill + the first sampled token); "
@@ -539,9 +556,14 @@ NOTES = """Notes:
   `convert_hf_to_gguf.py` (its `BitnetModel` ternarizes q/k/v/o/gate/up/down with the same absmean rule, so the
   GGUF holds the same ternary values) and quantizes with `llama-quantize` (the tied embedding = output
   projection goes to llama.cpp's default for the type: Q6_K).
-- llama.cpp's converter also accepts the packed layout (`quant_method: bitnet`), but its `dequant_bitnet`
-  always divides by `weight_scale` (right for `bitlinear` checkpoints, 1/mean|W| too small/large for 2B-4T's
-  `autobitlinear`); the bf16 masters are the form it reads faithfully, and what bitnet.cpp users convert.
+- llama.cpp's converter (vendored in llama-cpp-python 0.3.36) registers `BitnetForCausalLM` and `BitNetForCausalLM`
+  but reads neither 2B-4T layout as published: its tensor map knows only 1bitLLM/bitnet_b1_58's sub-norm names
+  (`self_attn.inner_attn_ln`, `mlp.ffn_layernorm`, not `attn_sub_norm`/`ffn_sub_norm`), its BitNet vocabulary
+  needs a SentencePiece `tokenizer.model` (2B-4T ships a BPE `tokenizer.json`), and for packed `quant_method:
+  bitnet` weights its `dequant_bitnet` always divides by `weight_scale` (right for `bitlinear`, wrong by a factor
+  mean|W|^2 for 2B-4T's `autobitlinear`). The bench therefore feeds it the bf16 masters (the form it ternarizes
+  itself, as bitnet.cpp users do) with the two sub-norms renamed and a small SentencePiece vocabulary
+  padded to the model's; the tensors' values are unchanged.
 - llama.cpp's BitNet graph applies SiLU where 2B-4T has relu2 (same cost); random weights, so no output is compared.
 - Intel GPUs / NPUs: not measured (no such device here)."""
 
@@ -588,8 +610,9 @@ def main() -> None:
 
     # checkpoints and GGUFs (cached; not timed, outside the lock)
     src = float_model(g)
-    paths = {fam: layout(src, fam) for fam in {ROWS[n]["layout"] for n in args.rows if ROWS[n]["kind"] == "vllm"} | {"online"}}
-    files = ggufs(paths["online"], cache, [ROWS[n]["qtype"] for n in want_llama]) if want_llama else {}
+    families = {ROWS[n]["layout"] for n in args.rows if ROWS[n]["kind"] == "vllm"} | {"online"}  # llama.cpp reads the masters
+    paths = {fam: layout(src, fam) for fam in sorted(families)}
+    files = ggufs(paths["online"], cache, [ROWS[n]["qtype"] for n in want_llama], src.name) if want_llama else {}
     if args.prepare_only:
         print("\n".join(f"{k}: {v}" for k, v in {**paths, **files}.items()))
         return
@@ -619,7 +642,9 @@ def main() -> None:
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **VLLM_ENV))
                 line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
                 if proc.returncode != 0 or not line:
-                    err = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
+                    lines = proc.stderr.strip().splitlines() or ["?"]
+                    err = ([ln for ln in lines if any(k in ln for k in ("Error:", "error,", "error:", "Exception:"))]
+                           or lines)[-1].strip()[:300]  # fmt: skip
                     skipped[name] = f"its process failed (exit {proc.returncode}): {err}"
                     print(f"[{name}] {skipped[name]}\n{proc.stderr[-4000:]}", flush=True)
                     continue
@@ -641,8 +666,8 @@ def main() -> None:
         )  # fmt: skip
         notes, body = report(rows, meta)
         body += "\n\n## Ratios\n\n" + summary(rows)
-        write_results(args.out, args.name, "BitNet b1.58 2B-4T end to end on the CPU: vLLM + vllm_lowbit vs llama.cpp",
-                      info, rows, body, notes, extra=dict(meta=meta))
+        title = f"BitNet b1.58 ({args.geometry} geometry) end to end on the CPU: vLLM + vllm_lowbit vs llama.cpp"
+        write_results(args.out, args.name, title, info, rows, body, notes, extra=dict(meta=meta))
 
 
 if __name__ == "__main__":
