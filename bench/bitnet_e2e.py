@@ -29,7 +29,6 @@ does it, about 20 min on 2 cores); the GGUFs are cached there as well.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from aipc_kernels.testing.bitnet_checkpoint import write_bitnet_checkpoint
 from harness import BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, write_results  # bench/ on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,115 +85,17 @@ def geometry(name: str, layers: Optional[int]) -> dict[str, int]:
     return g
 
 
-def _write_float_bitnet(g: dict[str, int], out: Path, seed: int = SEED) -> None:
-    """A random float ``BitNetForCausalLM`` (bf16, tied embeddings, relu2) with the tiny tokenizer,
-    filled as ``tiny_model`` fills its models: N(0, 1/fan_in) per matrix (the tied embedding scaled for
-    logits of std ~2), one generator per parameter; built on the meta device, one copy in memory."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-    from transformers import BitNetConfig, BitNetForCausalLM, GenerationConfig
-
-    from aipc_kernels.testing.tiny_model import _LOGIT_STD, _TOKEN_IDS, _param_seed, build_tokenizer
-
-    build_tokenizer(out, g["vocab"])
-    config = BitNetConfig(
-        vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
-        num_hidden_layers=g["layers"], num_attention_heads=g["heads"], num_key_value_heads=g["kv_heads"],
-        max_position_embeddings=g["max_position"], tie_word_embeddings=True, hidden_act="relu2", **_TOKEN_IDS,
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = BitNetForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    lm_head = model.get_output_embeddings().weight
-
-    @torch.no_grad()
-    def fill(item: tuple[str, torch.nn.Parameter]) -> None:
-        name, param = item
-        if param.ndim >= 2:
-            std = (_LOGIT_STD if param is lm_head else 1.0) / param.shape[1] ** 0.5
-            param.normal_(0.0, std, generator=torch.Generator().manual_seed(_param_seed(seed, name)))
-        else:
-            param.fill_(1.0)
-
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
-        list(pool.map(fill, model.named_parameters()))
-    model.generation_config = GenerationConfig(**_TOKEN_IDS)
-    model.save_pretrained(out, max_shard_size="1GB")  # one ~1 GB shard in memory at a time
-
-
 def float_model(g: dict[str, int]) -> Path:
-    """The float BitNet model of geometry ``g``, built once into the cache.
-    (Swap for ``build_tiny_model(arch="bitnet", ...)`` once tiny_model has that architecture.)"""
-    import torch
-    import transformers
+    """The float BitNet model of geometry ``g`` (random bf16 masters, tied embeddings, relu2, the tiny
+    tokenizer padded to the vocabulary), built once into the tiny-model cache by ``tiny_model``."""
+    from aipc_kernels.testing.tiny_model import build_tiny_model
 
-    key = hashlib.sha256(json.dumps(dict(g, seed=SEED, transformers=transformers.__version__,
-                                         torch=torch.__version__, v=1), sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_dir() / f"bitnet-float-{key}"
-    if not (out / "config.json").exists():
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        print(f"[model] writing the float BitNet model {g} to {out} ...", flush=True)
-        _write_float_bitnet(g, tmp)
-        tmp.rename(out)
-    return out
-
-
-def _write_bitnet_checkpoint(src: Path, out: Path, family: str) -> Path:
-    """The bench's own writer of the published layouts, until the lead's
-    ``aipc_kernels.testing.bitnet_checkpoint.write_bitnet_checkpoint`` lands (same signature and
-    families): ``autobitlinear`` packs each linear with transformers' ``pack_weights`` of the codes
-    of transformers' ``WeightQuant`` (BitNet's absmean rule) and ``weight_scale = mean|W|`` (bf16,
-    [1]); ``online`` keeps the masters. Streams tensor by tensor."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers.integrations.bitnet import WeightQuant, pack_weights
-
-    from aipc_kernels.hf_checkpoint import HFCheckpoint
-
-    families = {"autobitlinear": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"},
-                "online": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}}  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    if family == "online":
-        for f in src.iterdir():
-            if f.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copy2(f, out / f.name)
-    else:
-        tensors = {}
-        for name, t in HFCheckpoint(src).tensors():
-            prefix, _, leaf = name.rpartition(".")
-            if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
-                tensors[name] = t
-                continue
-            with torch.compiler.set_stance("force_eager"):  # WeightQuant.forward is torch.compiled
-                q = WeightQuant.apply(t.float())  # codes * mean|W|, float32
-            scale = q.abs().amax()  # every nonzero value is +-mean|W|
-            tensors[name] = pack_weights(torch.sign(q).to(torch.int8))
-            tensors[name + "_scale"] = scale.reshape(1).to(torch.bfloat16)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and f.name != "config.json":
-            shutil.copy2(f, out / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = families[family]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-try:  # the project's writer of the published layouts, where it exists (the bench's own until then)
-    from aipc_kernels.testing.bitnet_checkpoint import write_bitnet_checkpoint
-
-    WRITER = "bitnet_checkpoint"
-except ImportError:
-    write_bitnet_checkpoint, WRITER = _write_bitnet_checkpoint, "bench"
+    return build_tiny_model("bitnet", seed=SEED, **g)
 
 
 def layout(src: Path, family: str) -> Path:
     """``src`` written as ``family`` (``autobitlinear`` / ``online``), cached beside it."""
-    out = src.with_name(f"{src.name}-{family}-{WRITER}")
+    out = cache_dir() / f"{src.name}-{family}"
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
