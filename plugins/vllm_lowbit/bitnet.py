@@ -184,7 +184,7 @@ class BitNetPackedLinearMethod(LinearMethodBase):
             weight_loader=self._weight_loader(layer, vllm_loader),
         )
         layer.register_parameter("weight", values)
-        scale = torch.nn.Parameter(torch.empty(len(output_partition_sizes), device="meta"), requires_grad=False)
+        scale = torch.nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32, device="meta"), requires_grad=False)
         scale.weight_loader = self._scale_loader(layer)
         layer.register_parameter("weight_scale", scale)
         initialize_online_processing(layer)

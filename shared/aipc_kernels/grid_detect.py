@@ -170,7 +170,8 @@ def detect_grid(
         return None
     N, K = weight.shape
     w = weight.detach()
-    sample = w[torch.linspace(0, N - 1, min(N, SAMPLE_ROWS)).round().long().unique()]
+    k = min(N, SAMPLE_ROWS)  # k rows spread evenly, in integers (vLLM may set a bf16 default dtype)
+    sample = w[(torch.arange(k, dtype=torch.int64) * (N - 1)) // max(k - 1, 1)]
     if not bool(_row_stats(sample).on.all()):
         return None
     st = _cat_stats([_row_stats(w[i : i + QUANT_ROW_BLOCK]) for i in range(0, N, QUANT_ROW_BLOCK)])

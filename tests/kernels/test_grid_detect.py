@@ -136,3 +136,15 @@ def test_one_perturbed_value_is_none(w_bits, row):
     bad = wq.clone()
     bad.view(torch.int16)[row, 17] += 1  # one bf16 unit away from the grid value
     assert detect_grid(bad) is None
+
+
+def test_detect_grid_under_a_bf16_default_dtype():
+    """vLLM sets torch's default dtype to the model's while it loads (bf16 here): the row sampling must
+    not depend on it (a bf16 linspace rounded row 1023 of 1024 to 1024, out of bounds)."""
+    w = torch.randn(1024, 64, generator=torch.Generator().manual_seed(5))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert detect_grid(w.to(torch.bfloat16), "w") is None
+    finally:
+        torch.set_default_dtype(old)
