@@ -10,15 +10,19 @@ over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, tok
 Both builds take the same argument vector (``native.lowbit_linear_args``) and are timed by the same C
 loop (the probes' ``time_calls`` of each build's ``aipc_lowbit_linear_v``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
-working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones).
+working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones),
+and the segment-KV attention kernel (``aipc_segment_sdpa``, rows ``seg *``: bench/segment_kv.py's llama-150m
+attention, BS=1, 4 beams, prompt 1024, 128 response tokens; decode is one query token per beam, prefill
+the 1024-token prompt), timed from Python (``time.perf_counter`` around the same ctypes call for both).
 """
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
-from aipc_kernels import native
+from aipc_kernels import native, segment_attention
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from gemv_cpu import kernel_args  # bench/ is on sys.path when run as a script
@@ -43,8 +47,44 @@ def time_with(lib: ctypes.CDLL, vectors: list, isa: str, calls: int) -> float:
     return native_probes().time_calls(lib.aipc_lowbit_linear_v, vectors, calls, 0.2)
 
 
+#: segment_sdpa rows: (Hq, Hkv, D, prompt Np, response Nr, query length Lq), BS=1 x 4 beams, bf16 K/V
+SEGMENT = {
+    "seg 150m GQA decode": (12, 4, 64, 1024, 128, 1),
+    "seg 150m MHA decode": (12, 12, 64, 1024, 128, 1),
+    "seg 150m GQA prefill": (12, 4, 64, 1024, 0, 1024),
+}
+BEAMS = 4
+
+
+def segment_case(Hq: int, Hkv: int, D: int, Np: int, Nr: int, Lq: int) -> tuple:
+    """The kernel's arguments for one beam-search step (query strided as transformers passes it)."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    N = BEAMS
+    q = r(N, Lq, Hq, D).transpose(1, 2)
+    path = torch.randint(0, N, (Nr, N), generator=g, dtype=torch.int32)
+    return q, r(1, Np, Hkv, D), r(1, Np, Hkv, D), r(max(Nr, 1), N, Hkv, D), r(max(Nr, 1), N, Hkv, D), path
+
+
+def time_segment(fn, args: tuple, causal: bool, isa: str, lib: ctypes.CDLL, calls: int = 20) -> float:
+    """Seconds per call of one build's ``aipc_segment_sdpa`` (best of ``calls``), run under ``isa``."""
+    if lib.aipc_set_isa(native.ISAS[isa]) != 0:
+        raise ValueError(f"isa={isa} not on this CPU")
+    out = torch.empty(args[0].shape[0], args[0].shape[2], args[0].shape[1], args[0].shape[3])
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        segment_attention.native_segment_sdpa(*args, is_causal=causal, out=out, fn=fn)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
-    ap = BenchParser("ab_native", __doc__, list(SHAPES), [s for s in SHAPES if s.startswith("8B")], what="shapes")
+    ap = BenchParser("ab_native", __doc__, list(SHAPES) + list(SEGMENT), [s for s in SHAPES if s.startswith("8B")],
+                     what="shapes")
     ap.add_argument("--base", required=True, help="path of the baseline build (.so)")
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,2,4,8,16,128")
@@ -59,7 +99,18 @@ def main() -> None:
     rows = []
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
-        for label in args.rows:
+        seg_fns = {"base": segment_attention.bind_native(base), "new": segment_attention.bind_native(new)}
+        for label in [r for r in args.rows if r in SEGMENT]:
+            case = segment_case(*SEGMENT[label])
+            for isa in isas:
+                t = {"base": float("inf"), "new": float("inf")}
+                for _ in range(args.rounds):
+                    for build, lib in (("base", base), ("new", new)):
+                        t[build] = min(t[build], time_segment(seg_fns[build], case, SEGMENT[label][5] > 1, isa, lib))
+                rows.append(dict(shape=label, M=BEAMS, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
+                                 new_over_base=t["new"] / t["base"]))  # fmt: skip
+                print(rows[-1], flush=True)
+        for label in [r for r in args.rows if r in SHAPES]:
             N, K = SHAPES[label]
             p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
             copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
@@ -78,10 +129,11 @@ def main() -> None:
                 del y, vectors
         native.set_isa(best)
         bw = read_bandwidth()
-    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. int2 affine group 64, bf16 activations, "
+    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. lowbit rows: int2 affine group 64, bf16 activations, "
              f"the C kernel alone timed in C over weights rotated through {args.rotate_gb:.1f} GB, rounds alternating "
              f"base ({args.base_name}) and new (the working tree), best of {args.rounds}. new_over_base > 1: the working "
-             f"tree is slower.")
+             f"tree is slower. seg rows: aipc_segment_sdpa (M = beams), bf16, best of 20 calls per round timed "
+             f"from Python around the same ctypes call for both builds.")
     write_results(args.out, args.name, f"Native kernel A/B: working tree vs {args.base_name}", info, rows,
                   markdown_table(rows, ["shape", "M", "isa", "base_us", "new_us", "new_over_base"]), notes)
 

@@ -41,10 +41,9 @@ MAX_GROUP = {"native": 256, "reference": 1 << 30, "triton": 64}
 # ---------------------------------------------------------------------------------------- CPU native
 
 
-@lru_cache(maxsize=1)
-def _native_fn():
-    """The C entry point with its ctypes signature, or None when the library lacks it."""
-    lib = native.library()
+def bind_native(lib: Optional[ctypes.CDLL]):
+    """``lib``'s C entry point ``aipc_segment_sdpa`` with its ctypes signature, or None when ``lib``
+    lacks it (bench/ab_native.py binds another build's library with it)."""
     fn = getattr(lib, "aipc_segment_sdpa", None) if lib is not None else None
     if fn is None:
         return None
@@ -54,6 +53,12 @@ def _native_fn():
                    i64, i64, i64, i64, i64, i64, i64, i64, f32, ci, ci]  # fmt: skip
     lib.aipc_segment_isa.restype = ci
     return fn
+
+
+@lru_cache(maxsize=1)
+def _native_fn():
+    """This package's library's entry point (:func:`bind_native`), or None."""
+    return bind_native(native.library())
 
 
 def native_available() -> bool:
@@ -81,11 +86,13 @@ def native_segment_sdpa(
     is_causal: bool = False,
     out: Optional[torch.Tensor] = None,
     dims: Optional[SegmentDims] = None,
+    fn=None,
 ) -> torch.Tensor:
     """The native CPU kernel for any shape (prefill included). ``out``: optional float32
     ``[N, Lq, Hq, D]`` to write into (tests poison it). ``dims``: what :func:`check_args` returned for
-    these arguments, from a caller that validated them already. Returns the output in the query's dtype."""
-    fn = _native_fn()
+    these arguments, from a caller that validated them already. ``fn``: another build's entry point
+    (:func:`bind_native`; default this package's). Returns the output in the query's dtype."""
+    fn = fn or _native_fn()
     if fn is None:
         raise RuntimeError("the native segment_sdpa kernel is not built; rebuild aipc-plugins (setup.py build_ext)")
     d = dims or check_args(query, prompt_key, prompt_value, response_key, response_value, path, attn_mask)
