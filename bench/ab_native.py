@@ -69,6 +69,18 @@ def segment_case(Hq: int, Hkv: int, D: int, Np: int, Nr: int, Lq: int) -> tuple:
     return q, r(1, Np, Hkv, D), r(1, Np, Hkv, D), r(max(Nr, 1), N, Hkv, D), r(max(Nr, 1), N, Hkv, D), path
 
 
+def segment_entry(lib: ctypes.CDLL, isa: str):
+    """``lib``'s ``aipc_segment_sdpa`` as today's signature calls it. Builds before the csrc split (no
+    ``aipc_segment_isa``) took the ISA level as an argument before the thread count (0 scalar, 1 AVX2,
+    3 AVX-512): the wrapper passes the level of ``isa``, as their segment_attention.py did."""
+    fn = segment_attention.bind_native(lib)
+    if hasattr(lib, "aipc_segment_isa"):
+        return fn
+    fn.argtypes = fn.argtypes[:-1] + [ctypes.c_int, ctypes.c_int]
+    level = 3 if isa.startswith(("avx512", "amx")) else 1 if isa.startswith("avx") else 0
+    return lambda *args: fn(*args[:-1], level, args[-1])
+
+
 def time_segment(fn, args: tuple, causal: bool, isa: str, lib: ctypes.CDLL, calls: int = 20) -> float:
     """Seconds per call of one build's ``aipc_segment_sdpa`` (best of ``calls``), run under ``isa``."""
     if lib.aipc_set_isa(native.ISAS[isa]) != 0:
@@ -99,10 +111,10 @@ def main() -> None:
     rows = []
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
-        seg_fns = {"base": segment_attention.bind_native(base), "new": segment_attention.bind_native(new)}
         for label in [r for r in args.rows if r in SEGMENT]:
             case = segment_case(*SEGMENT[label])
             for isa in isas:
+                seg_fns = {"base": segment_entry(base, isa), "new": segment_entry(new, isa)}
                 t = {"base": float("inf"), "new": float("inf")}
                 for _ in range(args.rounds):
                     for build, lib in (("base", base), ("new", new)):

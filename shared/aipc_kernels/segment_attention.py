@@ -51,7 +51,6 @@ def bind_native(lib: Optional[ctypes.CDLL]):
     fn.restype = ci
     fn.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, vp, i64, i64, i64, vp, ci,
                    i64, i64, i64, i64, i64, i64, i64, i64, f32, ci, ci]  # fmt: skip
-    lib.aipc_segment_isa.restype = ci
     return fn
 
 
@@ -71,7 +70,9 @@ def native_isa() -> str:
     (:func:`aipc_kernels.native.set_isa`): ``scalar``, ``avx2`` or ``avx512_vnni`` (its AVX-512 code)."""
     if _native_fn() is None:
         raise RuntimeError("the native segment_sdpa kernel is not built; rebuild aipc-plugins (setup.py build_ext)")
-    return native.ISA_NAMES[native.library().aipc_segment_isa()]
+    query = native.library().aipc_segment_isa
+    query.restype = ctypes.c_int
+    return native.ISA_NAMES[query()]
 
 
 def native_segment_sdpa(
