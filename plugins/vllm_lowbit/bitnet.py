@@ -101,7 +101,8 @@ class BitNetConfig(QuantizationConfig):
         if len(set(kept.values())) > 1:
             raise ValueError(
                 f"{bf.NAMING.key('modules_to_not_convert')} keeps {[n for n, k in kept.items() if k]} float but not "
-                f"{[n for n, k in kept.items() if not k]}, which vLLM runs as one layer {prefix!r}; list all or none of them"
+                f"{[n for n, k in kept.items() if not k]}, which vLLM runs as one layer {prefix!r}; list all or "
+                f"none of them"
             )
         return bool(kept) and next(iter(kept.values()))
 
@@ -140,8 +141,15 @@ def _slot_values(layer: torch.nn.Module, config: QuantizationConfig, pname: str)
     """Each slot's recorded value; an error names the first checkpoint tensor that never arrived."""
     for i, shard in enumerate(layer.bitnet_shards):
         if i not in layer.bitnet_slot_value:
-            raise ValueError(f"bitnet checkpoint is missing tensor {checkpoint_tensor_name(config, layer, pname, shard)}")
+            name = checkpoint_tensor_name(config, layer, pname, shard)
+            raise ValueError(f"bitnet checkpoint is missing tensor {name}")
     return [layer.bitnet_slot_value[i] for i in range(len(layer.bitnet_shards))]
+
+
+def _load(vllm_loader: Callable, param, tensor: torch.Tensor, shard):
+    """vLLM's loader with a shard id only where the checkpoint tensor is one slot of a merged layer
+    (the loaders of unmerged layers take none)."""
+    return vllm_loader(param, tensor) if shard is None else vllm_loader(param, tensor, shard)
 
 
 def _install(layer: torch.nn.Module, values: torch.Tensor, ones: list[float]) -> None:
@@ -184,7 +192,8 @@ class BitNetPackedLinearMethod(LinearMethodBase):
             weight_loader=self._weight_loader(layer, vllm_loader),
         )
         layer.register_parameter("weight", values)
-        scale = torch.nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32, device="meta"), requires_grad=False)
+        scale = torch.nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32, device="meta"),
+                                   requires_grad=False)  # fmt: skip
         scale.weight_loader = self._scale_loader(layer)
         layer.register_parameter("weight_scale", scale)
         initialize_online_processing(layer)
@@ -199,9 +208,7 @@ class BitNetPackedLinearMethod(LinearMethodBase):
                     f"bitnet checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, unpacking to "
                     f"{tuple(values.shape)}; expected [{expect[0]}/4, {expect[1]}] for this layer"
                 )
-            if loaded_shard_id is None:
-                return vllm_loader(param, values)
-            return vllm_loader(param, values, loaded_shard_id)
+            return _load(vllm_loader, param, values, loaded_shard_id)
 
         return bitnet_weight_loader
 
@@ -211,7 +218,8 @@ class BitNetPackedLinearMethod(LinearMethodBase):
         def bitnet_scale_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
             one = bf.packed_scale(loaded_weight, linear_class, self._name(layer, "weight_scale", loaded_shard_id))
             slots = _record(layer, loaded_shard_id, one)
-            param.data[slots[0] : slots[-1] + 1].copy_(loaded_weight.reshape(1).float().expand(len(slots)))  # counted by vLLM's loader
+            # a copy into the parameter, which vLLM's layerwise loading counts towards the layer's total
+            param.data[slots[0] : slots[-1] + 1].copy_(loaded_weight.reshape(1).float().expand(len(slots)))
 
         return bitnet_scale_loader
 
@@ -248,9 +256,7 @@ class BitNetOnlineLinearMethod(OnlineLinearBase):
 
         def bitnet_master_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
             _record(layer, loaded_shard_id, bf.absmean_multiplier(loaded_weight))  # before any TP slice
-            if loaded_shard_id is None:
-                return vllm_loader(param, loaded_weight)
-            return vllm_loader(param, loaded_weight, loaded_shard_id)
+            return _load(vllm_loader, param, loaded_weight, loaded_shard_id)
 
         extra_weight_attrs["weight_loader"] = bitnet_master_loader
         super().create_weights(
@@ -267,8 +273,6 @@ class BitNetOnlineLinearMethod(OnlineLinearBase):
         multipliers = _slot_values(layer, self.config, "weight")
         parts = [bf.ternarize(w, m) for w, m in zip(torch.split(weight.detach(), layer.bitnet_widths), multipliers)]
         _install(layer, torch.cat([v for v, _ in parts]), [one for _, one in parts])
-        if self.requantization_source is not None:
-            self.release_requantization_source_weights(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)

@@ -85,10 +85,17 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+def _default_sigint() -> None:
+    """The writer starts with SIGINT's default disposition, as from a terminal: a test run started in
+    the background (``cmd &`` in a non-interactive shell) ignores SIGINT, and Python then installs no
+    KeyboardInterrupt handler (so atomic_output_dir rightly takes none, and Ctrl-C would do nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(dest: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(dest)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=_default_sigint)
     assert proc.stdout.readline().strip() == "writing", proc.communicate(timeout=30)
     return proc
 

@@ -66,7 +66,8 @@ def write_bitnet_checkpoint(src: str | Path, out: str | Path, family: str) -> Pa
     src, out = Path(src), Path(out)
     config = read_config(src)
     if "quantization_config" in config:
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); pass a float model")
+        method = config["quantization_config"].get("quant_method")
+        raise ValueError(f"{src} is already quantized ({method}); pass a float model")
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in HFCheckpoint(src).tensors():
