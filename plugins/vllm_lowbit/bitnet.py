@@ -43,7 +43,7 @@ from . import PLUGIN_NAME
 from .linear_method import (apply_lowbit, checkpoint_rows, checkpoint_tensor_name, install_packed, layer_shards,
                             shard_index)  # fmt: skip
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
 
 @register_quantization_config(bf.QUANT_METHOD)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from aipc_kernels.formats import SCALE_DTYPES, LowBitWeight
-from aipc_kernels.grid_detect import detect_grid, split_rows
+from aipc_kernels.grid_detect import detect_grid, recovered_summary, split_rows
 
 #: sibling linears that vLLM's models merge into one layer (qkv_proj, gate_up_proj)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -80,16 +80,11 @@ class GridLinears:
         """One line: how many linears were recovered from a grid, per code book, and how exactly."""
         if not self.layer_formats:
             return ""
-        books: dict[str, int] = {}
-        for f in self.layer_formats.values():
-            books[f["codebook"]] = books.get(f["codebook"], 0) + 1
-        n = len(self.layer_formats)
-        how = "all exact" if not self.inexact else (
-            f"{n - len(self.inexact)} exact, {len(self.inexact)} within the scale's rounding (largest error "
-            f"{100 * self.worst:.3g}% of a row's largest weight)")  # fmt: skip
-        return (f"{n} linears lie on a low-bit grid and were stored with one scale per row "
-                f"(quantization_config.layer_formats): {', '.join(f'{k} {v}' for k, v in sorted(books.items()))}; "
-                f"{how}")  # fmt: skip
+        names = list(self.layer_formats)
+        summary = recovered_summary([self.layer_formats[n]["codebook"] for n in names],
+                                    [n not in self.inexact for n in names], self.worst)  # fmt: skip
+        return (f"{len(names)} linears lie on a low-bit grid and were stored with one scale per row "
+                f"(quantization_config.layer_formats): {summary}")  # fmt: skip
 
 
 __all__ = ["FUSED", "GridLinears"]

@@ -45,7 +45,7 @@ from vllm.model_executor.parameter import (
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.formats import LowBitWeight, get_codebook, resolve_group_size
 from aipc_kernels import packing
-from aipc_kernels.grid_detect import GridWeight, detect_grid
+from aipc_kernels.grid_detect import GridWeight, detect_grid, recovered_summary
 from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
 from aipc_kernels.quantizers import quantize_rows
 
@@ -315,18 +315,12 @@ class GridReport:
 
     def _log(self, config: QuantizationConfig) -> None:
         n, total = len(self.grids), len(self.grids) + len(self.others)
-        books: dict[str, int] = {}
-        for g in self.grids.values():
-            books[g.codebook] = books.get(g.codebook, 0) + 1
-        exact = sum(g.exact for g in self.grids.values())
-        worst = max(g.max_rel_error for g in self.grids.values())
-        how = "all exact" if exact == n else (
-            f"{exact} exact, {n - exact} within the scale's rounding (largest error {100 * worst:.3g}% of a row's "
-            f"largest weight)")  # fmt: skip
+        grids = list(self.grids.values())
+        summary = recovered_summary([g.codebook for g in grids], [g.exact for g in grids],
+                                    max(g.max_rel_error for g in grids))  # fmt: skip
         logger.info(
             "lowbit2: %d of %d linear layers already lie on a low-bit grid (ParetoQ-style) and are stored "
-            "with one scale per row instead of being quantized: %s; %s",
-            n, total, ", ".join(f"{k} {v}" for k, v in sorted(books.items())), how,
+            "with one scale per row instead of being quantized: %s", n, total, summary,
         )  # fmt: skip
         if self.others:
             logger.warning(

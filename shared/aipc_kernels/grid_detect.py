@@ -204,4 +204,16 @@ def split_rows(w: LowBitWeight, sizes: list[int], names: list[str]) -> list[LowB
     ]
 
 
-__all__ = ["GRID_CODEBOOKS", "GridWeight", "detect_grid", "split_rows"]
+def recovered_summary(codebooks: list[str], exact: list[bool], worst: float) -> str:
+    """One line for the layers recovered from a grid (their code books, whether each is exact, the
+    largest relative error): ``binary 2, ternary 1; all exact`` or ``...; 1 exact, 2 within ...``."""
+    counts = {b: codebooks.count(b) for b in sorted(set(codebooks))}
+    books = ", ".join(f"{b} {n}" for b, n in counts.items())
+    n, ok = len(exact), sum(exact)
+    if ok == n:
+        return f"{books}; all exact"
+    return (f"{books}; {ok} exact, {n - ok} within the scale's rounding (largest error {100 * worst:.3g}% of a "
+            f"row's largest weight)")  # fmt: skip
+
+
+__all__ = ["GRID_CODEBOOKS", "GridWeight", "detect_grid", "recovered_summary", "split_rows"]
