@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from aipc_kernels.testing.bitnet_checkpoint import write_bitnet_checkpoint
-from harness import BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, write_results  # bench/ on sys.path
+from harness import (RESULT_PREFIX, BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, run_worker,
+                     write_results)  # bench/ on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
@@ -495,7 +496,7 @@ def main() -> None:
 
     if args.worker:  # one vLLM row, in this process
         res = run_vllm(args.worker, Path(args.model), args.new_tokens, args.prompt, args.reps, args.prompt_reps, args.eager)
-        print("RESULT=" + json.dumps(res), flush=True)
+        print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
 
     g = geometry(args.geometry, args.layers)
@@ -541,16 +542,11 @@ def main() -> None:
                        str(args.new_tokens), "--prompt", str(args.prompt), "--reps", str(args.reps), "--prompt-reps",
                        str(args.prompt_reps)] + (["--eager"] if args.eager else [])  # fmt: skip
                 env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **VLLM_ENV))
-                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
-                if proc.returncode != 0 or not line:
-                    lines = proc.stderr.strip().splitlines() or ["?"]
-                    err = ([ln for ln in lines if any(k in ln for k in ("Error:", "error,", "error:", "Exception:"))]
-                           or lines)[-1].strip()[:300]  # fmt: skip
-                    skipped[name] = f"its process failed (exit {proc.returncode}): {err}"
-                    print(f"[{name}] {skipped[name]}\n{proc.stderr[-4000:]}", flush=True)
+                row, reason = run_worker(name, cmd, dict(env, **VLLM_ENV))
+                if row is None:
+                    skipped[name] = reason
                     continue
-                rows.append(json.loads(line[-1][len("RESULT=") :]))
+                rows.append(row)
             print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s, TTFT {rows[-1]['ttft_s']:.2f} s", flush=True)
         if not rows:
             sys.exit("no row ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))

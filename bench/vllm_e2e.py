@@ -17,13 +17,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from harness import BenchParser, bench_lock, machine_info, read_bandwidth, write_results  # bench/ is on sys.path
+from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -304,7 +303,7 @@ def main() -> None:
 
     if args.worker:  # one variant, in this process
         res = run_variant(args.worker, Path(args.model), args.new_tokens, args.reps, args.profile, args.eager)
-        print("RESULT=" + json.dumps(res), flush=True)
+        print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
 
     with bench_lock(enabled=not args.no_lock):  # never two benchmarks at once on the shared machine
@@ -321,13 +320,11 @@ def main() -> None:
                    str(args.new_tokens), "--reps", str(args.reps)] + (["--profile"] if name == "lowbit2" else []) \
                 + (["--eager"] if args.eager else [])  # fmt: skip
             print(f"[{name}] {VARIANTS[name]['label']} ...", flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **VLLM_ENV))
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
-            if proc.returncode != 0 or not line:
-                skipped[name] = f"its process failed (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}"
-                print(f"[{name}] skipped: {skipped[name]}\n{proc.stderr[-5000:]}", flush=True)
+            row, reason = run_worker(name, cmd, dict(os.environ, **VLLM_ENV))
+            if row is None:
+                skipped[name] = reason
                 continue
-            rows.append(json.loads(line[-1][len("RESULT=") :]))
+            rows.append(row)
             print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s", flush=True)
         if not rows:
             sys.exit("no variant ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))

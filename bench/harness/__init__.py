@@ -1,13 +1,15 @@
 """What every benchmark in bench/ shares: the machine block, the bandwidth probe, the bench lock, the
-results writer and the command-line convention (``--rows``, ``--list-rows``, ``--out``, ``--name``,
+results writer, the worker-process runner and the command-line convention (``--rows``, ``--list-rows``, ``--out``, ``--name``,
 ``--no-lock``). The bench scripts run with bench/ on ``sys.path`` and import it as ``harness``."""
 from harness.bandwidth import gpu_copy_bandwidth, native_probes, read_bandwidth
 from harness.cli import BenchParser, select
 from harness.lock import BENCH_LOCK, bench_lock
 from harness.machine import describe, gpu_info, machine_info
 from harness.results import command_line, markdown_table, read_results, write_results
+from harness.worker import RESULT_PREFIX, run_worker
 
 __all__ = [
     "BENCH_LOCK", "BenchParser", "bench_lock", "command_line", "describe", "gpu_copy_bandwidth", "gpu_info", "machine_info",
-    "markdown_table", "native_probes", "read_bandwidth", "read_results", "select", "write_results",
+    "markdown_table", "native_probes", "read_bandwidth", "read_results", "RESULT_PREFIX", "run_worker", "select",
+    "write_results",
 ]

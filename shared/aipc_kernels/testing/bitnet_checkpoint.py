@@ -11,9 +11,8 @@ The families (``FAMILIES``), each as its hub repos store it:
 * ``online``: bitnet-b1.58-2B-4T-bf16: the float masters unchanged,
   ``{quant_method: bitnet, linear_class: autobitlinear, quantization_mode: online}``.
 
-The ternary values are BitNet's absmean rule per tensor (``round(W / mean|W|)`` clamped to [-1, 1],
-the arithmetic of transformers' ``WeightQuant``), so the three families of one source hold the same
-values. What they mean is checked by the tests against transformers' own BitNet forward passes
+The ternary values are BitNet's absmean rule per tensor (``round(W / mean|W|)`` clamped to [-1, 1]),
+computed by transformers' own ``WeightQuant``, so the three families of one source hold the same values. What they mean is checked by the tests against transformers' own BitNet forward passes
 (``AutoModelForCausalLM.from_pretrained``), not against this module.
 
 CLI: ``python -m aipc_kernels.testing.bitnet_checkpoint SRC OUT --family autobitlinear``.
@@ -45,13 +44,15 @@ def _is_linear(name: str) -> bool:
 
 
 def _packed(weight: torch.Tensor, family: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One float weight -> (transformers-packed uint8 values, its ``weight_scale`` as the family stores it)."""
-    from transformers.integrations.bitnet import pack_weights
+    """One float weight -> (transformers-packed uint8 values, its ``weight_scale`` as the family stores
+    it): BitNet's absmean ternarization by transformers' own ``WeightQuant`` (uncompiled: the same
+    arithmetic), packed by its ``pack_weights``."""
+    from transformers.integrations.bitnet import WeightQuant, pack_weights
 
-    w = weight.float()
-    mean = w.abs().mean().clamp_(min=1e-5)
-    values = (w * (1.0 / mean)).round().clamp_(-1, 1)
-    packed = pack_weights(values.clone())  # pack_weights adds 1 in place
+    quant = getattr(WeightQuant.forward, "_torchdynamo_orig_callable", WeightQuant.forward)
+    w = quant(None, weight.float())  # values * mean|W|, float32
+    mean = w.abs().amax().clamp(min=1e-5)  # every nonzero value is +-mean|W| (clamped as WeightQuant does)
+    packed = pack_weights(torch.sign(w))  # pack_weights adds 1 in place: sign() is a fresh tensor
     scale = mean if family == "autobitlinear" else 1.0 / mean
     return packed, scale.reshape(1).to(torch.bfloat16)
 

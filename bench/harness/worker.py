@@ -1,0 +1,24 @@
+"""A bench row measured in a worker process of its own (the vLLM benches: one engine per process),
+which prints its row as one ``RESULT=<json>`` line on stdout."""
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Optional
+
+RESULT_PREFIX = "RESULT="
+_ERROR_MARKS = ("Error:", "error,", "error:", "Exception:")
+
+
+def run_worker(name: str, cmd: list[str], env: dict[str, str]) -> tuple[Optional[dict], str]:
+    """Runs ``cmd`` and returns (its ``RESULT=`` row, "") or, when it failed, (None, the reason: its exit
+    status and its last error line); a failure also prints the worker's stderr tail under ``[name]``."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1][len(RESULT_PREFIX) :]), ""
+    err = proc.stderr.strip().splitlines() or ["?"]
+    last = ([ln for ln in err if any(m in ln for m in _ERROR_MARKS)] or err)[-1].strip()[:300]
+    reason = f"its process failed (exit {proc.returncode}): {last}"
+    print(f"[{name}] {reason}\n{proc.stderr[-4000:]}", flush=True)
+    return None, reason
