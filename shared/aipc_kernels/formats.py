@@ -1,7 +1,8 @@
-"""The canonical low-bit weight format (``lowbit2``, and its 1-bit sibling).
+"""The canonical low-bit weight format (``lowbit2``, its 1-bit sibling and 8-bit output projections).
 
 A weight ``W[N, K]`` is stored as unsigned codes ``c`` packed along K (2 bits: 4 per byte, 1 bit:
-8 per byte, element ``k`` at bits ``bits*(k % per_byte)`` of byte ``k // per_byte``, low bits first),
+8 per byte, 8 bits: one per byte; element ``k`` at bits ``bits*(k % per_byte)`` of byte
+``k // per_byte``, low bits first),
 per-group scales ``s[N, K/G]`` (fp16 or bf16) and a code book that maps codes to values:
 
     W[n, k] = s[n, g] * (cmul * c[n, k] - z[n, g]),   g = k // G
@@ -14,7 +15,11 @@ int2      2     {-2, -1, 0, 1}                       2
 sym       2     {-1.5, -0.5, 0.5, 1.5} (ParetoQ)     1.5
 ternary   2     {-1, 0, 1} (BitNet b1.58; c <= 2)    1
 binary    1     {-1, +1} (cmul = 2)                  1
+int8      8     {-128, ..., 127}                     128 (``c`` is int8 ``w`` XOR 0x80)
 ========  ====  ==================================  =============================
+
+``int8`` is the output projection's format (one group per row: per output channel); its kernels
+are the same W·A8 kernels with one bit-plane of 8 bits.
 
 Device layouts (``aipc_kernels.packing``) are derived from this one and never stored.
 
@@ -68,6 +73,7 @@ CODEBOOKS: dict[str, Codebook] = {
         Codebook("sym", 2, 1.0, 1.5, 3),
         Codebook("ternary", 2, 1.0, 1.0, 2),
         Codebook("binary", 1, 2.0, 1.0, 1),
+        Codebook("int8", 8, 1.0, 128.0, 255),
     )
 }
 

@@ -154,13 +154,17 @@ static TAMX void amx_block_pair(const lowbit_args *a, const amx_plan *pl, int64_
     if (two_n) store512(a, mb0, (int)mbt, nb + 1, (const __m512 *)acc1);
 }
 
-/* How the up-converted bytes encode the levels: signed r*(cmul*c - z) when those are small integers. */
+/* How the up-converted bytes encode the levels: signed r*(cmul*c - z) when those are integers that fit
+ * int8 for every code (8-bit codes: c - 128, always: lowbit_linear.c checks cmul 1 and an integer zero;
+ * their epilogue, a dot of levels, is then exactly group_u8bit's u). */
 static void amx_levels(const lowbit_args *a, amx_plan *pl) {
     pl->level_mul = 0, pl->level_sub = 0, pl->level_scale = 1.f;
     if (a->zeros) return;
+    const float top = (float)((1 << a->bits) - 1);
     for (int r = 1; r <= 2; r++) {
         const float m = a->cmul * (float)r, z = a->zero_const * (float)r;
-        if (m == (float)(int)m && z == (float)(int)z && (m == 1.f || m == 2.f) && fabsf(z) <= 64.f) {
+        if (m == (float)(int)m && z == (float)(int)z && (m == 1.f || m == 2.f) && z <= 128.f && m * top - z <= 127.f &&
+            -z <= 127.f) {
             pl->level_mul = (int)m, pl->level_sub = (int)z, pl->level_scale = 1.f / m;
             return;
         }

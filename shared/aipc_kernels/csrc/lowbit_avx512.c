@@ -1,5 +1,6 @@
 /*
- * AVX-512 VNNI kernels of the low-bit linear layer: decode (one token: gemv512_2b / gemv512_1b), small
+ * AVX-512 VNNI kernels of the low-bit linear layer: decode (one token: gemv512_2b / gemv512_1b /
+ * gemv512_8b), small
  * batches (tile_otf512: up-convert on the fly, a tile of tokens shares each plane), and from UP_MIN_M
  * tokens on each row block up-converted once and reused by every token tile (tile_up512).
  */
@@ -117,6 +118,35 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
 }
 #undef PLANE_DOT
 
+/* 8-bit codes: a chunk is the VNNI operand as stored (one plane), so the decode kernel is a plain
+ * stream of dot products; four chains over consecutive chunks hide the VNNI latency. */
+static T512 __attribute__((noinline)) void gemv512_8b(const lowbit_args *a, int64_t nb, int64_t m) {
+    const int64_t ng = a->K / a->G, cpg = a->G / 4;
+    const uint8_t *wb = a->w + nb * (a->K / 4) * CHUNK_BYTES;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
+        const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg;
+        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+        int64_t c = 0;
+        for (; c + 4 <= cpg; c += 4) {
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 192, _MM_HINT_T0);
+            PREFETCH_L2(wp + c * CHUNK_BYTES);
+            d0 = dpbusd512(d0, _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES)), _mm512_set1_epi32(xp[c]));
+            d1 = dpbusd512(d1, _mm512_loadu_si512((const void *)(wp + (c + 1) * CHUNK_BYTES)), _mm512_set1_epi32(xp[c + 1]));
+            d2 = dpbusd512(d2, _mm512_loadu_si512((const void *)(wp + (c + 2) * CHUNK_BYTES)), _mm512_set1_epi32(xp[c + 2]));
+            d3 = dpbusd512(d3, _mm512_loadu_si512((const void *)(wp + (c + 3) * CHUNK_BYTES)), _mm512_set1_epi32(xp[c + 3]));
+        }
+        for (; c < cpg; c++) d0 = dpbusd512(d0, _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES)), _mm512_set1_epi32(xp[c]));
+        __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_add_epi32(d2, d3));
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+    }
+    store512(a, m, 1, nb, &acc);
+}
+
 /* Block already up-converted to int8 planes in `up` ([K/4][64] bytes): reused by every token tile. */
 static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_args *a, int64_t nb, int64_t m0,
                                                                    const int MT, const uint8_t *up) {
@@ -128,7 +158,7 @@ static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_a
         __m512i dot[8];
         for (int i = 0; i < MT; i++) dot[i] = _mm512_setzero_si512();
         for (int64_t kq = g * qpg; kq < (g + 1) * qpg; kq++) {
-            const __m512i wq = _mm512_load_si512((const void *)(up + kq * CHUNK_BYTES));
+            const __m512i wq = _mm512_loadu_si512((const void *)(up + kq * CHUNK_BYTES));
             for (int i = 0; i < MT; i++) dot[i] = dpbusd512(dot[i], wq, _mm512_set1_epi32(xt[kq * UP_M + i]));
         }
         group_epilogue512(a, nb, g, m0, MT, dot, acc);
@@ -138,7 +168,8 @@ static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_a
 
 T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     if (a->M >= UP_MIN_M) {
-        upconvert_block512(a, nb, up);
+        if (a->bits == 8) up = (uint8_t *)a->w + nb * (a->K / 4) * CHUNK_BYTES; /* stored as the operand */
+        else upconvert_block512(a, nb, up);
         int64_t m0 = 0;
         for (; m0 + UP_M <= a->M; m0 += UP_M) tile_up512(a, nb, m0, UP_M, up);
         switch (a->M - m0) {
@@ -155,12 +186,22 @@ T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     }
     if (a->M == 1) {
         if (a->bits == 2) gemv512_2b(a, nb, 0);
+        else if (a->bits == 8) gemv512_8b(a, nb, 0);
         else gemv512_1b(a, nb, 0);
         return;
     }
-    const int64_t tile = a->bits == 2 ? OTF_M : OTF_M / 2;
+    const int64_t tile = a->bits == 1 ? OTF_M / 2 : OTF_M;
     for (int64_t m0 = 0; m0 < a->M; m0 += tile) {
         const int64_t mt = a->M - m0 < tile ? a->M - m0 : tile;
+        if (a->bits == 8) {
+            switch (mt) {
+            case 4: tile_otf512(a, nb, m0, 4, 8); break;
+            case 3: tile_otf512(a, nb, m0, 3, 8); break;
+            case 2: tile_otf512(a, nb, m0, 2, 8); break;
+            default: tile_otf512(a, nb, m0, 1, 8);
+            }
+            continue;
+        }
         if (a->bits == 1) {
             if (mt == 2) tile_otf512(a, nb, m0, 2, 1);
             else tile_otf512(a, nb, m0, 1, 1);

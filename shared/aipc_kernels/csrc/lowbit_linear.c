@@ -13,12 +13,16 @@
 static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                       const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul, float *zero_const,
                       const void *y, int64_t act_group, int nthreads) {
-    if (bits != 1 && bits != 2) return AIPC_ERR_BITS;
+    if (bits != 1 && bits != 2 && bits != 8) return AIPC_ERR_BITS;
     /* sizes: every index (m * K + k, block offsets, scratch) stays far from int64 / size_t overflow */
     if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits) || K > (INT64_C(1) << 40) / (M > N ? M : N)) return AIPC_ERR_SHAPE;
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return AIPC_ERR_GROUP;
+    if (bits == 8 && G > MAX_G_8BIT) return AIPC_ERR_GROUP;
     if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || (scale_dt != AIPC_DT_BF16 && scale_dt != AIPC_DT_F16)) return AIPC_ERR_DTYPE;
     if (!(isfinite(cmul) && cmul > 0.f) || isinf(*zero_const)) return AIPC_ERR_CODEBOOK;
+    /* 8 bits: the integer zero correction (group_u8bit) needs cmul 1 and a fixed integer zero point */
+    if (bits == 8 && (cmul != 1.f || !(*zero_const >= 0.f && *zero_const <= 255.f) || *zero_const != floorf(*zero_const)))
+        return AIPC_ERR_CODEBOOK;
     if (isnan(*zero_const)) { /* per-group zero points: the kernels read zeros, never zero_const */
         if (!zeros) return AIPC_ERR_ZEROS;
         *zero_const = 0.f;
@@ -38,7 +42,7 @@ static int run_blocks(const lowbit_args *a, int isa, int nthreads) {
     {
         uint8_t *up = NULL;
 #ifdef AIPC_X86
-        if (isa >= AIPC_ISA_AVX512_VNNI && M >= UP_MIN_M) {
+        if (isa >= AIPC_ISA_AVX512_VNNI && M >= UP_MIN_M && a->bits != 8) { /* 8 bits: stored as the operand */
             up = (uint8_t *)aligned_alloc(64, (size_t)(K / 4 * CHUNK_BYTES));
             if (!up) {
 #pragma omp atomic write
@@ -52,7 +56,7 @@ static int run_blocks(const lowbit_args *a, int isa, int nthreads) {
 #ifdef AIPC_X86
             case AIPC_ISA_AMX_INT8: /* fewer tokens than an AMX tile: the AVX-512 kernels */
             case AIPC_ISA_AVX512_VNNI:
-                if (up || M < UP_MIN_M) block_avx512(a, nb, up);
+                if (up || M < UP_MIN_M || a->bits == 8) block_avx512(a, nb, up);
                 break;
             case AIPC_ISA_AVX_VNNI: block_avxvnni(a, nb); break;
             case AIPC_ISA_AVX2: block_avx2(a, nb); break;
@@ -82,7 +86,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
     /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
-    const int64_t T = M == 1 ? 1 : M >= UP_MIN_M ? UP_M : bits == 2 ? OTF_M : OTF_M / 2, K4 = K / 4;
+    const int64_t T = M == 1 ? 1 : M >= UP_MIN_M ? UP_M : bits == 1 ? OTF_M / 2 : OTF_M, K4 = K / 4;
     const int interleave = isa >= AIPC_ISA_AVX512_VNNI && T > 1 && !use_amx;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
     /* scratch, zeroed: [Mp][K/G] each (AMX reads whole tiles of rows) sx and zq (float), gsum (int32);
