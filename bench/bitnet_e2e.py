@@ -62,7 +62,11 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 ROWS: dict[str, dict[str, Any]] = {
     "vllm_packed": dict(kind="vllm", layout="autobitlinear",
-                        label="vLLM + vllm_lowbit, packed autobitlinear checkpoint (2B-4T layout), no flag"),
+                        label="vLLM + vllm_lowbit, packed autobitlinear checkpoint (2B-4T layout), no flag "
+                              "(output projection int8, the default)"),
+    "vllm_packed_float_head": dict(kind="vllm", layout="autobitlinear", lm_head="float",
+                                   label="vLLM + vllm_lowbit, packed autobitlinear checkpoint, output projection "
+                                         "bf16 as published (lm_head: float)"),
     "vllm_bf16_masters": dict(kind="vllm", layout="online",
                               label="vLLM + vllm_lowbit, bf16 masters (quantization_mode: online), no flag"),
     "llamacpp_tq2_0": dict(kind="llamacpp", qtype="TQ2_0", label="llama.cpp TQ2_0"),
@@ -329,14 +333,19 @@ def run_vllm(name: str, model: Path, new_tokens: int, prompt: int, reps: int, pr
 
     from vllm_e2e import _weight_bytes  # bench/ is on sys.path
 
+    overrides = {}
+    if "lm_head" in ROWS[name]:  # the plugin's key, in the checkpoint's quantization_config (replaced as a whole)
+        stored = json.loads((model / "config.json").read_text())["quantization_config"]
+        overrides = {"quantization_config": dict(stored, lm_head=ROWS[name]["lm_head"])}
     t0 = time.time()
     llm = LLM(str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, seed=0,
-              enforce_eager=eager, kv_cache_memory_bytes=KV_CACHE_BYTES)  # fmt: skip
+              enforce_eager=eager, kv_cache_memory_bytes=KV_CACHE_BYTES, hf_overrides=overrides)  # fmt: skip
     load_s = time.time() - t0
     wbytes = llm.apply_model(_weight_bytes)[0]
     methods = llm.apply_model(lambda m: sorted({type(getattr(x, "quant_method", None)).__name__ for x in m.modules()
                                                 if getattr(x, "quant_method", None) is not None}))[0]  # fmt: skip
     model_cls = llm.apply_model(lambda m: type(m).__name__)[0]
+    head = llm.apply_model(lambda m: getattr(m.lm_head, "lowbit_codebook", None))[0]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     ids = lambda n: [1] + [(37 * i) % min(1000, vocab - 6) + 6 for i in range(n - 1)]  # noqa: E731
     short, long = [TokensPrompt(prompt_token_ids=ids(32))], [TokensPrompt(prompt_token_ids=ids(prompt))]
@@ -357,7 +366,8 @@ def run_vllm(name: str, model: Path, new_tokens: int, prompt: int, reps: int, pr
     peak_rss, steady_rss = _proc_status("VmHWM"), _proc_status("VmRSS")  # before the probe's 1 GB buffer
     bw = read_bandwidth(1)  # right after the timing, under the same load
     return dict(variant=name, label=ROWS[name]["label"], model=str(model), threads=1, load_s=load_s,
-                weight_bytes=wbytes, quant_methods=methods, model_class=model_cls, read_bw_gbs_1thread=bw,
+                weight_bytes=wbytes, quant_methods=methods, model_class=model_cls, head_codebook=head,
+                read_bw_gbs_1thread=bw,
                 decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates), decode_tok_s_all=rates,
                 ttft_s=statistics.median(ttft), ttft_s_best=min(ttft), ttft_s_all=ttft,
                 peak_rss=peak_rss, steady_rss=steady_rss)  # fmt: skip
@@ -377,7 +387,8 @@ def read_split(r: dict) -> tuple[int, int, str]:
     """(linear bytes, output projection bytes, the output projection's type) one decode step of row ``r`` reads."""
     if "weight_bytes" in r:  # vLLM: measured on the loaded model (tied: the lm_head shares the embedding)
         w = r["weight_bytes"]
-        return w["linear"], w["lm_head"] or w["embedding"], "quantized" if w["lm_head"] else "bf16 (tied embedding)"
+        head = f"{r.get('head_codebook')} per output channel" if r.get("head_codebook") == "int8" else r.get("head_codebook")
+        return w["linear"], w["lm_head"] or w["embedding"], head if w["lm_head"] else "bf16 (tied embedding)"
     b = r["bytes"]
     return b["linear"] + b["scales"], b["output"], b["output_type"]
 

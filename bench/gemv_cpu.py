@@ -6,7 +6,9 @@ Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
 group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16;
 group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
-and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in. At M=1 also ``read``:
+and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in, and ``w8a8`` (the
+``int8`` code book, one scale per output channel: the output projection's format, W8A8). Shapes: the
+Llama projections and two output projections (``llama_shapes.HEAD_SHAPES``). At M=1 also ``read``:
 the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
 (``kernel_pct_read``: a kernel's GB/s as a share of it). ``us`` is the op as users call it, timed from
@@ -33,13 +35,15 @@ import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, read_results, select, write_results
-from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
+from llama_shapes import HEAD_SHAPES, SHAPES  # bench/ is on sys.path when run as a script
+
+SHAPES = SHAPES | HEAD_SHAPES
 
 PEERS = ("fp32", "bf16", "int8", "int4")
 # a plain read (the bandwidth probe's loop) of the int2 group-64 bytes of the shape, rotated and called
 # like the kernels: what any decode kernel of these bytes could reach, fork/join and first lines included
 READ = "read"
-OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1")
+OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w8a8")
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -47,6 +51,7 @@ OUR_CONFIGS = {
     "int2_vnni": ("affine", 64, "avx512_vnni"),  # the AVX-512 VNNI kernels even where AMX exists
     "int2_avxvnni": ("affine", 64, "avx_vnni"),  # 256-bit AVX-VNNI: the widest ISA of client CPUs (Core Ultra)
     "int1": ("binary", 64, None),
+    "w8a8": ("int8", -1, None),  # int8 per output channel: the output projection's default format
 }
 
 
@@ -97,7 +102,8 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
     codebook, group, _ = OUR_CONFIGS[kind]
     cb = get_codebook(codebook)
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
-    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, group, cb.cmul, cb.zero or 0.0, x.shape[1])
+    G = group if group > 0 else x.shape[1]
+    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, G, cb.cmul, cb.zero or 0.0, x.shape[1])
             for q, s, z in sets] + [y]  # y last: kept alive
 
 
@@ -276,17 +282,20 @@ def summary(rows: list[dict], ms: list[int]) -> list[str]:
         return f"{min(vals):{fmt}}-{max(vals):{fmt}}" if len(vals) == len(sel) else ""
 
     lines = []
+    groups = (("Llama-3-8B shapes", lambda s: s.startswith("8B")), ("output projections", lambda s: "lm_head" in s))
     for kind in OURS:
         for M in ms:
-            sel = [r for r in rows if r["kind"] == kind and r["M"] == M and r["shape"].startswith("8B")]
-            if not sel:
-                continue
-            read = span(sel, "kernel_pct_read", ".0f")
-            peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in ("bf16", "int8", "int4") if span(sel, f"x_{p}", ".2f"))
-            lines.append(f"- {kind} M={M}, Llama-3-8B shapes: op {span(sel, 'pct_bw', '.0f')}% of read BW (kernel alone "
-                         f"{span(sel, 'kernel_pct_bw', '.0f')}%"
-                         + (f"; {read}% of a plain read of the same shape's int2 bytes" if read else "") + ")"
-                         + (f", {peers}" if peers else ""))
+            for group, match in groups:
+                sel = [r for r in rows if r["kind"] == kind and r["M"] == M and match(r["shape"])]
+                if not sel:
+                    continue
+                read = span(sel, "kernel_pct_read", ".0f")
+                peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in ("bf16", "int8", "int4")
+                                  if span(sel, f"x_{p}", ".2f"))
+                lines.append(f"- {kind} M={M}, {group}: op {span(sel, 'pct_bw', '.0f')}% of read BW (kernel alone "
+                             f"{span(sel, 'kernel_pct_bw', '.0f')}%"
+                             + (f"; {read}% of a plain read of the same shape's int2 bytes" if read else "") + ")"
+                             + (f", {peers}" if peers else ""))
     return lines
 
 

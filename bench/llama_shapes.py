@@ -1,4 +1,5 @@
-"""The projection matrices the benchmarks time: Llama-3.2-1B and Llama-3-8B, (N = out, K = in)."""
+"""The projection matrices the benchmarks time: Llama-3.2-1B and Llama-3-8B, (N = out, K = in), and
+the output projections (vocabulary x hidden) that decode reads once per token."""
 
 SHAPES = {
     "1B qkv/o 2048x2048": (2048, 2048),
@@ -9,4 +10,10 @@ SHAPES = {
     "8B kv 1024x4096": (1024, 4096),
     "8B gate/up 14336x4096": (14336, 4096),
     "8B down 4096x14336": (4096, 14336),
+}
+
+#: output projections: Llama-3.2-1B (tied) and BitNet b1.58 2B-4T (tied), vocabulary 128256
+HEAD_SHAPES = {
+    "1B lm_head 128256x2048": (128256, 2048),
+    "2B-4T lm_head 128256x2560": (128256, 2560),
 }

@@ -32,9 +32,11 @@ LOWBIT_GROUP = 64
 VARIANTS = {
     "bf16": dict(label="bf16 (vLLM unquantized)", model="bf16", llm={}),
     "int4": dict(label=f"int4 GPTQ g{GPTQ_GROUP} (vLLM CPU WNA16 kernel)", model="gptq", llm={}),
-    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={}),
+    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
+    "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
+                              qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},
-                       qcfg=dict(quantize_lm_head=True)),
+                       qcfg=dict(lm_head="lowbit")),
 }  # fmt: skip
 
 
@@ -44,9 +46,10 @@ NOTES = """Notes:
   1B on one core). int4: a symmetric GPTQ checkpoint (RTN, group 128) written by this script, loaded
   by vLLM's AutoGPTQ method, which picks its CPU WNA16 kernel (`_C::cpu_gemm_wna16`): what vLLM-CPU
   users pick today; nothing below 4 bits exists in vLLM-CPU.
-- "lm_head bf16" is the default: at 1B the tied 128256 x 2048 output projection (525 MB) is read at
-  every step and costs as much as all the lowbit2 linears; `quantize_lm_head: true` (opt-in, quality
-  cost of a 2-bit output projection not measured here) quantizes it at load as well.
+- The output projection is quantized at load to int8 per output channel by default (`lm_head: int8`): at 1B
+  the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much as all the
+  lowbit2 linears; `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
+  (quality cost of a 2-bit output projection not measured here).
 - Intel GPUs / NPUs: not measured (no such device here)."""
 
 

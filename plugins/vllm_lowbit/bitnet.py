@@ -18,6 +18,11 @@ Both load one layer at a time (vLLM's layerwise online processing: the weights w
 device), so the unpacked int8 values of one layer are resident at most, and repack once into the
 CPU kernel's layout. ``modules_to_not_convert`` layers stay float, as in transformers. ``--quantization
 bitnet`` on an unquantized checkpoint ternarizes it with the online rule.
+
+The output projection, which BitNet keeps in bf16, is quantized to int8 per output channel at load
+(:mod:`aipc_kernels.output_projection`: half its bytes per token, activations int8 per token like
+the ternary linears'); ``"lm_head": "float"`` in the ``quantization_config`` (a key of this plugin,
+e.g. through ``--hf-overrides``) keeps it as published.
 """
 from __future__ import annotations
 
@@ -35,15 +40,22 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from aipc_kernels import bitnet_format as bf
+from aipc_kernels.config_schema import OptionError
 
 from . import PLUGIN_NAME
-from .linear_method import (apply_lowbit, checkpoint_rows, checkpoint_tensor_name, install_packed, layer_shards,
-                            shard_index)  # fmt: skip
+from .linear_method import (QuantizedLMHeadMethod, apply_lowbit, checkpoint_rows, checkpoint_tensor_name,
+                            install_packed, layer_shards, shard_index)  # fmt: skip
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
+
+#: this plugin's key in a BitNet quantization_config: the output projection's format
+HEAD_KEY = "lm_head"
+#: int8 per output channel (default) or float as published (BitNet has no low-bit head)
+HEAD_FORMATS = ("int8", "float")
 
 
 @register_quantization_config(bf.QUANT_METHOD)
@@ -52,14 +64,19 @@ class BitNetConfig(QuantizationConfig):
     :class:`aipc_kernels.bitnet_format.BitNetQuantization`). Built without one (``--quantization
     bitnet`` on a float checkpoint), it ternarizes the float weights with BitNet's online rule."""
 
-    def __init__(self, spec: Optional[bf.BitNetQuantization] = None) -> None:
+    def __init__(self, spec: Optional[bf.BitNetQuantization] = None, head_format: str = "int8") -> None:
         super().__init__()
         self.spec = spec or bf.BitNetQuantization(linear_class="autobitlinear", quantization_mode="online")
+        if head_format not in HEAD_FORMATS:
+            raise OptionError(f"{bf.NAMING.setting('lm_head', head_format)} is not one of {list(HEAD_FORMATS)}: "
+                              f"'int8' quantizes the output projection per output channel, 'float' keeps it "
+                              f"as published", "lm_head")  # fmt: skip
+        self.head_format = head_format
 
     def __repr__(self) -> str:
         s = self.spec
         return (f"BitNetConfig(linear_class={s.linear_class}, quantization_mode={s.quantization_mode}, "
-                f"modules_to_not_convert={list(s.skipped)})")  # fmt: skip
+                f"modules_to_not_convert={list(s.skipped)}, lm_head={self.head_format})")  # fmt: skip
 
     @classmethod
     def get_name(cls) -> str:
@@ -79,10 +96,13 @@ class BitNetConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BitNetConfig":
+        head_format = config.get(HEAD_KEY, "int8") if isinstance(config, dict) else "int8"
+        if isinstance(config, dict):
+            config = {k: v for k, v in config.items() if k != HEAD_KEY}
         spec, ignored = bf.parse_quantization_config(config)
         if ignored:
             logger.info("bitnet: quantization_config keys %s do not change the weights; ignored", ignored)
-        return cls(spec)
+        return cls(spec, head_format)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> Optional[str]:
@@ -107,8 +127,10 @@ class BitNetConfig(QuantizationConfig):
         return bool(kept) and next(iter(kept.values()))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, ParallelLMHead) and self.head_format == "int8":
+            return QuantizedLMHeadMethod(0, head_format="int8")
         if not isinstance(layer, LinearBase):
-            return None  # embeddings and the output projection stay float, as in transformers
+            return None  # embeddings (and the output projection with lm_head: float) stay float
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
         return BitNetPackedLinearMethod(self) if self.spec.packed else BitNetOnlineLinearMethod(self)

@@ -19,8 +19,9 @@ Config keys (``quantization_config`` of config.json, ``--hf-overrides`` or a JSO
 binary), ``group_size`` (32, 64, 128 or -1 for one group per row), ``quantizer`` (optimized, rtn;
 on-the-fly only), ``scale_dtype`` (float16, bfloat16), ``act_group`` (0: one int8 activation scale
 per token; else per K-group), ``modules_to_not_convert`` (name fragments that stay unquantized;
-``lm_head`` and the embeddings stay unquantized), ``quantize_lm_head`` (opt-in: the output
-projection quantized at load too; decode of small models is dominated by it), ``detect_grid``
+the embeddings stay unquantized), ``lm_head`` (the output projection, quantized at load: ``int8``
+per output channel by default, ``lowbit`` with the keys above, ``float`` to keep it; decode of small
+models is dominated by it; ``quantize_lm_head``, the older key: true is ``lowbit``), ``detect_grid``
 (default true; on-the-fly only: a layer whose weights already lie on a binary, ternary or 2-bit
 grid, e.g. a ParetoQ checkpoint stored as bf16, is stored exactly in the matching code book with
 one scale per row instead of being quantized; false quantizes every layer with the keys above),
@@ -47,7 +48,7 @@ from aipc_kernels.formats import SCALE_DTYPES
 from aipc_kernels.modules import DEFAULT_SKIP
 
 from . import PLUGIN_NAME
-from .linear_method import GridReport, LowBit2LinearMethod, LowBit2LMHeadMethod, LowBit2OnlineLinearMethod
+from .linear_method import GridReport, LowBit2LinearMethod, LowBit2OnlineLinearMethod, QuantizedLMHeadMethod
 from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, QuantizationConfigOptions, parse_quantization_config,
                       quantization_config_dict)  # fmt: skip
 
@@ -78,7 +79,7 @@ class LowBit2Config(QuantizationConfig):
         self.act_group = o.act_group
         self.modules_to_not_convert = list(o.modules_to_not_convert)
         self.prequantized = o.prequantized
-        self.quantize_lm_head = o.quantize_lm_head
+        self.head_format = o.head_format
         self.detect_grid = o.detect_grid
         self.layer_formats = dict(o.layer_formats)
 
@@ -87,7 +88,7 @@ class LowBit2Config(QuantizationConfig):
             f"LowBit2Config(codebook={self.codebook}, group_size={self.group_size}, "
             f"{'prequantized' if self.prequantized else 'on-the-fly ' + self.quantizer}, "
             f"scale_dtype={self.scale_dtype_name}, act_group={self.act_group}, "
-            f"modules_to_not_convert={self.modules_to_not_convert}, quantize_lm_head={self.quantize_lm_head}, "
+            f"modules_to_not_convert={self.modules_to_not_convert}, lm_head={self.head_format}, "
             f"detect_grid={self.detect_grid})"
         )
 
@@ -152,7 +153,7 @@ class LowBit2Config(QuantizationConfig):
         vLLM's ``--hf-overrides '{"quantization_config": {...}}'`` replaces the checkpoint's whole
         ``quantization_config``, and ignores ``quantization_config_file`` when the checkpoint has one.
         For a checkpoint converted by ``python -m vllm_lowbit.quantize`` the override instead updates
-        the checkpoint's own config.json entry: it may set ``act_group`` and ``quantize_lm_head``, and a
+        the checkpoint's own config.json entry: it may set ``act_group`` and ``lm_head``, and a
         value that differs from what the tensors were written with (:data:`~vllm_lowbit.options.
         CHECKPOINT_KEYS`: code book, group size, scale dtype, modules kept unquantized,
         ``prequantized``) is refused, naming the key. ``prequantized: true`` for a checkpoint that was
@@ -180,8 +181,8 @@ class LowBit2Config(QuantizationConfig):
             self.codebook, self.group_size, self.quantizer, self.scale_dtype_name, self.act_group,
             self.modules_to_not_convert, self.prequantized, self.options.source, self.layer_formats,
         )  # fmt: skip
-        if self.quantize_lm_head:
-            d["quantize_lm_head"] = True
+        if self.head_format != "int8":
+            d["lm_head"] = self.head_format
         if not self.detect_grid:
             d["detect_grid"] = False
         return d
@@ -192,10 +193,14 @@ class LowBit2Config(QuantizationConfig):
         return is_layer_skipped(prefix, skip, self.packed_modules_mapping, match_mode="substring")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        if isinstance(layer, ParallelLMHead) and self.quantize_lm_head:
-            return LowBit2LMHeadMethod(self)
+        if isinstance(layer, ParallelLMHead) and self.head_format != "float":
+            # int8's one group per row leaves per-token activation scales only
+            return QuantizedLMHeadMethod(
+                self.act_group if self.head_format == "lowbit" else 0, head_format=self.head_format, codebook=self.codebook, group_size=self.group_size,
+                quantizer=self.quantizer, scale_dtype=self.scale_dtype,
+            )  # fmt: skip
         if not isinstance(layer, LinearBase):
-            return None  # embeddings (and lm_head unless quantize_lm_head) stay in the model dtype
+            return None  # embeddings (and lm_head: float) stay in the model dtype
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
         if self.prequantized:

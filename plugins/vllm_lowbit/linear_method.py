@@ -46,6 +46,7 @@ import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.formats import LowBitWeight, get_codebook, resolve_group_size
 from aipc_kernels import packing
 from aipc_kernels.grid_detect import GridWeight, detect_grid, recovered_summary
+from aipc_kernels.output_projection import quantize_output_projection
 from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
 from aipc_kernels.quantizers import quantize_rows
 
@@ -378,26 +379,23 @@ class LowBit2OnlineLinearMethod(OnlineLinearBase):
         return apply_lowbit(layer, x, bias)
 
 
-class LowBit2LMHeadMethod(UnquantizedEmbeddingMethod):
-    """Opt-in (``quantize_lm_head: true``): the output projection quantized at load with the
-    configured quantizer and run through ``aipc::lowbit_linear``. Its float weight is loaded (or
-    tied to the input embedding) as usual; a tied embedding keeps it for the token lookup, an untied
-    head drops it after quantizing."""
+class QuantizedLMHeadMethod(UnquantizedEmbeddingMethod):
+    """The output projection quantized at load (``lm_head: int8``, the default, or ``lowbit``) by
+    :func:`aipc_kernels.output_projection.quantize_output_projection` with ``quantize_options`` (its
+    keyword arguments after the weight and name) and run through ``aipc::lowbit_linear``. Its float
+    weight is loaded (or tied to the input embedding) as usual; a tied embedding keeps it for the
+    token lookup, an untied head drops it after quantizing. Used by ``lowbit2`` and ``bitnet``."""
 
-    def __init__(self, config: QuantizationConfig):
-        self.config = config
+    def __init__(self, act_group: int = 0, **quantize_options):
+        self.act_group = act_group
+        self.quantize_options = quantize_options
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
-        cfg, weight = self.config, layer.weight
         name = getattr(layer, "prefix", "") or "lm_head"
-        try:
-            G = resolve_group_size(cfg.group_size, weight.shape[1])
-        except ValueError as e:
-            raise ValueError(f"lowbit2 cannot quantize {name}: {e}; or set quantize_lm_head to false") from None
-        w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=name)
-        install_packed(layer, w, cfg.act_group)
+        w = quantize_output_projection(layer.weight.detach(), name=name, **self.quantize_options)
+        install_packed(layer, w, self.act_group)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from aipc_kernels.config_schema import Naming, field_names, option, parse, to_dict
 from aipc_kernels.formats import CODEBOOKS, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
+from aipc_kernels.output_projection import HEAD_FORMATS
 from aipc_kernels.quantizers import QUANTIZERS
 
 #: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
@@ -65,15 +66,31 @@ class QuantizationConfigOptions(LowBit2Options):
     quant_method: str = option(FORMAT_NAME, choices=(FORMAT_NAME,))
     format_version: int = option(FORMAT_VERSION, ge=1)
     prequantized: bool = option(False)
-    quantize_lm_head: bool = option(False)
+    #: the output projection: int8 per output channel (default), ``lowbit`` (the code book and group
+    #: of the linears) or ``float`` (the model dtype); embeddings stay a float gather
+    lm_head: str = option("int8", choices=HEAD_FORMATS)
+    #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
+    quantize_lm_head: Optional[bool] = option(None)
     source: Optional[str] = option(None, choices=(None, "bitnet"))
     #: checkpoint layer name -> LayerFormat keys, overriding codebook/group_size/scale_dtype for it
     #: (the converter writes it for layers recovered from a grid)
     layer_formats: dict[str, Any] = option({}, example={"model.layers.0.mlp.up_proj": {
         "codebook": "sym", "group_size": -1, "scale_dtype": "float16"}})  # fmt: skip
 
+    @property
+    def head_format(self) -> str:
+        """The output projection's format, ``quantize_lm_head`` (the older key) read as ``lm_head``."""
+        if self.quantize_lm_head is None:
+            return self.lm_head
+        return "lowbit" if self.quantize_lm_head else "float"
+
     def check(self, naming: Naming) -> None:
         super().check(naming)
+        if self.quantize_lm_head is not None and self.lm_head != "int8":
+            raise naming.error(
+                "quantize_lm_head", self.quantize_lm_head,
+                f"is the older spelling of {naming.ref('lm_head')}; give {naming.ref('lm_head')} alone",
+            )  # fmt: skip
         for layer, fmt in self.layer_formats.items():
             inner = Naming(f"{naming.key('layer_formats')}[{layer!r}]", naming.style)
             parse(LayerFormat, fmt, inner)
@@ -117,7 +134,8 @@ def quantization_config_dict(
     layer_formats: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json (``detect_grid``,
-    ``quantize_lm_head`` and empty ``source``/``layer_formats`` left out)."""
+    ``lm_head``, ``quantize_lm_head`` and empty ``source``/``layer_formats`` left out: the server's
+    defaults apply)."""
     d = to_dict(
         parse_quantization_config(dict(
             codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
@@ -126,6 +144,7 @@ def quantization_config_dict(
         ))
     )  # fmt: skip
     d.pop("quantize_lm_head")
+    d.pop("lm_head")
     d.pop("detect_grid")
     if source is None:
         d.pop("source")

@@ -42,24 +42,41 @@ def families(bitnet_dir, llama_dir, tmp_path_factory) -> dict[str, Path]:
     return {f: write_bitnet_checkpoint(src[arch], root / f, f) for arch, f in PUBLISHED.values()}
 
 
-def reference(model_dir: Path):
-    """transformers' own BitNet model of the directory (its quantizer replaces the linears), float32."""
+def reference(model_dir: Path, lm_head: str = "int8"):
+    """transformers' own BitNet model of the directory (its quantizer replaces the linears), float32,
+    with the output projection as the plugin serves it for ``lm_head`` (default int8 per output
+    channel, run by the same op; ``float``: as published)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from aipc_kernels.testing.references import with_output_projection
+
+    return with_output_projection(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), lm_head)
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int, lm_head: str = "int8") -> list[list[int]]:
     from aipc_kernels.testing.references import greedy
 
-    return greedy(reference(model_dir), prompts, n)
+    return greedy(reference(model_dir, lm_head), prompts, n)
+
+
+#: appended to a greedy script: how the engine runs the output projection (``HEAD=`` line)
+_PRINT_HEAD = """    print("HEAD=" + json.dumps(llm.apply_model(lambda m: [type(m.lm_head.quant_method).__name__,
+                                                           getattr(m.lm_head, "lowbit_codebook", None)])[0]))
+"""
 
 
 def _script(model: Path, prompts: list[list[int]], n: int = N_NEW, **kw) -> str:
-    return greedy_script(model, prompts, n, **kw)
+    return greedy_script(model, prompts, n, **kw) + _PRINT_HEAD
 
 
 _tokens = script_tokens
+
+
+def _head(res: subprocess.CompletedProcess) -> list:
+    """The ``[quant method class, code book]`` of the served output projection."""
+    import json
+
+    return json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("HEAD=")][-1][len("HEAD="):])
 
 
 def _check(model_dir: Path, family: str, prompts, got) -> None:
@@ -80,7 +97,26 @@ def test_family_served_as_published(families, prompts, family):
     res = run_vllm_script(_script(families[family], prompts))
     got = _tokens(res)
     assert "quantization=bitnet" in res.stdout + res.stderr  # vLLM logs to stdout
+    assert _head(res) == ["QuantizedLMHeadMethod", "int8"]  # the output projection int8 by default
     _check(families[family], family, prompts, got)
+
+
+def test_output_projection_float_as_published(families, prompts):
+    """``"lm_head": "float"`` in the quantization_config (through ``--hf-overrides``, which replaces the
+    checkpoint's) keeps BitNet's bf16 output projection: transformers' model exactly, as published
+    (``autobitlinear``: on this tiny model the int8 head gives the same tokens, so the served head's
+    method is checked too)."""
+    import json
+
+    model = families["autobitlinear"]
+    stored = json.loads((model / "config.json").read_text())["quantization_config"]
+    overrides = {"quantization_config": dict(stored, lm_head="float")}
+    res = run_vllm_script(_script(model, prompts, hf_overrides=overrides))
+    got = _tokens(res)
+    log = res.stdout + res.stderr
+    assert "quantization=bitnet" in log
+    assert _head(res) == ["UnquantizedEmbeddingMethod", None]
+    assert got == reference_greedy(model, prompts, N_NEW, lm_head="float")
 
 
 def test_lowbit2_flag_and_compiled(families, prompts):
@@ -199,6 +235,7 @@ def test_bad_checkpoint_fails_naming_the_tensor(families, tmp_path, edit, needle
     (dict(use_rms_norm=True), "bitnet quantization_config.use_rms_norm=True (an RMSNorm inside every linear"),
     (dict(modules_to_not_convert="lm_head"),
      "bitnet quantization_config.modules_to_not_convert='lm_head' must be a list of strings or null"),
+    (dict(lm_head="lowbit"), "bitnet quantization_config.lm_head='lowbit' is not one of ['int8', 'float']"),
 ])  # fmt: skip
 def test_bad_quantization_config_is_named(qcfg, needle):
     from vllm_lowbit.bitnet import BitNetConfig

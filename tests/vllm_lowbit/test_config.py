@@ -23,9 +23,14 @@ def config_cls():
 def test_defaults_and_round_trip(config_cls):
     c = config_cls()
     assert (c.codebook, c.group_size, c.quantizer, c.act_group, c.prequantized) == ("affine", 64, "optimized", 0, False)
-    d = dict(c.to_dict(), codebook="sym", group_size=-1, prequantized=True, quantize_lm_head=True)
+    assert c.head_format == "int8"  # the output projection is int8 per output channel by default
+    d = dict(c.to_dict(), codebook="sym", group_size=-1, prequantized=True, lm_head="lowbit")
     c2 = config_cls.from_config(d)
-    assert (c2.codebook, c2.group_size, c2.prequantized, c2.quantize_lm_head) == ("sym", -1, True, True)
+    assert (c2.codebook, c2.group_size, c2.prequantized, c2.head_format) == ("sym", -1, True, "lowbit")
+    assert config_cls.from_config(c2.to_dict()).head_format == "lowbit"
+    # the older key: true is lm_head 'lowbit', false is 'float'
+    assert config_cls.from_config({"quantize_lm_head": True}).head_format == "lowbit"
+    assert config_cls.from_config({"quantize_lm_head": False}).head_format == "float"
     assert config_cls.get_config_filenames() == []  # plain checkpoints + --quantization lowbit2: on the fly
 
 
@@ -46,6 +51,8 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"modules_to_not_convert": "lm_head"}, 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]'),
     ({"modules_to_not_convert": ["lm_head", 3]}, "must be a list of strings"),
     ({"quantize_lm_head": "false"}, "quantize_lm_head='false' must be true or false (a JSON boolean, without quotes)"),
+    ({"lm_head": "int4"}, "lm_head='int4' is not supported; use one of \"int8\", \"lowbit\", \"float\""),
+    ({"lm_head": "float", "quantize_lm_head": True}, "quantize_lm_head=True is the older spelling of lm_head; give lm_head alone"),
     ({"prequantized": 1}, "prequantized=1 must be true or false"),
     ({"group_size": 64.5}, "group_size=64.5 is not supported; use one of 32, 64, 128, -1"),
     ({"group_size": "abc"}, "group_size='abc' is not supported; use one of 32, 64, 128, -1"),
@@ -98,8 +105,8 @@ def test_detect_grid_and_layer_formats(config_cls):
 
 def test_exact_values_are_kept(config_cls):
     c = config_cls.from_config({"quant_method": "lowbit2", "modules_to_not_convert": ["mlp.down_proj"],
-                                "quantize_lm_head": False, "group_size": 128, "act_group": 256})  # fmt: skip
-    assert (c.modules_to_not_convert, c.quantize_lm_head, c.group_size, c.act_group) == (["mlp.down_proj"], False, 128, 256)
+                                "lm_head": "float", "group_size": 128, "act_group": 256})  # fmt: skip
+    assert (c.modules_to_not_convert, c.head_format, c.group_size, c.act_group) == (["mlp.down_proj"], "float", 128, 256)
     assert c.is_skipped("model.layers.0.mlp.down_proj") and not c.is_skipped("model.layers.0.mlp.up_proj")
     assert not c.is_skipped("model.layers.0.self_attn.o_proj")  # letters of a string would have matched
 
@@ -131,7 +138,7 @@ if __name__ == "__main__":
                            hf_overrides=overrides).create_engine_config().quant_config
             out.append(None if q is None else dict(
                 method=q.get_name(), codebook=q.codebook, group_size=q.group_size, act_group=q.act_group,
-                prequantized=q.prequantized, quantize_lm_head=q.quantize_lm_head,
+                prequantized=q.prequantized, lm_head=q.head_format,
                 modules_to_not_convert=q.modules_to_not_convert))
         except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
             out.append(dict(error=str(e)))
@@ -159,7 +166,7 @@ def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_pat
     whatever keys the override lacks; keys its tensors fix cannot change; a bf16 checkpoint is not
     taken for a converted one; a string for a list is refused before any weight loads."""
     qfile = tmp_path / "q.json"
-    qfile.write_text('{"quant_method": "lowbit2", "quantize_lm_head": true}')
+    qfile.write_text('{"quant_method": "lowbit2", "lm_head": "lowbit"}')
     qc = lambda **k: {"quantization_config": k}  # noqa: E731
     got = _engine_quant_configs([
         (llama_dir, qc(quant_method="lowbit2", modules_to_not_convert="lm_head")),
@@ -173,7 +180,7 @@ def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_pat
         (llama_prequantized, {"quantization_config_file": str(qfile)}),
     ])  # fmt: skip
     converted = dict(method="lowbit2", codebook="affine", group_size=64, act_group=64, prequantized=True,
-                     quantize_lm_head=False, modules_to_not_convert=[])  # fmt: skip
+                     lm_head="int8", modules_to_not_convert=[])  # fmt: skip
     assert 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]' in got[0]["error"]
     assert got[1] == dict(converted, act_group=128, prequantized=False, modules_to_not_convert=["lm_head"])
     assert "prequantized=True, but" in got[2]["error"] and "is not a checkpoint converted by" in got[2]["error"]
@@ -182,4 +189,4 @@ def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_pat
     assert got[5] == dict(converted, act_group=0)
     assert "group_size=128 conflicts with the converted checkpoint, whose tensors were written with group_size=64" in got[6]["error"]
     assert "prequantized=False conflicts with the converted checkpoint" in got[7]["error"]
-    assert got[8] == dict(converted, quantize_lm_head=True)
+    assert got[8] == dict(converted, lm_head="lowbit")

@@ -109,7 +109,7 @@ def dump(model):
     from aipc_kernels.packing import PackedLowBit, to_canonical
     out = {{}}
     for name, m in model.named_modules():
-        if hasattr(m, "lowbit_layout"):
+        if hasattr(m, "lowbit_layout") and name != "lm_head":  # the linears (the output projection is int8)
             p = PackedLowBit(m.lowbit_layout, m.qweight.data, m.scales.data, None if m.zeros is None else m.zeros.data,
                              m.lowbit_codebook, m.lowbit_group_size, m.lowbit_out_features, m.input_size)
             out[name] = (m.lowbit_codebook, to_canonical(p).dequantize())

@@ -10,7 +10,7 @@ KINDS = ("float", "float_a8", "lowbit", "dequantized")
 
 
 def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
-             attn_implementation: Optional[str] = None):  # fmt: skip
+             attn_implementation: Optional[str] = None, lm_head: str = "int8"):  # fmt: skip
     """The transformers model of ``model_dir`` in float32:
 
     * ``float``: the checkpoint's weights as they are;
@@ -23,7 +23,9 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
       ``act_group`` of K), weights quantized from the bf16 checkpoint as the plugin does;
     * ``dequantized``: ``nn.Linear`` holding the dequantized lowbit2 weights (float activations).
 
-    ``attn_implementation`` is passed to ``from_pretrained`` (None: transformers' default)."""
+    ``attn_implementation`` is passed to ``from_pretrained`` (None: transformers' default). ``lm_head``:
+    the output projection as the plugins serve it with that ``lm_head`` setting (:func:`with_output_projection`;
+    default ``int8``, theirs), in every kind but ``float``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -33,7 +35,8 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
     if kind == "float":
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
     if kind == "float_a8":
-        return _int8_inputs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval(), act_group)
+        model = _int8_inputs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval(), act_group)
+        return with_output_projection(model, lm_head)
 
     from aipc_kernels.modules import LowBitLinear, dequantized_linear, quantize_linears
 
@@ -42,7 +45,29 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw).eval()
     quantize_linears(model, codebook, group_size, replace=dequantized_linear if kind == "dequantized" else lowbit)
-    return model.float()
+    return with_output_projection(model.float(), lm_head, codebook, group_size, act_group, kind == "dequantized")
+
+
+def with_output_projection(model, lm_head: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
+                           dequantized: bool = False):  # fmt: skip
+    """``model`` (float32) with its output projection quantized as the plugins do for ``lm_head``
+    (:func:`aipc_kernels.output_projection.quantize_output_projection`) and run by the same op (:class:`~aipc_kernels.modules.LowBitLinear`, int8
+    activations per token; ``act_group`` for ``lowbit`` heads), or as float weights holding the
+    quantized values (``dequantized``). The input embedding is left as it is (tied or not)."""
+    import torch
+
+    from aipc_kernels.modules import LowBitLinear, dequantized_linear
+    from aipc_kernels.output_projection import quantize_output_projection
+
+    head = model.get_output_embeddings()
+    w = quantize_output_projection(head.weight.detach().float(), lm_head, codebook=codebook,
+                                   group_size=group_size, quantizer="optimized", scale_dtype=torch.float16)  # fmt: skip
+    if w is None:
+        return model
+    bias = None if head.bias is None else head.bias.detach().float()
+    new = dequantized_linear(head, w) if dequantized else LowBitLinear(w, bias, act_group=act_group if lm_head == "lowbit" else 0)
+    model.set_output_embeddings(new)
+    return model
 
 
 def _int8_inputs(model, act_group: int):

@@ -1,0 +1,62 @@
+"""The output projection's formats (aipc_kernels.output_projection): int8 per output channel by default."""
+import pytest
+import torch
+
+from aipc_kernels import native, ops, packing
+from aipc_kernels.output_projection import int8_scale_dtype, quantize_output_projection
+
+
+def _head(vocab: int = 300, hidden: int = 192, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(vocab, hidden, generator=g) * scale).to(torch.bfloat16)
+
+
+def test_int8_is_round_to_nearest_per_output_channel():
+    w = _head()
+    q = quantize_output_projection(w, "int8")
+    assert (q.codebook, q.group_size, q.scales.shape, q.scales.dtype) == ("int8", 192, (300, 1), torch.float16)
+    wf = w.float()
+    s = q.scales.float().squeeze(1)
+    # the scale that takes the row's extremes to the extreme levels 127 and -128
+    expect = torch.maximum(wf.amax(1) / 127, wf.amin(1) / -128).to(torch.float16).float()
+    torch.testing.assert_close(s, expect, rtol=0, atol=0)
+    # each weight is its nearest level: error at most half a step (plus the fp16 rounding of the scale)
+    err = (q.dequantize() - wf).abs().amax(1)
+    assert bool((err <= 0.5 * s * (1 + 2**-9) + 128 * s * 2**-11).all())
+
+
+def test_int8_scale_dtype_keeps_tiny_rows_and_padding():
+    w = _head()
+    w[7] = 0  # vLLM pads the vocabulary with zero rows
+    assert int8_scale_dtype(w) == torch.float16
+    w[3] *= 1e-3  # a row whose scale is below fp16's normal range
+    assert int8_scale_dtype(w) == torch.bfloat16
+    q = quantize_output_projection(w, "int8")
+    assert q.scales.dtype == torch.bfloat16 and q.scales[7].item() == 0 and bool((q.dequantize()[7] == 0).all())
+
+
+def test_lowbit_and_float_formats():
+    w = _head()
+    assert quantize_output_projection(w, "float") is None
+    q = quantize_output_projection(w, "lowbit", codebook="affine", group_size=64)
+    assert (q.codebook, q.group_size) == ("affine", 64)
+    with pytest.raises(ValueError, match="head format 'lowbit' needs the linears' codebook and group_size"):
+        quantize_output_projection(w, "lowbit")
+    with pytest.raises(ValueError, match=r"head format 'int4' is unknown; use one of \('int8', 'lowbit', 'float'\)"):
+        quantize_output_projection(w, "int4")
+    with pytest.raises(ValueError, match="cannot quantize the output projection lm_head to lowbit: .*group_size=64 does not divide"):
+        quantize_output_projection(_head(hidden=96), "lowbit", codebook="affine", group_size=64)
+
+
+@pytest.mark.skipif(not native.available(), reason="native library not built")
+@pytest.mark.parametrize("M", [1, 5])
+def test_int8_head_logits_close_to_float(M):
+    """W8A8 logits of a head against the float head: the relative error of int8 weights and int8
+    activations per token (~1%), an order of magnitude below a 2-bit head's."""
+    w = _head(vocab=517, hidden=256)
+    x = torch.randn(M, 256)
+    ref = x.double() @ w.double().T
+    y8 = ops.lowbit_linear(x, packing.pack_for_cpu(quantize_output_projection(w, "int8")))
+    y2 = ops.lowbit_linear(x, packing.pack_for_cpu(quantize_output_projection(w, "lowbit", codebook="affine", group_size=64)))
+    rel = lambda y: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
+    assert rel(y8) < 0.015 and rel(y8) * 10 < rel(y2), (rel(y8), rel(y2))
