@@ -1,8 +1,8 @@
-"""The canonical low-bit weight format (``lowbit2``, its 1-bit sibling and 8-bit output projections).
+"""The canonical low-bit weight format (``lowbit2``, its 1-, 4- and 8-bit siblings).
 
 A weight ``W[N, K]`` is stored as unsigned codes ``c`` packed along K (2 bits: 4 per byte, 1 bit:
-8 per byte, 8 bits: one per byte; element ``k`` at bits ``bits*(k % per_byte)`` of byte
-``k // per_byte``, low bits first),
+8 per byte, 4 bits: 2 per byte, 8 bits: one per byte; element ``k`` at bits ``bits*(k % per_byte)``
+of byte ``k // per_byte``, low bits first),
 per-group scales ``s[N, K/G]`` (fp16 or bf16) and a code book that maps codes to values:
 
     W[n, k] = s[n, g] * (cmul * c[n, k] - z[n, g]),   g = k // G
@@ -15,11 +15,13 @@ int2      2     {-2, -1, 0, 1}                       2
 sym       2     {-1.5, -0.5, 0.5, 1.5} (ParetoQ)     1.5
 ternary   2     {-1, 0, 1} (BitNet b1.58; c <= 2)    1
 binary    1     {-1, +1} (cmul = 2)                  1
+int4      4     {-8, ..., 7} (GPTQ symmetric)        8
+affine4   4     {0, ..., 15} - z (GPTQ/AWQ asym.)    per group, stored (``zeros``)
 int8      8     {-128, ..., 127}                     128 (``c`` is int8 ``w`` XOR 0x80)
 ========  ====  ==================================  =============================
 
-``int8`` is the output projection's format (one group per row: per output channel); its kernels
-are the same W·A8 kernels with one bit-plane of 8 bits.
+``int8`` is the output projection's format (one group per row: per output channel). Every code book
+runs on the same W·A8 kernels: the bits of a byte are its bit-planes (8 of 1 bit ... one of 8).
 
 Device layouts (``aipc_kernels.packing``) are derived from this one and never stored.
 
@@ -73,6 +75,8 @@ CODEBOOKS: dict[str, Codebook] = {
         Codebook("sym", 2, 1.0, 1.5, 3),
         Codebook("ternary", 2, 1.0, 1.0, 2),
         Codebook("binary", 1, 2.0, 1.0, 1),
+        Codebook("int4", 4, 1.0, 8.0, 15),
+        Codebook("affine4", 4, 1.0, None, 15),
         Codebook("int8", 8, 1.0, 128.0, 255),
     )
 }

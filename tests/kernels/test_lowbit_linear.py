@@ -219,19 +219,18 @@ def test_timing_helpers_run_the_kernel_and_report_errors():
         probes.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)
 
 
+@pytest.mark.parametrize("codebook, K, top", [("int8", 4096, 127), ("int4", 32768, 7)])
 @pytest.mark.parametrize("M", [1, 3, 9])
-def test_int8_codes_cancel_exactly(isa, M):
-    """8-bit codes: the dot of the codes reaches ~1.3e8 (past float32's 2^24) while the output is small;
-    the zero correction is taken in integers, so the output is the exact integer math, not the rounding
-    of two large floats."""
-    N, K = 19, 4096
-    g = torch.Generator().manual_seed(M)
-    sign = torch.where(torch.rand(N, K, generator=g) < 0.5, -1, 1)
-    sign[:, : K // 2] = 1  # rows sum to a small surplus of +127 levels: u stays small, dot is huge
-    sign[:, K // 2 :] = -1
-    sign[:, K // 2 : K // 2 + 8 + torch.arange(N).max()] = 1
-    w = quantize_rtn(127.0 * sign.float(), "int8", -1)
-    assert (w.codes() >= 1).all() and (w.codes().max() == 255)
+def test_wide_codes_cancel_exactly(isa, M, codebook, K, top):
+    """4- and 8-bit codes, one group per row: the dot of the codes passes float32's 2^24 (~6.7e7 and
+    ~3.2e7 here) while the output is small; the zero correction is taken in integers, so the output is
+    the exact integer math, not the rounding of two large floats."""
+    N = 19
+    sign = torch.ones(N, K, dtype=torch.int64)
+    sign[:, K // 2 :] = -1  # a small surplus of +top levels: u stays small, the dot of the codes is huge
+    sign[:, K // 2 : K // 2 + 26] = 1
+    w = quantize_rtn(float(top) * sign.float(), codebook, -1)
+    assert int(w.values().sum(1)[0]) == 2 * 26 * top
     x = torch.full((M, K), 3.0)  # absmax scale: every activation quantizes to 127
     y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
     ref = ops.reference_linear_w8(x, w)

@@ -11,17 +11,17 @@ AIPC_API int aipc_abi_version(void) { return AIPC_ABI_VERSION; }
 AIPC_API const char *aipc_status_message(int status) {
     switch ((aipc_status)status) {
     case AIPC_OK: return "ok";
-    case AIPC_ERR_BITS: return "bits must be 1, 2 or 8";
+    case AIPC_ERR_BITS: return "bits must be 1, 2, 4 or 8";
     case AIPC_ERR_SHAPE:
-        return "bad shape (lowbit_linear: K must be a multiple of the chunk: 16 for 2 bits, 32 for 1 bit, 4 for 8 bits; "
+        return "bad shape (lowbit_linear: K must be a multiple of the chunk: 32 for 1 bit, 16 for 2 bits, 8 for 4 bits, 4 for 8 bits; "
                "segment_sdpa: sizes must be positive, N a multiple of B and Hq of Hkv)";
-    case AIPC_ERR_GROUP: return "bad group size (must divide K and be a multiple of the chunk; at most 65536 for 8 bits)";
+    case AIPC_ERR_GROUP: return "bad group size (must divide K and be a multiple of the chunk; at most 65536 for 8 bits, 8192 for 4 bits with stored zeros)";
     case AIPC_ERR_DTYPE: return "unsupported dtype";
     case AIPC_ERR_ISA: return "ISA not supported by this CPU";
     case AIPC_ERR_NOMEM: return "out of memory";
     case AIPC_ERR_CODEBOOK:
         return "bad code book constants (cmul must be finite and positive, zero finite, or NaN for per-group zeros; "
-               "8 bits: cmul 1 and a fixed integer zero in [0, 255])";
+               "4 and 8 bits: cmul 1 and an integer zero within the codes; 8 bits: a fixed zero)";
     case AIPC_ERR_ZEROS: return "zeros missing: the code book stores a zero point per group (zero=NaN) but zeros is None";
     case AIPC_ERR_NULL: return "a tensor pointer is NULL";
     case AIPC_ERR_THREADS: return "nthreads out of range (0 for OpenMP's default, up to 4096)";

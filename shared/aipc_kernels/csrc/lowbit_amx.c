@@ -155,8 +155,8 @@ static TAMX void amx_block_pair(const lowbit_args *a, const amx_plan *pl, int64_
 }
 
 /* How the up-converted bytes encode the levels: signed r*(cmul*c - z) when those are integers that fit
- * int8 for every code (8-bit codes: c - 128, always: lowbit_linear.c checks cmul 1 and an integer zero;
- * their epilogue, a dot of levels, is then exactly group_u8bit's u). */
+ * int8 for every code (4- and 8-bit codes with a fixed zero: c - z, always: lowbit_linear.c checks cmul 1
+ * and an integer zero; their epilogue, a dot of levels, is then exactly group_u_int's u). */
 static void amx_levels(const lowbit_args *a, amx_plan *pl) {
     pl->level_mul = 0, pl->level_sub = 0, pl->level_scale = 1.f;
     if (a->zeros) return;

@@ -1,6 +1,6 @@
 /*
  * AVX-512 VNNI kernels of the low-bit linear layer: decode (one token: gemv512_2b / gemv512_1b /
- * gemv512_8b), small
+ * gemv512_4b / gemv512_8b), small
  * batches (tile_otf512: up-convert on the fly, a tile of tokens shares each plane), and from UP_MIN_M
  * tokens on each row block up-converted once and reused by every token tile (tile_up512).
  */
@@ -116,6 +116,39 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
     }
     store512(a, m, 1, nb, &acc);
 }
+/* 4-bit codes: two planes (low and high nibbles), two chains each. */
+static T512 __attribute__((noinline)) void gemv512_4b(const lowbit_args *a, int64_t nb, int64_t m) {
+    enum { NQ = 2 };
+    const int64_t kc = chunk_k(4), ng = a->K / a->G, cpg = a->G / kc;
+    const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
+    const __m512i m0 = _mm512_set1_epi8(0x0f), m1 = _mm512_set1_epi8((char)0xf0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
+        const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
+        __m512i d0 = _mm512_setzero_si512(), d1 = d0, e0 = d0, e1 = d0;
+        int64_t c = 0;
+        for (; c + 2 <= cpg; c += 2) {
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            PREFETCH_L2(wp + c * CHUNK_BYTES);
+            __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
+            PLANE_DOT(d0, 0);
+            PLANE_DOT(d1, 1);
+            w = _mm512_loadu_si512((const void *)(wp + (c + 1) * CHUNK_BYTES));
+            e0 = dpbusd512(e0, _mm512_and_si512(w, m0), _mm512_set1_epi32(xp[(c + 1) * NQ]));
+            e1 = dpbusd512(e1, _mm512_and_si512(w, m1), _mm512_set1_epi32(xp[(c + 1) * NQ + 1]));
+        }
+        for (; c < cpg; c++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
+            PLANE_DOT(d0, 0);
+            PLANE_DOT(d1, 1);
+        }
+        __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, e0), _mm512_srai_epi32(_mm512_add_epi32(d1, e1), 4));
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+    }
+    store512(a, m, 1, nb, &acc);
+}
 #undef PLANE_DOT
 
 /* 8-bit codes: a chunk is the VNNI operand as stored (one plane), so the decode kernel is a plain
@@ -187,6 +220,7 @@ T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     if (a->M == 1) {
         if (a->bits == 2) gemv512_2b(a, nb, 0);
         else if (a->bits == 8) gemv512_8b(a, nb, 0);
+        else if (a->bits == 4) gemv512_4b(a, nb, 0);
         else gemv512_1b(a, nb, 0);
         return;
     }
@@ -199,6 +233,15 @@ T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
             case 3: tile_otf512(a, nb, m0, 3, 8); break;
             case 2: tile_otf512(a, nb, m0, 2, 8); break;
             default: tile_otf512(a, nb, m0, 1, 8);
+            }
+            continue;
+        }
+        if (a->bits == 4) {
+            switch (mt) {
+            case 4: tile_otf512(a, nb, m0, 4, 4); break;
+            case 3: tile_otf512(a, nb, m0, 3, 4); break;
+            case 2: tile_otf512(a, nb, m0, 2, 4); break;
+            default: tile_otf512(a, nb, m0, 1, 4);
             }
             continue;
         }

@@ -49,7 +49,7 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
     for (int i = 0; i < mt; i++) {
         const int64_t mg = (m0 + i) * ng + g;
         const __m512 zz = _mm512_set1_ps(a->zq[mg]);
-        const __m512 u = a->bits == 8 /* in integers, as group_u8bit */
+        const __m512 u = int_epilogue(a) /* in integers, as group_u_int */
                              ? _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i], _mm512_cvtps_epi32(_mm512_mul_ps(z, zz))))
                              : _mm512_fnmadd_ps(z, zz, _mm512_cvtepi32_ps(dot[i]));
         acc[i] = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s, u, acc[i]);

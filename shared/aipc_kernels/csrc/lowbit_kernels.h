@@ -4,7 +4,7 @@
  *   y[m, n] = sum_g  sx[m,g] * ( s[n,g] * cmul * dot_g(c[n,:], xq[m,:]) - s[n,g] * z[n,g] * sum_g(xq[m,:]) ) + bias[n]
  *
  * (Georganas et al., "Pushing the Envelope of LLM Inference on AI-PC and Intel GPUs", III-B..D) where c
- * are the unsigned weight codes (0..3 for 2 bits, 0..1 for 1 bit, 0..255 for 8 bits), w = s * (cmul * c - z), xq = round(x /
+ * are the unsigned weight codes (0..2^bits - 1; 1, 2, 4 or 8 bits), w = s * (cmul * c - z), xq = round(x /
  * sx) the int8 activations (absmax per token, or per K-group: act_quant.c), and dot_g an int32 dot
  * product over group g. The zero correction uses the group sum of the quantized activations, so the
  * inner loop is a pure u8 x s8 -> s32 dot product: vpdpbusd (AVX-512 VNNI: lowbit_avx512.c, AVX-VNNI:
@@ -14,8 +14,8 @@
  *
  * Weight layout ("cpu_vnni16", produced by aipc_kernels.packing): rows in blocks of 16; per block the
  * K axis in chunks of 64 bytes. A chunk holds, at byte [n][kk] (n < 16, kk < 4), the codes of
- * k = kc*chunk + 4*q + kk for every bit-plane q (2 bits: q < 4 at bits 2q; 1 bit: q < 8 at bit q; 8 bits:
- * the one plane q = 0, so a chunk is already the [16 rows][4 k] operand).
+ * k = kc*chunk + 4*q + kk for every bit-plane q (2 bits: q < 4 at bits 2q; 1 bit: q < 8 at bit q; 4 bits:
+ * q < 2 at bits 4q; 8 bits: the one plane q = 0, so a chunk is already the [16 rows][4 k] operand).
  * So one 64-byte load and a shift + mask per plane yield a [16 rows][4 k] u8 vector, exactly the
  * operand vpdpbusd wants against a broadcast of 4 consecutive int8 activations.
  * Scales (and affine zeros) are [N/16][K/G][16] in fp16 or bf16.
@@ -63,10 +63,11 @@ typedef struct {
      * zq = (group sum of xq) / cmul is the zero term in code units; ws is the group's activation
      * scale (NULL with one scale per token: 1); outs[m] = cmul times the token's scale (per token) or
      * cmul (per group).
-     * 8-bit codes: dot reaches 2^24 and beyond, where the float32 of dot - z * zq would round, so u is
-     * taken in integers, u = dot - int(z * zq) (z * zq = 128 * group sum, exact in float32), then
-     * converted: every kernel (AMX's dots of signed levels included) gets the same exact u
-     * (group_u8bit). */
+     * 4- and 8-bit codes with a fixed zero (int_epilogue): dot reaches 2^24 and beyond, where the
+     * float32 of dot - z * zq would round, so u is taken in integers, u = dot - int(z * zq) (z * zq =
+     * z * group sum, an integer exact in float32), then converted: every kernel (AMX's dots of signed
+     * levels included) gets the same exact u (group_u_int). 4 bits with stored zeros keep the float
+     * form, exact while |dot| < 2^24 (groups of at most MAX_G_4BIT_ZEROS). */
     const float *zq;    /* [M][K/G] */
     const float *ws;    /* [M][K/G], or NULL */
     const float *outs;  /* [M] */
@@ -79,9 +80,14 @@ static inline int64_t chunk_k(int bits) { return CHUNK_BYTES * 8 / bits / BLOCK_
 
 /* 8-bit codes: |dot| <= G * 255 * 127 must stay below 2^31 */
 #define MAX_G_8BIT 65536
+/* 4-bit codes with stored zeros: |dot| <= G * 15 * 127 stays below 2^24 (the float epilogue is exact) */
+#define MAX_G_4BIT_ZEROS 8192
 
-/* u of the epilogue for 8-bit codes, exact (see lowbit_args). */
-static inline float group_u8bit(int32_t dot, float z, float zq) { return (float)(dot - (int32_t)(z * zq)); }
+/* Whether the epilogue takes u in integers (see lowbit_args): 4 and 8 bits with a fixed zero. */
+static inline int int_epilogue(const lowbit_args *a) { return a->bits >= 4 && !a->zeros; }
+
+/* u of the epilogue in integers, exact (see lowbit_args). */
+static inline float group_u_int(int32_t dot, float z, float zq) { return (float)(dot - (int32_t)(z * zq)); }
 
 /* ------------------------------------------------------------------ scalar conversions */
 

@@ -13,15 +13,18 @@
 static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                       const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul, float *zero_const,
                       const void *y, int64_t act_group, int nthreads) {
-    if (bits != 1 && bits != 2 && bits != 8) return AIPC_ERR_BITS;
+    if (bits != 1 && bits != 2 && bits != 4 && bits != 8) return AIPC_ERR_BITS;
     /* sizes: every index (m * K + k, block offsets, scratch) stays far from int64 / size_t overflow */
     if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits) || K > (INT64_C(1) << 40) / (M > N ? M : N)) return AIPC_ERR_SHAPE;
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return AIPC_ERR_GROUP;
-    if (bits == 8 && G > MAX_G_8BIT) return AIPC_ERR_GROUP;
+    if ((bits == 8 && G > MAX_G_8BIT) || (bits == 4 && zeros && G > MAX_G_4BIT_ZEROS)) return AIPC_ERR_GROUP;
     if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || (scale_dt != AIPC_DT_BF16 && scale_dt != AIPC_DT_F16)) return AIPC_ERR_DTYPE;
     if (!(isfinite(cmul) && cmul > 0.f) || isinf(*zero_const)) return AIPC_ERR_CODEBOOK;
-    /* 8 bits: the integer zero correction (group_u8bit) needs cmul 1 and a fixed integer zero point */
-    if (bits == 8 && (cmul != 1.f || !(*zero_const >= 0.f && *zero_const <= 255.f) || *zero_const != floorf(*zero_const)))
+    /* 8 bits, and 4 bits with a fixed zero: the integer zero correction (group_u_int) needs cmul 1 and an
+     * integer zero point within the codes; 8 bits have no stored zeros */
+    if (bits >= 4 && (cmul != 1.f || (bits == 8 && isnan(*zero_const)) ||
+                      (!isnan(*zero_const) && (!(*zero_const >= 0.f && *zero_const <= (float)((1 << bits) - 1)) ||
+                                               *zero_const != floorf(*zero_const)))))
         return AIPC_ERR_CODEBOOK;
     if (isnan(*zero_const)) { /* per-group zero points: the kernels read zeros, never zero_const */
         if (!zeros) return AIPC_ERR_ZEROS;

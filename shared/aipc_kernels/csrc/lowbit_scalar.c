@@ -28,7 +28,7 @@ void block_scalar(const lowbit_args *a, int64_t nb) {
             for (int n = 0; n < BLOCK_N; n++) {
                 const float s = load_f(a->scales, si + n, a->scale_dt);
                 const float z = a->zeros ? load_f(a->zeros, si + n, a->scale_dt) : a->zero_const;
-                const float u = a->bits == 8 ? group_u8bit(dot[n], z, a->zq[mg]) : fmaf(-z, a->zq[mg], (float)dot[n]);
+                const float u = int_epilogue(a) ? group_u_int(dot[n], z, a->zq[mg]) : fmaf(-z, a->zq[mg], (float)dot[n]);
                 acc[n] = fmaf(s * w, u, acc[n]);
             }
         }
