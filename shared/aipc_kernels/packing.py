@@ -102,14 +102,15 @@ def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
 # Rows stay K-contiguous ([N, Kp*bits/8] bytes, Kp = K padded to a whole chunk). A chunk is 32 bytes
 # holding 32 * planes codes: byte j, bit-plane q holds the code of k = chunk*32*planes + 32*q + j.
 # One 32-byte load per row then a shift and mask per plane gives 32 consecutive k of that row (an
-# int8 dot operand of K = 32, never straddling a group). Scales and zeros are transposed to
-# [K/G, N] so the kernels read one group of a row tile as one contiguous vector.
+# int8 dot operand of K = 32, never straddling a group; 8 bits: one plane, a group spans G/32
+# chunks). Scales and zeros are transposed to [K/G, N] so the kernels read one group of a row tile as
+# one contiguous vector.
 TRITON_LAYOUT = "triton_k32"
 TRITON_PLANE = 32  # consecutive k per bit-plane run
 
 
 def triton_chunk(bits: int) -> int:
-    """Codes per 32-byte ``triton_k32`` chunk (128 for 2-bit, 256 for 1-bit)."""
+    """Codes per 32-byte ``triton_k32`` chunk (128 for 2-bit, 256 for 1-bit, 32 for 8-bit)."""
     return TRITON_PLANE * _planes(bits)
 
 

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from aipc_kernels import ops, packing  # noqa: E402
-from aipc_kernels.formats import CODEBOOKS  # noqa: E402
+from aipc_kernels.formats import CODEBOOKS, LowBitWeight, pack_codes  # noqa: E402
 from aipc_kernels.quantizers import quantize_rtn  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -76,10 +76,11 @@ def test_layout_round_trip(codebook, K, group):
     back = packing.to_canonical(p)
     assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
     assert (back.zeros is None and w.zeros is None) or torch.equal(back.zeros, w.zeros)
-    # bit-plane q of byte j in chunk c holds k = c * 32 * planes + 32 * q + j
+    # bit-plane q of byte j in chunk c holds k = c * 32 * planes + 32 * q + j (8 bits: the one plane q = 0)
     codes = w.codes()
     planes = 8 // w.bits
-    assert torch.equal((p.qweight[:, 1] >> w.bits) & ((1 << w.bits) - 1), codes[:, 32 + 1])
+    q = min(1, planes - 1)
+    assert torch.equal((p.qweight[:, 1] >> (q * w.bits)) & ((1 << w.bits) - 1), codes[:, 32 * q + 1])
     assert planes * 32 == kc
 
 
@@ -254,6 +255,9 @@ def test_bad_input_is_refused():
         tlin.lowbit_linear_triton(x, p, config=dict(STREAM, XPACK=0))
     with pytest.raises(ValueError, match="out must be"):
         tlin.lowbit_linear_triton(x, p, config=GROUP16, out=torch.empty(3, device=DEVICE))
+    _, p8 = _case(1, 65568, "int8", -1, seed=0)  # one 8-bit group past 65536 k: its int32 dot could overflow
+    with pytest.raises(ValueError, match="8-bit codes take groups of at most 65536"):
+        tlin.lowbit_linear_triton(torch.randn(1, 65568, device=DEVICE), p8)
 
 
 def test_op_dispatch_fake_kernel_and_torch_compile():
@@ -369,3 +373,53 @@ def test_batch_invariant_mode_row_bits_independent_of_m(codebook, group, flag, m
     for M in (3, 16, 17, 33):
         y = tlin.lowbit_linear_triton(x[:M], p, bias)[:3]
         assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), f"M={M}: rows differ in bits from M=1"
+
+
+def _int8_cancelling(N, K, G, seed):
+    """An ``int8`` weight whose every group (G; -1: the row) is +levels in its first half and the same
+    levels negated, plus a small surplus, in its second: against constant activations the group's dot
+    is small while the dot of its first half is large (whole rows of K = 4096: ~3e7, past 2**24)."""
+    g = torch.Generator().manual_seed(seed)
+    span = K if G == -1 else G
+    half = torch.randint(100, 128, (N, K // span, span // 2), generator=g)
+    second = -half
+    second[:, :, 0] += torch.randint(1, 20, (N, K // span), generator=g)  # the group's dot: 127 * surplus
+    levels = torch.cat([half, second], dim=-1).reshape(N, K)
+    scales = (torch.rand(N, K // span, generator=g) + 0.5).to(torch.float16)
+    w = LowBitWeight(pack_codes((levels + 128).to(torch.uint8), 8), scales, None, "int8", span, K)
+    p = packing.pack_for_triton(w)
+    return w, packing.PackedLowBit(p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None, p.codebook, p.group_size, N, K)
+
+
+@pytest.mark.parametrize("group", [64, 128, -1], ids=["g64", "g128", "row"])
+def test_int8_groups_over_chunks_cancel_exactly(group):
+    """8-bit codes: a group of 64/128 spans 2/4 chunks and a whole row all of them; each group's dot is
+    one exact int32 (the native kernels' u) converted once, so a group whose halves cancel keeps the
+    float64 reference's value to fp32 rounding (a per-chunk fp32 rescale of the row is 2.6% off here). Splits over
+    K take whole groups, so a split group-64/128 weight is exact too; a split whole row is not (each
+    split converts its own partial dot): checked against the size of the partial sums instead."""
+    N, K = 19, 4096
+    w, p = _int8_cancelling(N, K, group, seed=K + group)
+    split_ok = group != -1
+    w_abs = LowBitWeight(pack_codes(((w.codes().int() - 128).abs() + 128).to(torch.uint8), 8), w.scales, None, "int8", w.group_size, K)
+    stream = dict(STREAM, BLOCK_C=2)  # raised to a whole group of chunks for 64/128
+    per_m = {
+        1: [stream, dict(stream, FULLX=1, BLOCK_C=8), dict(stream, SPLIT_K=3), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
+        5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1)],
+        17: [GROUP, GROUP_B],
+    }
+    for M, cfgs in per_m.items():
+        x = torch.full((M, K), 3.0) * torch.linspace(1.0, 2.0, M)[:, None]  # every activation quantizes to 127
+        ref = ops.reference_linear_w8(x, w)
+        size = ops.reference_linear_w8(x, w_abs)  # the sum of the terms' sizes
+        for cfg in cfgs:
+            y = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg).double().cpu()
+            if cfg.get("SPLIT_K", 1) == 1 or split_ok:
+                torch.testing.assert_close(y, ref, rtol=1e-6, atol=0.0, msg=lambda m: f"M={M} {cfg}: {m}")
+            else:
+                assert (y - ref).abs().max() < 1e-6 * size.max(), (M, cfg)
+        # untuned: the b8 key is not cached, so the heuristic runs (which may split a whole row)
+        assert tlin.config_key(M, N, K, w.group_size, 8).endswith(":b8")
+        assert tlin.select_config(x.to(DEVICE), p, None, torch.empty(M, N, device=DEVICE)) == tlin.heuristic_config(M, N, K, 8, torch.device(DEVICE))
+        y = tlin.lowbit_linear_triton(x.to(DEVICE), p).double().cpu()
+        assert (y - ref).abs().max() < 1e-6 * size.max(), M

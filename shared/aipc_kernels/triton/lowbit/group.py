@@ -6,7 +6,10 @@ bit-plane unpacked in registers to the int8 operand ``CA * c - CB`` (the fixed z
 four codes per 32-bit register through inline PTX on CUDA), one K=32 ``tl.dot`` per plane chained in
 int32 over the group, then one fp32 rescale per group; the int32 -> fp32 conversion is a subtract
 (the accumulator starts at the bits of 1.5 * 2**23). At M <= 16 (BLOCK_M 16 token columns) the K
-range is split over ``SPLIT_K`` programs per tile (too few output tiles to fill the GPU).
+range is split over ``SPLIT_K`` programs per tile (too few output tiles to fill the GPU). 8-bit codes
+(one plane: the operand is the byte XOR 0x80, ``c - 128``): a group of 64/128 spans several chunks and
+its int32 dot is carried over them; one group per row is one int32 dot over the whole K range (past
+2**22, converted by an exact I2F), so u is the exact integer of the native kernels.
 
 Config: ``BLOCK_N``, ``num_warps``, ``num_stages`` and the path's fields (M > 16: ``BLOCK_M``; M <= 16:
 ``SPLIT_K``, BLOCK_M defaulting to 16), ``WA`` (0/1: weights as the dot's A operand), ``GROUP_M``
@@ -70,13 +73,17 @@ def _group_kernel(
     """One [BLOCK_N, BLOCK_M] output tile (weights as the dot's A operand with ``WA``, else
     [BLOCK_M, BLOCK_N]): the int32 accumulator starts at 0x4B400000, so its bits read as fp32 are
     exactly 12582912 + dot (|dot| < 2**22) and each group's conversion is one fp32 subtract instead of
-    a slow I2F. ``SPLIT_K``: program_id(1) takes CHUNKS_PER_SPLIT chunks, the partials reduced by the
-    last program of the tile. The group scales (zeros, activation sums) of chunk c + 1 are loaded
-    during chunk c."""
+    a slow I2F. ``SPLIT_K``: program_id(1) takes CHUNKS_PER_SPLIT chunks (a whole number of groups),
+    the partials reduced by the last program of the tile. The group scales (zeros, activation sums) of
+    chunk c + 1 are loaded during chunk c. 8 bits: ``CPG`` chunks per group, the dot carried over them
+    (``ROW_DOT``, one group per row: over the program's whole K range, from 0, converted once at the end)."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
-    RP: tl.constexpr = P if WHOLE_ROW else G // 32  # planes per rescale (the whole row: per chunk)
-    MAGIC: tl.constexpr = 0x4B400000
+    RP: tl.constexpr = P if WHOLE_ROW or G >= KC else G // 32  # planes per rescale (the whole row: per chunk)
+    CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1  # chunks per group (8 bits: G // 32)
+    ROW_DOT: tl.constexpr = WHOLE_ROW and BITS == 8
+    tl.static_assert(not HAS_ZEROS or (CPG == 1 and not ROW_DOT))
+    MAGIC: tl.constexpr = 0 if ROW_DOT else 0x4B400000
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -120,24 +127,26 @@ def _group_kernel(
         if HAS_ZEROS:
             zs_row = sc_row * tl.load(z_ptr + rn).to(tl.float32)
     else:
-        sc_nxt = tl.load(s_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
+        sc_nxt = tl.load(s_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
         if HAS_ZEROS:
             z_nxt = tl.load(z_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
     if HAS_ZEROS:
         xs_nxt = tl.load(xs_tile + c_begin * P)
+    d = d0
     for c in range(c_begin, c_end):
         wb = tl.load(w_rows + c * 32)  # [BLOCK_N, 32] bytes, P planes
         cn = tl.minimum(c + 1, n_chunks - 1)
         if not WHOLE_ROW:
             sc_cur = sc_nxt.to(tl.float32) * FMUL
-            sc_nxt = tl.load(s_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
+            sc_nxt = tl.load(s_tile + tl.minimum(cn // CPG * NGC + og, last_g)[None, :] * N)
             if HAS_ZEROS:
                 z_cur = z_nxt.to(tl.float32)
                 z_nxt = tl.load(z_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
         if HAS_ZEROS:
             xs_cur = xs_nxt.to(tl.float32)
             xs_nxt = tl.load(xs_tile + cn * P)
-        d = d0
+        if CPG == 1 and not ROW_DOT:
+            d = d0
         for q in tl.static_range(P):
             if q == 0:
                 code = _plane_codes(wb, 0, BITS, CA, CB, HW_ASM, ASM0)
@@ -160,7 +169,11 @@ def _group_kernel(
                 d = tl.dot(code, tl.trans(xt), d, out_dtype=tl.int32)
             else:
                 d = tl.dot(xt, tl.trans(code), d, out_dtype=tl.int32)
-            if (q + 1) % RP == 0:  # end of a group (whole row: of a chunk)
+            if CPG == 1:  # end of a group (whole row: of a chunk; ROW_DOT: after the loop)
+                flush = (q + 1) % RP == 0 and not ROW_DOT
+            else:
+                flush = (c + 1) % CPG == 0  # the group's last chunk (8 bits)
+            if flush:
                 gi = q // RP
                 df = d.to(tl.float32, bitcast=True) - 12582912.0  # exact: the int32 dot as fp32
                 if WHOLE_ROW:
@@ -182,6 +195,11 @@ def _group_kernel(
                     else:
                         acc -= gxs[:, None] * zs[None, :]
                 d = d0
+    if ROW_DOT:  # the exact int32 dot of the whole K range (|dot| < 2**31), one conversion
+        if WA:
+            acc += d.to(tl.float32) * sc_row[:, None]
+        else:
+            acc += d.to(tl.float32) * sc_row[None, :]
     sx = tl.load(sx_ptr + rm)
     if WA:
         acc = acc * sx[None, :]
@@ -210,15 +228,16 @@ def _int_codebook(cb) -> tuple[int, int, float]:
 
 def _plane_asm(bits: int, q: int, ca: int, cb: int) -> str:
     """PTX of :func:`_plane_codes` for four packed bytes: ((b >> bits*q) & mask) * CA - CB per byte.
-    The bias add cannot carry across bytes (CA * c + 128 - CB stays in [125, 134])."""
-    mask = 0x01010101 * ((1 << bits) - 1)
-    s = [f"shr.u32 t, $1, {bits * q};" if q else "mov.b32 t, $1;", f"and.b32 t, t, {mask:#010x};"]
+    The bias add cannot carry across bytes (CA * c + 128 - CB stays in [125, 134]; 8 bits: CB = 128,
+    no add, the byte's sign flip alone)."""
+    s = [f"shr.u32 t, $1, {bits * q};" if q else "mov.b32 t, $1;"]
+    if bits < 8:
+        s.append(f"and.b32 t, t, {0x01010101 * ((1 << bits) - 1):#010x};")
     if ca != 1:
         s.append(f"mul.lo.u32 t, t, {ca};")
-    if cb:
-        s += [f"add.u32 t, t, {0x01010101 * (128 - cb):#010x};", "xor.b32 $0, t, 0x80808080;"]
-    else:
-        s.append("mov.b32 $0, t;")
+    if cb not in (0, 128):
+        s.append(f"add.u32 t, t, {0x01010101 * (128 - cb):#010x};")
+    s.append("xor.b32 $0, t, 0x80808080;" if cb else "mov.b32 $0, t;")
     return "{ .reg .b32 t; " + " ".join(s) + " }"
 
 
@@ -256,8 +275,10 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None)
     bn, bm = cfg["BLOCK_N"], cfg.get("BLOCK_M", GEMV_MAX_M)  # M > 16: check_config asked for BLOCK_M
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    chunk = triton_chunk(cb.bits)
+    cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: splits of whole groups
     split, per_split, ws, locks, atomic = split_plan(
-        Kp // triton_chunk(cb.bits), cfg.get("SPLIT_K", 1), tiles, M, N, y, atomic=bool(cfg.get("ATOMIC", 0))
+        Kp // chunk // cpg, cfg.get("SPLIT_K", 1), tiles, M, N, y, atomic=bool(cfg.get("ATOMIC", 0))
     )
     ca, cbias, fmul = _int_codebook(cb)
     hw = x2.device.type == "cuda" and not INTERPRETED
@@ -266,7 +287,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         xq_ptr=xq, sx_ptr=sx, xsum_ptr=sx if xsum is None else xsum, w_ptr=weight.qweight,
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
         b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
-        M=M, N=N, Kp=Kp, NG=weight.scales.shape[0], KB=weight.qweight.shape[1], CHUNKS_PER_SPLIT=per_split,
+        M=M, N=N, Kp=Kp, NG=weight.scales.shape[0], KB=weight.qweight.shape[1], CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
         HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,

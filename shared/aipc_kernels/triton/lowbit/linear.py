@@ -10,6 +10,8 @@ from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from .registry import batch_invariant, invariant_config, launch
 from .tuning import select_config
 
+MAX_G_8BIT = 65536  # 8-bit codes: |dot| <= G * 128 * 127 stays below 2**31 (the native kernels' bound)
+
 
 def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int) -> None:
     """The Triton kernels' own limits, then every operand against the others (``lowbit_contract.check_operands``)."""
@@ -25,8 +27,10 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
     check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
                    weight.group_size, weight.out_features, act_group)  # fmt: skip
     K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
-    if G != K and chunk % G:
+    if G != K and chunk % G and weight.bits < 8:  # 8 bits: a group spans G // 32 chunks
         raise ValueError(f"group_size={G} must divide {chunk} (or be the whole row) for {TRITON_LAYOUT}")
+    if weight.bits == 8 and G > MAX_G_8BIT:
+        raise ValueError(f"group_size={G}: 8-bit codes take groups of at most {MAX_G_8BIT} (int32 dots); use group_size=128")
 
 
 def lowbit_linear_triton(

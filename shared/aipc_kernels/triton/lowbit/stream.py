@@ -6,6 +6,9 @@ word are 4 consecutive k). The GEMV owns BLOCK_N rows and (a split of) K, stream
 chunks per row and step with 16-byte loads, prefetching the next step's tile; one ``dp4a`` per plane
 and word, one fp32 rescale per (row, group). On sm_90+ the two kernels are chained by programmatic
 dependent launch (``PDL``): the GEMV issues its first weight tile, then waits for the pre-pass.
+8-bit codes: the one plane's words XOR 0x80808080 are the signed levels ``c - 128``, whose ``dp4a``
+is u itself (no zero term); a group of 64/128 is summed in int32 over its chunks of a step (BLOCK_C
+at least the group's chunks), one group per row over the program's whole K range, converted once.
 
 Config: ``BLOCK_N``, ``SPLIT_K``, ``num_warps``, ``num_stages`` (the GEMV path's fields), ``BLOCK_C``
 (default 8), ``PDL`` (0/1, default 0), ``FULLX`` (0/1: activation words loaded in the weights' own
@@ -54,6 +57,15 @@ def _dp4a(a, b, c, HW: tl.constexpr):
 
 
 @triton.jit
+def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, FLIP: tl.constexpr):
+    """Bit-plane ``q`` of the packed words ``wv``, 4 codes per word; 8 bits: the signed levels ``c - 128``."""
+    if BITS == 8:
+        return wv ^ FLIP
+    else:
+        return (wv >> (BITS * q)) & PMASK
+
+
+@triton.jit
 def _stream_kernel(
     xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     N, NG, KW, CHUNKS_PER_SPLIT,
@@ -65,7 +77,9 @@ def _stream_kernel(
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
     one, the first tile before waiting for the pre-pass (``PDL``), so the weight stream never waits on
     the activations. A plane's 4 codes of a word meet the 4 int8 activations of the same k, read as
-    one int32 word of ``xw`` (``xs``: their 32-k sums, ``sx``: the scale), in one ``dp4a`` (exact int32)."""
+    one int32 word of ``xw`` (``xs``: their 32-k sums, ``sx``: the scale), in one ``dp4a`` (exact int32).
+    8 bits (``SIGNED``): ``CPG`` chunks per group, BLOCK_C a multiple of it and every split's start a
+    group's (the host sees to both); one group per row (``ROW_DOT``): int32 over the whole range."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
@@ -73,6 +87,11 @@ def _stream_kernel(
     PPG: tl.constexpr = P // GPC
     MASK: tl.constexpr = (1 << BITS) - 1
     PMASK: tl.constexpr = MASK | (MASK << 8) | (MASK << 16) | (MASK << 24)
+    SIGNED: tl.constexpr = BITS == 8
+    FLIP: tl.constexpr = -0x7F7F7F80  # 0x80808080 as int32: each byte's c ^ 0x80 is c - 128 as int8
+    ROW_DOT: tl.constexpr = WHOLE_ROW and SIGNED
+    CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1
+    tl.static_assert(BLOCK_C % CPG == 0 and (not SIGNED or not HAS_ZEROS))
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,7 +107,9 @@ def _stream_kernel(
         tl.extra.cuda.gdc_wait()
     sx = tl.load(sx_ptr)
 
-    acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_C // CPG], dtype=tl.float32)
+    dacc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.int32)  # ROW_DOT
+    og = tl.arange(0, BLOCK_C // CPG)
     for c0 in range(c_begin, c_end, BLOCK_C):
         c = c0 + oc
         c_mask = c < c_end
@@ -104,27 +125,43 @@ def _stream_kernel(
                 if FULLX:  # activation words loaded as [BLOCK_N, BLOCK_C, 8] like the weights: no layout conversion
                     xoff = (c * P + q)[None, :, None] * 8 + ow[None, None, :] + (offs_n * 0)[:, None, None]
                     xwf = tl.load(xw_ptr + xoff, mask=c_mask[None, :, None], other=0)
-                    d = _dp4a((wv >> (BITS * q)) & PMASK, xwf, d, HW_DP4A)
-                    xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
+                    d = _dp4a(_plane_words(wv, q, BITS, PMASK, FLIP), xwf, d, HW_DP4A)
+                    if not SIGNED:
+                        xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
                 else:
                     xw = tl.load(xw_ptr + (c * P + q)[:, None] * 8 + ow[None, :], mask=c_mask[:, None], other=0)
-                    xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
-                    d = _dp4a((wv >> (BITS * q)) & PMASK, xw[None, :, :], d, HW_DP4A)
-            dot = tl.sum(d, axis=2).to(tl.float32)  # [BLOCK_N, BLOCK_C]
-            gx = tl.sum(xs, axis=1)  # [BLOCK_C]
-            if WHOLE_ROW:
-                g = c * 0
+                    if not SIGNED:
+                        xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
+                    d = _dp4a(_plane_words(wv, q, BITS, PMASK, FLIP), xw[None, :, :], d, HW_DP4A)
+            if ROW_DOT:
+                dacc += tl.sum(d, axis=2)
             else:
-                g = (c * KC + gi * GE) // G
-            gmask = n_mask[:, None] & (c_mask & (g < NG))[None, :]
-            sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
-                acc += sc * (CMUL * dot - zp * gx[None, :])
-            else:
-                acc += sc * (CMUL * dot - ZERO * gx[None, :])
+                dot = tl.sum(d, axis=2)  # [BLOCK_N, BLOCK_C] int32
+                gc = c
+                if CPG > 1:  # a group's CPG chunks side by side: their int32 sum, then one rescale
+                    dot = tl.sum(tl.reshape(dot, [BLOCK_N, BLOCK_C // CPG, CPG]), axis=2)
+                    gc = c0 + og * CPG
+                dot = dot.to(tl.float32)
+                gx = tl.sum(xs, axis=1)  # [BLOCK_C]
+                if WHOLE_ROW:
+                    g = gc * 0
+                else:
+                    g = (gc * KC + gi * GE) // G
+                gmask = n_mask[:, None] & ((gc < c_end) & (g < NG))[None, :]
+                sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                    acc += sc * (CMUL * dot - zp * gx[None, :])
+                elif SIGNED:
+                    acc += sc * (CMUL * dot)
+                else:
+                    acc += sc * (CMUL * dot - ZERO * gx[None, :])
         wv = wn
-    res = tl.sum(acc, axis=1) * sx
+    if ROW_DOT:  # the exact int32 dot of the whole range (|dot| < 2**31), converted once
+        sc_row = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        res = tl.sum(dacc, axis=1).to(tl.float32) * CMUL * sc_row * sx
+    else:
+        res = tl.sum(acc, axis=1) * sx
     bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
@@ -162,18 +199,19 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     Kp = weight.qweight.shape[1] * (8 // cb.bits)
     bn = cfg["BLOCK_N"]
     tiles = triton.cdiv(N, bn)
-    split, per_split, ws, locks, _ = split_plan(Kp // triton_chunk(cb.bits), cfg["SPLIT_K"], tiles, M, N, y)
+    whole, chunk = weight.group_size == K, triton_chunk(cb.bits)
+    cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
+    split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
     pdl = bool(cfg.get("PDL", 0)) and _pdl_ok(x2.device)
     xq, xs, sx = quantize_row_packed(x2, Kp, pdl)
-    whole = weight.group_size == K
     _stream_kernel[(tiles, split)](
         xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
         b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
-        N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split,
+        N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
         WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
-        BLOCK_N=bn, BLOCK_C=cfg.get("BLOCK_C", 8), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
+        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
