@@ -71,11 +71,13 @@ def check_operands(
     group_size: int,
     out_features: int,
     act_group: int,
+    act_amax: Optional[torch.Tensor] = None,
     check_devices: bool = True,
 ) -> OperandPlan:
     """Validates every operand of ``aipc::lowbit_linear`` against the others before any kernel runs: x's
     dtype and K, qweight's dtype and full shape for the layout, scales/zeros shape and dtype (zeros exactly
-    when the code book stores per-group zero points), bias, group_size, act_group and devices. Raises a
+    when the code book stores per-group zero points), bias, group_size, act_group, act_amax (float32, one
+    value per token: ``[M]`` or ``x.shape[:-1]``, only with ``act_group == 0``) and devices. Raises a
     ValueError naming the operand and what was expected. Cheap (the decode hot path runs it each call):
     a cached plan and a few shape/dtype comparisons. Strided operands are allowed (each path makes them dense).
     ``check_devices=False``: for the CPU kernel, which the dispatcher calls only when every tensor is on the CPU."""
@@ -111,10 +113,29 @@ def check_operands(
             f"lowbit_linear: bias of shape {tuple(bias.shape)} and dtype {bias.dtype}: expected a floating "
             f"[out_features={out_features}] vector"
         )
+    if act_amax is not None:
+        _check_act_amax(x, act_amax, act_group)
     if not check_devices:
         return plan
     device = x.device
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias), ("act_amax", act_amax)):
         if t is not None and t.device != device:
             raise ValueError(f"lowbit_linear: {name} is on {t.device} but x is on {device}; move them to one device")
     return plan
+
+
+def _check_act_amax(x: torch.Tensor, act_amax: torch.Tensor, act_group: int) -> None:
+    """``act_amax``: the per-token activation absmax the kernels quantize x with instead of each token's own
+    (a tensor-parallel rank's slice of a row quantized with the whole row's absmax)."""
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    if act_amax.dtype != torch.float32 or tuple(act_amax.shape) not in ((M,), lead):
+        raise ValueError(
+            f"lowbit_linear: act_amax of shape {tuple(act_amax.shape)} and dtype {act_amax.dtype}: expected "
+            f"torch.float32 [M={M}] (one absmax per token of x, x's leading dims {lead} flattened)"
+        )
+    if act_group:
+        raise ValueError(
+            f"lowbit_linear: act_amax is given with act_group={act_group}; a given absmax is per token: use "
+            f"act_group=0 or pass act_amax=None"
+        )

@@ -7,7 +7,7 @@ version and the names of the ISA and dtype codes are read back from the library 
 worded by the library itself (:func:`status_message`).
 
 The linear kernel is called through ``aipc_lowbit_linear_v``, its arguments packed in one int64
-vector: ctypes converts one pointer instead of 17 arguments (0.2 us instead of 2 us a call).
+vector: ctypes converts one pointer instead of 18 arguments (0.2 us instead of 2 us a call).
 Threads: every call passes ``torch.get_num_threads()``, so the kernels follow the size PyTorch (and
 vLLM's CPU worker, which sets it) chose, instead of OpenMP's own default.
 """
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-ABI_VERSION = 1  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 2  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -143,17 +143,20 @@ def lowbit_linear_args(
     cmul: float,
     zero: float,
     act_group: int,
+    act_amax: Optional[torch.Tensor] = None,
 ) -> array:
     """The argument vector of the C entry point ``aipc_lowbit_linear_v`` for dense operands (x and y with
     their leading dimensions flattened to M rows); pass ``vector.buffer_info()[0]``. ``zero``: the code
     book's fixed zero point, or NaN when it stores one per group (the C entry then requires ``zeros``).
-    The caller keeps the tensors alive while the kernel runs."""
+    ``act_amax``: None, or dense float32 [M] per-token activation absmax values the kernel quantizes x
+    with instead of each token's own (``act_group == K``). The caller keeps the tensors alive while the
+    kernel runs."""
     K = x.shape[-1]
     return array("q", (
         x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, y.shape[-1],
         scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), DTYPE_CODES[scales.dtype], group_size,
         _f32_bits(cmul), _f32_bits(zero), 0 if bias is None else bias.data_ptr(), y.data_ptr(), act_group,
-        torch.get_num_threads(),
+        torch.get_num_threads(), 0 if act_amax is None else act_amax.data_ptr(),
     ))  # fmt: skip
 
 
@@ -169,18 +172,25 @@ def lowbit_linear_into(
     cmul: float,
     zero: float,
     act_group: int,
+    act_amax: Optional[torch.Tensor] = None,
     check_dense: bool = True,
 ) -> None:
     """Runs the native kernel: ``y[..., N] = x[..., K] @ W^T + bias`` with W in the ``cpu_vnni16`` layout
-    (x and y dense, their leading dimensions flattened to M rows). ``check_dense=False`` skips the
-    contiguity checks, for a caller (the op) that has made every operand dense itself."""
+    (x and y dense, their leading dimensions flattened to M rows; ``act_amax``: see
+    :func:`lowbit_linear_args`). ``check_dense=False`` skips the contiguity checks, for a caller (the
+    op) that has made every operand dense itself."""
     if check_dense:
-        for t in (y, x, qweight, scales, zeros, bias):
+        for t in (y, x, qweight, scales, zeros, bias, act_amax):
             _require_dense(t)
-    args = lowbit_linear_args(y, x, qweight, scales, zeros, bias, bits, group_size, cmul, zero, act_group)
+        if act_amax is not None and (act_amax.dtype != torch.float32 or act_amax.numel() != x.numel() // x.shape[-1]):
+            raise ValueError(
+                f"act_amax of shape {tuple(act_amax.shape)} and dtype {act_amax.dtype}: expected float32 with one "
+                f"value per token of x (M={x.numel() // x.shape[-1]})"
+            )
+    args = lowbit_linear_args(y, x, qweight, scales, zeros, bias, bits, group_size, cmul, zero, act_group, act_amax)
     status = _lib().aipc_lowbit_linear_v(args.buffer_info()[0])
     if status != 0:
         raise RuntimeError(
             f"aipc_lowbit_linear failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
-            f"group_size={group_size}, act_group={act_group})"
+            f"group_size={group_size}, act_group={act_group}, act_amax={'None' if act_amax is None else 'given'})"
         )

@@ -1,8 +1,11 @@
 """``torch.library`` custom ops of aipc_kernels, with fake kernels (usable under torch.compile).
 
 ``torch.ops.aipc.lowbit_linear(x, qweight, scales, zeros, bias, layout, codebook, group_size,
-out_features, act_group) -> y``: ``y[..., N] = x[..., K] @ W^T + bias`` for a low-bit ``W`` in a
-device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype.
+out_features, act_group, act_amax=None) -> y``: ``y[..., N] = x[..., K] @ W^T + bias`` for a low-bit
+``W`` in a device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype. ``act_amax`` (float32,
+one value per token, only with ``act_group == 0``): the absmax the int8 activations are scaled by
+instead of each token's own, so a tensor-parallel rank holding a slice of x's K quantizes it with the
+whole row's absmax (``xq = round(x * 127 / act_amax)`` clamped to [-127, 127]).
 
 Dispatch: CPU + ``cpu_vnni16`` layout -> the native kernel (activations quantized to int8 inside it,
 per token, or per K-group when ``act_group > 0``); every other case -> the reference (dequantize,
@@ -38,13 +41,17 @@ def reference_linear(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch
 
 
 def reference_linear_w8(
-    x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None, act_group: int = 0
+    x: torch.Tensor,
+    weight: LowBitWeight,
+    bias: Optional[torch.Tensor] = None,
+    act_group: int = 0,
+    act_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The native kernel's exact math in float64: int8 activations (same rounding), integer group
-    dot products, per-group scales and zero correction. Returns float64."""
+    """The native kernel's exact math in float64: int8 activations (same rounding; scaled by ``act_amax``
+    when given), integer group dot products, per-group scales and zero correction. Returns float64."""
     K = x.shape[-1]
     G = weight.group_size
-    xq, sx = quantize_activations(x.reshape(-1, K), act_group if act_group > 0 else None)
+    xq, sx = quantize_activations(x.reshape(-1, K), act_group if act_group > 0 else None, act_amax)
     sx = sx.double().repeat_interleave((act_group if act_group > 0 else K) // G, dim=-1)  # [M, K/G]
     v = weight.values().double().reshape(weight.out_features, K // G, G)  # cmul*c - z
     xg = xq.double().reshape(-1, K // G, G)
@@ -60,7 +67,7 @@ def reference_linear_w8(
 _LIB = torch.library.Library("aipc", "DEF")
 _LIB.define(
     "lowbit_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, str layout, "
-    "str codebook, int group_size, int out_features, int act_group) -> Tensor"
+    "str codebook, int group_size, int out_features, int act_group, Tensor? act_amax=None) -> Tensor"
 )
 
 
@@ -70,13 +77,17 @@ def _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_
     return reference_linear(x, w, bias)
 
 
-def _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
-    """Any device: the weight-only reference (dequantize, float32 matmul)."""
-    check_operands(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
+def _lowbit_linear_reference(
+    x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax=None
+):
+    """Any device: the weight-only reference (dequantize, float32 matmul; activations unquantized, so
+    ``act_amax`` is checked, then has nothing to scale)."""
+    check_operands(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax)
     return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features)
 
 
-def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
+                       act_amax=None):  # fmt: skip
     """CPU: the native kernel for the ``cpu_vnni16`` layout, else the reference.
 
     Decode calls this once per linear layer per token, and it runs right after a kernel that streamed
@@ -84,8 +95,9 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
     price: the operands are checked once (:func:`check_operands`), then the body makes every operand
     dense itself and skips the per-operand checks of ``native.lowbit_linear_into``."""
     plan = check_operands(
-        x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, check_devices=False
-    )
+        x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax,
+        check_devices=False,
+    )  # fmt: skip
     if layout != CPU_LAYOUT or not native.available():
         return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features)
     if not x.is_contiguous():  # the kernel reads x as dense [M, K] rows
@@ -97,23 +109,28 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
         zeros = None if zeros is None else zeros.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
+    if act_amax is not None and not act_amax.is_contiguous():
+        act_amax = act_amax.contiguous()
     native.lowbit_linear_into(
-        y, x, qweight, scales, zeros, bias, plan.bits, group_size, plan.cmul, plan.zero, plan.act_span,
+        y, x, qweight, scales, zeros, bias, plan.bits, group_size, plan.cmul, plan.zero, plan.act_span, act_amax,
         check_dense=False,
     )  # fmt: skip
     return y
 
 
-def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
+                       act_amax=None):  # fmt: skip
     """CUDA / XPU: the Triton kernels for the ``triton_k32`` layout (which check the operands with
     :func:`check_operands`), else the reference."""
     if layout != TRITON_LAYOUT:
-        return _lowbit_linear_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group)
+        return _lowbit_linear_reference(
+            x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax
+        )
     from .triton.lowbit import lowbit_linear_triton  # lazy: triton is imported only here
 
     K = x.shape[-1] if x.dim() else 0
     w = _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K)
-    return lowbit_linear_triton(x, w, bias, act_group)
+    return lowbit_linear_triton(x, w, bias, act_group, act_amax=act_amax)
 
 
 _LIB.impl("lowbit_linear", _lowbit_linear_reference, "CompositeExplicitAutograd")
@@ -123,15 +140,20 @@ _LIB.impl("lowbit_linear", _lowbit_linear_gpu, "XPU")
 
 
 @torch.library.register_fake("aipc::lowbit_linear")
-def _lowbit_linear_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group):
+def _lowbit_linear_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
+                        act_amax=None):  # fmt: skip
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 def lowbit_linear(
-    x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor] = None, act_group: int = 0
+    x: torch.Tensor,
+    weight: PackedLowBit,
+    bias: Optional[torch.Tensor] = None,
+    act_group: int = 0,
+    act_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``x @ W^T + bias`` for a packed low-bit weight (see the module docstring)."""
     return torch.ops.aipc.lowbit_linear(
         x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
-        weight.group_size, weight.out_features, act_group,
+        weight.group_size, weight.out_features, act_group, act_amax,
     )  # fmt: skip

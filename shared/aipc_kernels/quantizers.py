@@ -170,17 +170,26 @@ def quantize_rows(
     )  # fmt: skip
 
 
-def quantize_activations(x: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(
+    x: torch.Tensor, group_size: Optional[int] = None, amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax int8 quantization of ``x[..., K]`` per token (``group_size`` None) or per K-group.
 
     Returns ``(xq int8 [..., K], scale float32 [..., K/group])`` with ``x ~ xq * scale``; the rounding
-    is the native kernels' (float32 ``x * (127/absmax)``, round half to even)."""
+    is the native kernels' (float32 ``x * (127/absmax)``, round half to even, clamped to [-127, 127]).
+    ``amax`` (per token only): each token's absmax to use instead of its own, ``x.numel() / K`` values
+    (e.g. a whole row's when ``x`` is a tensor-parallel slice of it)."""
     K = x.shape[-1]
     g = K if group_size is None else group_size
     if K % g:
         raise ValueError(f"activation group_size={g} does not divide K={K}")
+    if amax is not None and g != K:
+        raise ValueError(f"amax is per token: use group_size=None, not {group_size}")
     xg = x.float().unflatten(-1, (K // g, g))
-    amax = xg.abs().amax(-1, keepdim=True)
+    if amax is None:
+        amax = xg.abs().amax(-1, keepdim=True)
+    else:
+        amax = amax.float().reshape(*x.shape[:-1], 1, 1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xg * inv).clamp(-127, 127).to(torch.int8).flatten(-2)
     return xq, (amax / 127.0).squeeze(-1)

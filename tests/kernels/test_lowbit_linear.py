@@ -235,3 +235,71 @@ def test_wide_codes_cancel_exactly(isa, M, codebook, K, top):
     y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
     ref = ops.reference_linear_w8(x, w)
     torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-3)
+
+
+# ---------------------------------------------------------------------- act_amax: a given per-token absmax
+
+
+@pytest.mark.parametrize("codebook, group", [("ternary", -1), ("affine", 64), ("int8", -1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 5, 40])  # decode; tiles of tokens up-converting on the fly; up-converted / AMX
+def test_act_amax_matches_reference(isa, codebook, group, dtype, M):
+    """A given absmax above each token's own (coarser codes), below it (codes clamped to +-127) or zero
+    (zero activations: bias only): every ISA's kernel equals ``reference_linear_w8`` with the same
+    ``act_amax``; the token's own absmax gives the bits of the kernel's own quantization."""
+    N, K = 33, 256
+    w, p = _case(N, K, codebook, group, seed=M)
+    g = torch.Generator().manual_seed(M + 1)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    own = x.float().abs().amax(-1)
+    coarser = own * (1 + 3 * torch.rand(M, generator=g))
+    clamped = own * 0.5
+    zero_row = coarser.clone()
+    zero_row[0] = 0.0
+    tol = 2e-5 if dtype == torch.float32 else 8e-3
+    for amax in (coarser, clamped, zero_row):
+        y = ops.lowbit_linear(x, p, bias, act_amax=amax)
+        ref = ops.reference_linear_w8(x, w, bias, act_amax=amax)
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert torch.equal(ops.lowbit_linear(x, p, bias, act_amax=zero_row)[0], bias)
+    assert torch.equal(ops.lowbit_linear(x, p, bias, act_amax=own), ops.lowbit_linear(x, p, bias))
+    # the coarser scale loses precision against unquantized activations: it is in use, not ignored
+    exact = x.double() @ w.dequantize(torch.float64).T + bias.double()
+    err = {k: (ops.lowbit_linear(x, p, bias, act_amax=a).double() - exact).norm() for k, a in (("own", own), ("x4", own * 4))}
+    assert err["x4"] > 2 * err["own"], err
+
+
+def test_act_amax_slices_reproduce_the_whole_row(isa):
+    """A row-parallel layer under tensor parallelism: each rank holds a K slice of x and W. Quantized with
+    the whole row's absmax (act_amax), the slices get the whole row's int8 codes, so their outputs sum to
+    the whole row's (up to float rounding); with each slice's own absmax they do not."""
+    M, N, K = 6, 40, 512
+    g = torch.Generator().manual_seed(9)
+    halves = [quantize_rtn(torch.randn(N, K // 2, generator=g), "ternary", 64) for _ in range(2)]
+    whole = type(halves[0])(torch.cat([h.qweight for h in halves], 1), torch.cat([h.scales for h in halves], 1), None,
+                            "ternary", 64, K)  # fmt: skip
+    x = torch.randn(M, K, generator=g)
+    x[:, : K // 2] *= 4  # the halves' own absmax values differ
+    y_whole = ops.lowbit_linear(x, packing.pack_for_cpu(whole))
+    amax = x.abs().amax(-1)
+    parts = [(x[:, i * K // 2 : (i + 1) * K // 2], packing.pack_for_cpu(h)) for i, h in enumerate(halves)]
+    y_given = sum(ops.lowbit_linear(xs, ph, act_amax=amax) for xs, ph in parts)
+    y_own = sum(ops.lowbit_linear(xs, ph) for xs, ph in parts)
+    scale = y_whole.abs().max().item()
+    torch.testing.assert_close(y_given, y_whole, rtol=1e-5, atol=1e-5 * scale)
+    assert (y_own - y_whole).abs().max().item() > 1e-3 * scale
+
+
+def test_act_amax_fake_kernel_and_torch_compile():
+    """The schema's ``Tensor? act_amax=None``: opcheck with and without it, and a compiled graph that
+    computes the absmax and passes it (as vLLM's compiled TP model does)."""
+    w, p = _case(48, 256, "ternary", -1, seed=2)
+    x = torch.randn(4, 256)
+    amax = x.abs().amax(-1) * 2
+    base = (x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, p.group_size, p.out_features, 0)
+    torch.library.opcheck(torch.ops.aipc.lowbit_linear.default, (*base, amax))
+    torch.library.opcheck(torch.ops.aipc.lowbit_linear.default, base, {"act_amax": None})
+    eager = ops.lowbit_linear(x, p, act_amax=amax)
+    fn = torch.compile(lambda t: ops.lowbit_linear(t, p, act_amax=t.abs().amax(-1) * 2) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(x), eager * 2)

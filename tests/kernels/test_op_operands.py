@@ -268,6 +268,51 @@ def test_bad_operand_is_refused_naming_it(case, change, named):
         torch.ops.aipc.lowbit_linear(*(a[k] for k in ARGS))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)  # on CPU: the native kernel, or the reference for the others
+@pytest.mark.parametrize("case, amax, act_group", [
+    ("3 values for 2 tokens", torch.ones(3), 0),
+    ("float64", torch.ones(2, dtype=torch.float64), 0),
+    ("bfloat16", torch.ones(2, dtype=torch.bfloat16), 0),
+    ("shape [2, 1]", torch.ones(2, 1), 0),
+    ("with per-group activation scales", torch.ones(2), 64),
+], ids=lambda v: v if isinstance(v, str) else "")  # fmt: skip
+def test_bad_act_amax_is_refused_naming_it(layout, case, amax, act_group):
+    w, a = _affine_call()
+    p = PACK[layout](w)
+    a.update(qweight=p.qweight, scales=p.scales, zeros=p.zeros, layout=p.layout, act_group=act_group)
+    with pytest.raises(ValueError, match=r"^lowbit_linear: act_amax\b"):
+        torch.ops.aipc.lowbit_linear(*(a[k] for k in ARGS), amax)
+
+
+def test_act_amax_is_one_value_per_token():
+    """``act_amax`` as ``[M]`` or as x's leading shape: the same call."""
+    w, a = _affine_call()
+    a["x"] = torch.randn(2, 3, 128)
+    amax = a["x"].abs().amax(-1) * 3
+    flat = torch.ops.aipc.lowbit_linear(*(a[k] for k in ARGS), amax.reshape(-1))
+    assert torch.equal(torch.ops.aipc.lowbit_linear(*(a[k] for k in ARGS), amax), flat)
+    assert not torch.equal(torch.ops.aipc.lowbit_linear(*(a[k] for k in ARGS)), flat)  # it is used
+    assert torch.equal(torch.ops.aipc.lowbit_linear(*(a[k] for k in ARGS), amax.t().contiguous().t()), flat)  # strided
+
+
+@pytest.mark.skipif(not native.available(), reason="native library not built")
+def test_native_entry_checks_act_amax():
+    """A caller of the native entry that skipped the op: act_amax's dtype and length (Python side), and
+    act_amax with per-group activation scales (the C entry's own status)."""
+    _, a = _affine_call()
+    x, y = a["x"], torch.empty(2, 20)
+    args = (y, x, a["qweight"], a["scales"], a["zeros"], None, 2, 64, 1.0, math.nan)
+    for bad in (torch.ones(2, dtype=torch.float64), torch.ones(3)):
+        with pytest.raises(ValueError, match=r"^act_amax of shape"):
+            native.lowbit_linear_into(*args, 128, bad)
+    amax = torch.ones(2)
+    with pytest.raises(RuntimeError, match=r"act_amax .* needs per-token activation scales .*act_group=64"):
+        native.lowbit_linear_into(*args, 64, amax)
+    v = native.lowbit_linear_args(*args, 64, amax)
+    assert native.library().aipc_lowbit_linear_v(v.buffer_info()[0]) == -12
+    native.lowbit_linear_into(*args, 128, amax)  # per token: runs
+
+
 @pytest.mark.skipif(not native.available(), reason="native library not built")
 def test_native_entry_rechecks_what_it_indexes():
     """The C entry point's own checks, through the packed argument vector (a caller that skipped the op)."""

@@ -423,3 +423,27 @@ def test_int8_groups_over_chunks_cancel_exactly(group):
         assert tlin.select_config(x.to(DEVICE), p, None, torch.empty(M, N, device=DEVICE)) == tlin.heuristic_config(M, N, K, 8, torch.device(DEVICE))
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p).double().cpu()
         assert (y - ref).abs().max() < 1e-6 * size.max(), M
+
+
+@pytest.mark.parametrize("M, K, cfg", [(1, 256, STREAM), (1, 256, STREAM_FULLX), (5, 2592, GROUP16), (40, 256, GROUP)],
+                         ids=["stream", "stream_fullx", "group16_slices", "group"])  # fmt: skip
+@pytest.mark.parametrize("codebook", ["ternary", "affine"])
+def test_act_amax_every_activation_pass(M, K, cfg, codebook):
+    """``act_amax``: each token quantized with a given absmax (above its own, below it: codes clamped, zero:
+    zero codes) in both activation passes, equal to ``reference_linear_w8`` with it; the token's own
+    absmax gives the default's bits."""
+    N = 24
+    w, p = _case(N, K, codebook, 32, seed=M + K)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g) * torch.linspace(0.1, 4, K)  # absmax far from the first slice
+    bias = torch.randn(N, generator=g)
+    own = x.abs().amax(-1)
+    zero_first = own * 2
+    zero_first[0] = 0.0
+    for amax in (own * (1 + 3 * torch.rand(M, generator=g)), own * 0.5, zero_first):
+        y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, act_amax=amax.to(DEVICE))
+        _close(y, ops.reference_linear_w8(x, w, bias, act_amax=amax), 2e-5)
+    y_own = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, act_amax=own.to(DEVICE))
+    assert torch.equal(y_own, tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg))
+    with pytest.raises(ValueError, match=r"^lowbit_linear: act_amax of shape \(3,\)"):
+        tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg, act_amax=torch.ones(3, device=DEVICE))

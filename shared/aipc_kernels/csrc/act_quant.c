@@ -33,21 +33,34 @@ MULTIVERSION static void row_to_f32(const void *x, int dt, int64_t K, float *out
 }
 
 /* int8 absmax quantization of one span; returns its scale. Rounds half to even like rintf: adding
- * and removing 1.5 * 2^23 leaves the nearest integer for |v| <= 127 (no libm call, vectorises). */
-MULTIVERSION static float quantize_span(const float *v, int64_t n, int8_t *q) {
-    /* |v| as bit patterns: for non-negative floats integer order is value order, and an integer
-     * max-reduction vectorises where a float one may not (without fast-math) */
-    uint32_t abits = 0;
-    const uint32_t *u = (const uint32_t *)v;
-    for (int64_t k = 0; k < n; k++) {
-        const uint32_t a = u[k] & 0x7fffffffu;
-        abits = a > abits ? a : abits;
-    }
+ * and removing 1.5 * 2^23 leaves the nearest integer for |v| <= 127 (no libm call, vectorises).
+ * `given`: NULL for the span's own absmax, else the absmax to use (may be below the span's: then the
+ * codes are clamped to [-127, 127] before rounding, which rounds as the unclamped value would). */
+MULTIVERSION static float quantize_span(const float *v, int64_t n, const float *given, int8_t *q) {
     float amax;
-    memcpy(&amax, &abits, 4);
-    /* |v * inv| <= 127 up to one rounding, which the rounding to an integer absorbs: no clamp */
+    if (given) {
+        amax = *given;
+    } else {
+        /* |v| as bit patterns: for non-negative floats integer order is value order, and an integer
+         * max-reduction vectorises where a float one may not (without fast-math) */
+        uint32_t abits = 0;
+        const uint32_t *u = (const uint32_t *)v;
+        for (int64_t k = 0; k < n; k++) {
+            const uint32_t a = u[k] & 0x7fffffffu;
+            abits = a > abits ? a : abits;
+        }
+        memcpy(&amax, &abits, 4);
+    }
     const float inv = amax > 0.f ? 127.f / amax : 0.f, magic = 12582912.f;
-    for (int64_t k = 0; k < n; k++) q[k] = (int8_t)(int32_t)((v[k] * inv + magic) - magic);
+    if (!given) { /* |v * inv| <= 127 up to one rounding, which the rounding to an integer absorbs: no clamp */
+        for (int64_t k = 0; k < n; k++) q[k] = (int8_t)(int32_t)((v[k] * inv + magic) - magic);
+    } else {
+        for (int64_t k = 0; k < n; k++) {
+            float p = v[k] * inv;
+            p = p < -127.f ? -127.f : p > 127.f ? 127.f : p;
+            q[k] = (int8_t)(int32_t)((p + magic) - magic);
+        }
+    }
     return amax / 127.f;
 }
 
@@ -59,27 +72,34 @@ static inline T512 __m512 load16_act(const void *x, int64_t i, int dt) {
     return half16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)), dt);
 }
 
-/* quantize_span + group sums for one row, fused: per span an absmax pass over x, then one pass that
- * rounds (same arithmetic as quantize_span: bit-identical codes and scales), stores the int8 codes and
- * sums them per weight group. G is a multiple of 16 (the 2-bit chunk). */
-static T512 void quantize_row512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, int8_t *q, float *sx,
-                                 int32_t *gsum) {
+/* quantize_span + group sums for one row, fused: per span an absmax pass over x (or the `given` absmax,
+ * then with quantize_span's clamp), then one pass that rounds (same arithmetic as quantize_span:
+ * bit-identical codes and scales), stores the int8 codes and sums them per weight group. G is a
+ * multiple of 16 (the 2-bit chunk). */
+static T512 void quantize_row512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given,
+                                 int8_t *q, float *sx, int32_t *gsum) {
     const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
     for (int64_t a0 = 0; a0 < K; a0 += act_group) {
-        __m512i mx = _mm512_setzero_si512(); /* max of |x| bit patterns, as quantize_span */
-        for (int64_t k = a0; k < a0 + act_group; k += 16)
-            mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_castps_si512(load16_act(x, k, dt)), absmask));
-        const uint32_t abits = (uint32_t)_mm512_reduce_max_epu32(mx);
         float amax;
-        memcpy(&amax, &abits, 4);
+        if (given) {
+            amax = *given;
+        } else {
+            __m512i mx = _mm512_setzero_si512(); /* max of |x| bit patterns, as quantize_span */
+            for (int64_t k = a0; k < a0 + act_group; k += 16)
+                mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_castps_si512(load16_act(x, k, dt)), absmask));
+            const uint32_t abits = (uint32_t)_mm512_reduce_max_epu32(mx);
+            memcpy(&amax, &abits, 4);
+        }
         const float inv_s = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
         const __m512 inv = _mm512_set1_ps(inv_s);
         for (int64_t g = a0 / G; g < (a0 + act_group) / G; g++) {
             __m512i sum = _mm512_setzero_si512();
             for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m512 p = _mm512_mul_ps(load16_act(x, k, dt), inv);
+                if (given) p = _mm512_min_ps(_mm512_max_ps(p, lo), hi);
                 /* round to nearest even, as the magic-number rounding of quantize_span: same codes */
-                const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(load16_act(x, k, dt), inv),
-                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m512i v = _mm512_cvt_roundps_epi32(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v));
                 sum = _mm512_add_epi32(sum, v);
             }
@@ -91,22 +111,23 @@ static T512 void quantize_row512(const void *x, int dt, int64_t K, int64_t G, in
 #endif
 
 /* Row m of quantize_activations; `row` is a float scratch of K values (unused with AVX-512). */
-static void quantize_row(const void *x, int dt, int64_t m, int64_t K, int64_t G, int64_t act_group, int isa, float *row,
-                         int8_t *xq, float *sx, int32_t *gsum) {
+static void quantize_row(const void *x, int dt, int64_t m, int64_t K, int64_t G, int64_t act_group, const float *amax,
+                         int isa, float *row, int8_t *xq, float *sx, int32_t *gsum) {
     const int64_t ng = K / G, nag = K / act_group;
     const void *xm = (const char *)x + m * K * (dt == AIPC_DT_F32 ? 4 : 2);
     int8_t *qm = xq + m * K;
+    const float *given = amax ? amax + m : NULL; /* per token only (act_group == K): one span */
     sx += m * ng, gsum += m * ng;
 #ifdef AIPC_X86
     if (isa >= AIPC_ISA_AVX512_VNNI) {
-        quantize_row512(xm, dt, K, G, act_group, qm, sx, gsum);
+        quantize_row512(xm, dt, K, G, act_group, given, qm, sx, gsum);
         return;
     }
 #endif
     (void)isa;
     row_to_f32(xm, dt, K, row);
     for (int64_t a = 0; a < nag; a++) {
-        const float scale = quantize_span(row + a * act_group, act_group, qm + a * act_group);
+        const float scale = quantize_span(row + a * act_group, act_group, given, qm + a * act_group);
         for (int64_t g = a * act_group / G; g < (a + 1) * act_group / G; g++) sx[g] = scale;
     }
     for (int64_t g = 0; g < ng; g++) {
@@ -117,17 +138,19 @@ static void quantize_row(const void *x, int dt, int64_t m, int64_t K, int64_t G,
 }
 
 /* Quantizes x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group.
- * xq: [M][K]; sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq.
+ * amax: NULL, or [M] the absmax of each token to use instead of its own (act_group == K only; e.g. the
+ * whole row's when x is one tensor-parallel rank's slice of it): scale amax / 127, codes clamped to
+ * [-127, 127]. xq: [M][K]; sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq.
  * With AVX-512 one fused pass per span (no float copy of the row).
  * One row (decode) is quantized by the calling thread: a parallel region, even an inactive one,
  * costs about half as much as the row itself (0.35 us of 0.6 us at K=4096). */
-int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, int isa,
-                         int8_t *xq, float *sx, int32_t *gsum, int nthreads) {
+int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, const float *amax,
+                         int isa, int8_t *xq, float *sx, int32_t *gsum, int nthreads) {
     const int need_row = isa < AIPC_ISA_AVX512_VNNI;
     if (M == 1) {
         float *row = need_row ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
         if (need_row && !row) return AIPC_ERR_NOMEM;
-        quantize_row(x, dt, 0, K, G, act_group, isa, row, xq, sx, gsum);
+        quantize_row(x, dt, 0, K, G, act_group, amax, isa, row, xq, sx, gsum);
         free(row);
         return AIPC_OK;
     }
@@ -141,7 +164,7 @@ int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G,
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (row || !need_row) quantize_row(x, dt, m, K, G, act_group, isa, row, xq, sx, gsum);
+            if (row || !need_row) quantize_row(x, dt, m, K, G, act_group, amax, isa, row, xq, sx, gsum);
         free(row);
     }
     return status;

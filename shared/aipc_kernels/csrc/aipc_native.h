@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 1
+#define AIPC_ABI_VERSION 2
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -47,7 +47,8 @@ typedef enum {
     AIPC_ERR_NULL = -9,     /* a pointer the call reads or writes is NULL */
     AIPC_ERR_THREADS = -10, /* nthreads outside [0, AIPC_MAX_THREADS] */
     AIPC_ERR_PATH = -11,    /* segment_sdpa: a path entry outside [0, N) */
-    AIPC_ERR_LAST = AIPC_ERR_PATH
+    AIPC_ERR_AMAX = -12,    /* lowbit_linear: act_amax given with per-group activation scales */
+    AIPC_ERR_LAST = AIPC_ERR_AMAX
 } aipc_status;
 
 #define AIPC_MAX_THREADS 4096
@@ -78,12 +79,16 @@ AIPC_API int aipc_set_isa(int isa);
  * book with a fixed zero point (zeros NULL, or ignored), NaN for one with per-group zero points (then
  * zeros is required). act_group: K for per-token activation scales, or the weight group size (or a
  * multiple of it dividing K) for per-group ones. nthreads: 0 for OpenMP's default. bias may be NULL.
+ * act_amax: NULL, or float32 [M] per-token activation absmax values used instead of each token's own
+ * (act_group == K only): scale act_amax / 127, codes round(x * 127 / act_amax) clamped to [-127, 127];
+ * a tensor-parallel rank passes the absmax of the whole row, of which x holds a slice.
  */
 AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                                 const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
-                                float zero_const, const void *bias, void *y, int64_t act_group, int nthreads);
+                                float zero_const, const void *bias, void *y, int64_t act_group, int nthreads,
+                                const float *act_amax);
 
-/* aipc_lowbit_linear with its 17 arguments in one int64 vector, in the same order (pointers as
+/* aipc_lowbit_linear with its 18 arguments in one int64 vector, in the same order (pointers as
  * addresses, 0 for NULL; cmul and zero_const as float32 bit patterns). For ctypes: converting 17
  * arguments costs ~2 us per call, one pointer ~0.2 us, and decode makes a call per linear layer. */
 AIPC_API int aipc_lowbit_linear_v(const int64_t *v);

@@ -121,10 +121,11 @@ static __attribute__((unused)) void store_block(const lowbit_args *a, int64_t m,
 
 /* ------------------------------------------------------------------ the units' entry points */
 
-/* act_quant.c: x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group. xq: [M][K];
- * sx: [M][K/G] scale of each weight group; gsum: [M][K/G] group sums of xq. */
-int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, int isa,
-                         int8_t *xq, float *sx, int32_t *gsum, int nthreads);
+/* act_quant.c: x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group; amax: NULL or
+ * [M] given per-token absmax values (act_group == K). xq: [M][K]; sx: [M][K/G] scale of each weight
+ * group; gsum: [M][K/G] group sums of xq. */
+int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, const float *amax,
+                         int isa, int8_t *xq, float *sx, int32_t *gsum, int nthreads);
 
 /* lowbit_scalar.c: row block nb for every token in portable C. */
 void block_scalar(const lowbit_args *a, int64_t nb);

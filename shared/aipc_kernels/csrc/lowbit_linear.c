@@ -12,12 +12,13 @@
 /* Every check of aipc_lowbit_linear before it touches memory; may set *zero_const to 0 (per-group zeros). */
 static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                       const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul, float *zero_const,
-                      const void *y, int64_t act_group, int nthreads) {
+                      const void *y, int64_t act_group, int nthreads, const float *act_amax) {
     if (bits != 1 && bits != 2 && bits != 4 && bits != 8) return AIPC_ERR_BITS;
     /* sizes: every index (m * K + k, block offsets, scratch) stays far from int64 / size_t overflow */
     if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits) || K > (INT64_C(1) << 40) / (M > N ? M : N)) return AIPC_ERR_SHAPE;
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return AIPC_ERR_GROUP;
     if ((bits == 8 && G > MAX_G_8BIT) || (bits == 4 && zeros && G > MAX_G_4BIT_ZEROS)) return AIPC_ERR_GROUP;
+    if (act_amax && act_group != K) return AIPC_ERR_AMAX;
     if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || (scale_dt != AIPC_DT_BF16 && scale_dt != AIPC_DT_F16)) return AIPC_ERR_DTYPE;
     if (!(isfinite(cmul) && cmul > 0.f) || isinf(*zero_const)) return AIPC_ERR_CODEBOOK;
     /* 8 bits, and 4 bits with a fixed zero: the integer zero correction (group_u_int) needs cmul 1 and an
@@ -74,9 +75,10 @@ static int run_blocks(const lowbit_args *a, int isa, int nthreads) {
 
 AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                                 const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
-                                float zero_const, const void *bias, void *y, int64_t act_group, int nthreads) {
+                                float zero_const, const void *bias, void *y, int64_t act_group, int nthreads,
+                                const float *act_amax) {
     int status = check_args(x, dt, M, K, w, bits, N, scales, zeros, scale_dt, G, cmul, &zero_const, y, act_group,
-                            nthreads);
+                            nthreads, act_amax);
     if (status != AIPC_OK || M == 0) return status;
     if (nthreads == 0) nthreads = omp_get_max_threads();
     const int64_t ng = K / G;
@@ -101,7 +103,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     float *zq = sx + Mp * ng, *outs = sx + 3 * Mp * ng;
     int32_t *gsum = (int32_t *)(sx + 2 * Mp * ng);
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
-    if (quantize_activations(x, dt, M, K, G, act_group, isa, xq, sx, gsum, nthreads) != AIPC_OK) goto cleanup;
+    if (quantize_activations(x, dt, M, K, G, act_group, act_amax, isa, xq, sx, gsum, nthreads) != AIPC_OK) goto cleanup;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < ng; g++) zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
         outs[m] = act_group == K ? sx[m * ng] * cmul : cmul;
@@ -139,5 +141,5 @@ AIPC_API int aipc_lowbit_linear_v(const int64_t *v) {
     memcpy(&zero_const, &zbits, 4);
     return aipc_lowbit_linear((const void *)v[0], (int)v[1], v[2], v[3], (const uint8_t *)v[4], (int)v[5], v[6],
                               (const void *)v[7], (const void *)v[8], (int)v[9], v[10], cmul, zero_const,
-                              (const void *)v[13], (void *)v[14], v[15], (int)v[16]);
+                              (const void *)v[13], (void *)v[14], v[15], (int)v[16], (const float *)v[17]);
 }

@@ -1,7 +1,9 @@
 """The activation pass: x [M, K] float -> int8 codes, a per-token scale and 32-k code sums.
 
 Per token: absmax, scale ``absmax / 127``, codes ``rne(x * 127 / absmax)`` (the rounding of
-:func:`aipc_kernels.quantizers.quantize_activations`), zero past K up to the padded ``Kp``.
+:func:`aipc_kernels.quantizers.quantize_activations`), zero past K up to the padded ``Kp``. With
+``act_amax`` (float32 [M]) each token's absmax is read from it instead (codes clamped to [-127, 127]):
+the op's ``act_amax``, a tensor-parallel rank quantizing its slice with the whole row's absmax.
 Two kernels: :func:`quantize_rows` for the ``group`` kernel (any M, rows split in K slices) and
 :func:`quantize_row_packed` for the M == 1 ``stream`` GEMV (many programs per row, optionally a
 programmatic-dependent-launch primary).
@@ -18,17 +20,41 @@ from .common import GEMV_MAX_M, act_scales, quantize
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr, WRITE_SUMS: tl.constexpr,
-                      BLOCK_AMAX: tl.constexpr):
+def _row_scales(x_ptr, amax_ptr, row, row_mask, K, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr):
+    """(127 / absmax or 0, absmax / 127) of rows ``row`` [1]: their own absmax (``act_scales``), or
+    with ``HAS_AMAX`` the given ``amax[row]`` (same arithmetic)."""
+    if HAS_AMAX:
+        amax = tl.load(amax_ptr + row, mask=row_mask, other=0.0)
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.full([1], 127.0, tl.float32), safe), 0.0)
+        sx = tl.math.div_rn(amax, tl.full([1], 127.0, tl.float32))
+    else:
+        inv, sx = act_scales(x_ptr, row, row_mask, K, 1, BLOCK_AMAX)
+    return inv, sx
+
+
+@triton.jit
+def _codes(xv, inv, HAS_AMAX: tl.constexpr):
+    """int8 codes (as fp32) of ``xv``; a given absmax may be below the row's own: clamped to [-127, 127]
+    (after the rounding, which gives the same codes as clamping before it)."""
+    q = quantize(xv, inv)
+    if HAS_AMAX:
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return q
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr,
+                      WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr):
     """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
     BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
     past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
     corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
-    the few rows of a decode batch from serialising on a few SMs."""
+    the few rows of a decode batch from serialising on a few SMs; ``HAS_AMAX``: absmax read from amax)."""
     m = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = tl.full([1], 0, tl.int64) + m
-    inv, sx = act_scales(x_ptr, row, row >= 0, K, 1, BLOCK_AMAX)
+    inv, sx = _row_scales(x_ptr, amax_ptr, row, row >= 0, K, BLOCK_AMAX, HAS_AMAX)
     if j == 0:
         tl.store(sx_ptr + row, sx)
     offs = tl.arange(0, BLOCK_KX)
@@ -36,7 +62,7 @@ def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: t
     for k0 in range(j * SLICE, tl.minimum(j * SLICE + SLICE, Kp), BLOCK_KX):
         k = k0 + offs
         xv = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
-        xqf = quantize(xv, inv)
+        xqf = _codes(xv, inv, HAS_AMAX)
         tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
         if WRITE_SUMS:
             sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
@@ -44,7 +70,8 @@ def _quant_act_kernel(x_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: t
 
 
 @triton.jit
-def _quant_act_pack_kernel(x_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KX: tl.constexpr):
+def _quant_act_pack_kernel(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           BLOCK_KX: tl.constexpr, HAS_AMAX: tl.constexpr):
     """M == 1 activation pre-pass, many programs: each finds the row absmax (one whole-row load, L2)
     and writes its BLOCK_Q slice of the int8 codes ``xq[Kp]`` (zero past K) and 32-k sums
     ``xs[Kp/32]``; program 0 writes the scale. With ``PDL`` it lets the GEMV launch at once (the
@@ -54,20 +81,23 @@ def _quant_act_pack_kernel(x_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: tl.constex
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     row = tl.full([1], 0, tl.int32)
-    inv, sx = act_scales(x_ptr, row, row == 0, K, 1, BLOCK_KX)
+    inv, sx = _row_scales(x_ptr, amax_ptr, row, row == 0, K, BLOCK_KX, HAS_AMAX)
     if pid == 0:
         tl.store(sx_ptr + row, sx)
     k = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    xqf = quantize(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), inv)
+    xqf = _codes(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), inv, HAS_AMAX)
     tl.store(xq_ptr + k, xqf.to(tl.int8), mask=k < Kp)
     sums = tl.sum(tl.reshape(xqf, [BLOCK_Q // 32, 32]), axis=1).to(tl.int32)
     kk = pid * (BLOCK_Q // 32) + tl.arange(0, BLOCK_Q // 32)
     tl.store(xs_ptr + kk, sums, mask=kk < Kp // 32)
 
 
-def quantize_rows(x2: torch.Tensor, Kp: int, sums: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def quantize_rows(
+    x2: torch.Tensor, Kp: int, sums: bool, act_amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32] or None)`` of ``x2 [M, K]``; ``sums``:
-    write the 32-k code sums (only affine code books' zero-point correction reads them)."""
+    write the 32-k code sums (only affine code books' zero-point correction reads them); ``act_amax``:
+    None or the dense float32 [M] absmax of each row to scale by."""
     M, K = x2.shape
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
@@ -79,22 +109,26 @@ def quantize_rows(x2: torch.Tensor, Kp: int, sums: bool) -> tuple[torch.Tensor, 
         bkx = bam = min(triton.next_power_of_2(Kp), 4096)
         slices, nw = 1, 8 if bkx >= 2048 else 4
     _quant_act_kernel[(M, slices)](
-        x_ptr=x2, xq_ptr=xq, sx_ptr=sx, xsum_ptr=sx if xsum is None else xsum, K=K, Kp=Kp, SLICE=bkx * triton.cdiv(Kp, bkx * slices),
-        BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam, num_warps=nw,
+        x_ptr=x2, amax_ptr=sx if act_amax is None else act_amax, xq_ptr=xq, sx_ptr=sx,
+        xsum_ptr=sx if xsum is None else xsum, K=K, Kp=Kp, SLICE=bkx * triton.cdiv(Kp, bkx * slices),
+        BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam, HAS_AMAX=act_amax is not None, num_warps=nw,
     )  # fmt: skip
     return xq, sx, xsum
 
 
-def quantize_row_packed(x2: torch.Tensor, Kp: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_row_packed(
+    x2: torch.Tensor, Kp: int, pdl: bool, act_amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xq int8 [Kp], xs int32 [Kp/32], sx fp32 [1])`` of the one row ``x2 [1, K]``, in 1024-k
-    programs; ``pdl``: launched as the primary of a programmatic dependent launch (sm_90+)."""
+    programs; ``pdl``: launched as the primary of a programmatic dependent launch (sm_90+); ``act_amax``:
+    None or the float32 [1] absmax to scale by."""
     K = x2.shape[1]
     bq = 1024
     xq = torch.empty(Kp, dtype=torch.int8, device=x2.device)
     xs = torch.empty(Kp // 32, dtype=torch.int32, device=x2.device)
     sx = torch.empty(1, dtype=torch.float32, device=x2.device)
     _quant_act_pack_kernel[(triton.cdiv(Kp, bq),)](
-        x_ptr=x2, xq_ptr=xq, xs_ptr=xs, sx_ptr=sx, K=K, Kp=Kp, PDL=pdl, BLOCK_Q=bq, BLOCK_KX=min(triton.next_power_of_2(K), 16384),
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        x_ptr=x2, amax_ptr=sx if act_amax is None else act_amax, xq_ptr=xq, xs_ptr=xs, sx_ptr=sx, K=K, Kp=Kp, PDL=pdl,
+        BLOCK_Q=bq, BLOCK_KX=min(triton.next_power_of_2(K), 16384), HAS_AMAX=act_amax is not None, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return xq, xs, sx

@@ -265,14 +265,16 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return {"KERNEL": NAME, "BLOCK_N": bn, "BLOCK_M": GEMV_MAX_M, "WA": 1, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
-def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:
-    """The activation pass and the group kernel for ``x2 [M, K]``, writing ``y [M, N]``."""
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
+           act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """The activation pass (per-token absmax from ``act_amax`` when given) and the group kernel for
+    ``x2 [M, K]``, writing ``y [M, N]``."""
     M, K = x2.shape
     N = weight.out_features
     cb = get_codebook(weight.codebook)
     Kp = weight.qweight.shape[1] * (8 // cb.bits)
     whole = weight.group_size == K
-    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None)
+    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None, act_amax=act_amax)
     bn, bm = cfg["BLOCK_N"], cfg.get("BLOCK_M", GEMV_MAX_M)  # M > 16: check_config asked for BLOCK_M
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     chunk = triton_chunk(cb.bits)

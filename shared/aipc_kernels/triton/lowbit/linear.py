@@ -13,7 +13,8 @@ from .tuning import select_config
 MAX_G_8BIT = 65536  # 8-bit codes: |dot| <= G * 128 * 127 stays below 2**31 (the native kernels' bound)
 
 
-def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int) -> None:
+def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int,
+              act_amax: Optional[torch.Tensor]) -> None:  # fmt: skip
     """The Triton kernels' own limits, then every operand against the others (``lowbit_contract.check_operands``)."""
     if weight.layout != TRITON_LAYOUT:
         raise ValueError(
@@ -25,7 +26,7 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
     if x.dim() and x.shape[-1] != weight.in_features:
         raise ValueError(f"lowbit_linear: weight of in_features={weight.in_features} does not match x's K={x.shape[-1]}")
     check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
-                   weight.group_size, weight.out_features, act_group)  # fmt: skip
+                   weight.group_size, weight.out_features, act_group, act_amax)  # fmt: skip
     K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
     if G != K and chunk % G and weight.bits < 8:  # 8 bits: a group spans G // 32 chunks
         raise ValueError(f"group_size={G} must divide {chunk} (or be the whole row) for {TRITON_LAYOUT}")
@@ -40,13 +41,15 @@ def lowbit_linear_triton(
     act_group: int = 0,
     config: Optional[dict] = None,
     out: Optional[torch.Tensor] = None,
+    act_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``x @ W^T + bias`` with int8 activations on the Triton kernels (batch-invariant under
     :func:`~.registry.batch_invariant`).
 
     ``config`` overrides the tuned tile configuration (and the batch-invariant choice); ``out`` (contiguous, ``x``'s dtype, ``[..., N]``)
-    receives the result instead of a new tensor."""
-    _validate(x, weight, bias, act_group)
+    receives the result instead of a new tensor; ``act_amax`` (float32, one per token): the absmax each
+    token's activations are quantized with instead of its own (the op's ``act_amax``)."""
+    _validate(x, weight, bias, act_group, act_amax)
     K, N = x.shape[-1], weight.out_features
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
@@ -70,5 +73,5 @@ def lowbit_linear_triton(
         cfg = select_config(x2, weight, bias, y)
         if batch_invariant():
             cfg = invariant_config(cfg, M, N, K, weight.bits, x.device)
-    launch(x2, weight, bias, y, cfg)
+    launch(x2, weight, bias, y, cfg, None if act_amax is None else act_amax.reshape(-1).contiguous())
     return y.view(*x.shape[:-1], N)

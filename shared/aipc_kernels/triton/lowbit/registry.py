@@ -1,7 +1,7 @@
 """The shipped kernels by name (a config's ``KERNEL``), and the untuned and batch-invariant choices.
 
 Each kernel module exports ``NAME``, ``space(M)`` (its tuning configs), ``heuristic(M, N, K, bits,
-device)`` and ``launch(x2, weight, bias, y, cfg)``. Adding a kernel: a module with those four, an
+device)`` and ``launch(x2, weight, bias, y, cfg, act_amax=None)``. Adding a kernel: a module with those four, an
 entry in :data:`KERNELS`, and (if it should run untuned) a branch in :func:`heuristic_config`.
 """
 from __future__ import annotations
@@ -30,12 +30,14 @@ def kernel_of(cfg: dict) -> ModuleType:
     return KERNELS[name]
 
 
-def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:
-    """Runs one configuration on contiguous operands, writing ``y [M, N]``."""
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
+           act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """Runs one configuration on contiguous operands, writing ``y [M, N]`` (``act_amax``: None or dense
+    float32 [M], the per-token activation absmax to quantize with)."""
     kernel = kernel_of(cfg)
     check_config(cfg, x2.shape[0])
     with interpreter_scope():
-        kernel.launch(x2, weight, bias, y, cfg)
+        kernel.launch(x2, weight, bias, y, cfg, act_amax)
 
 
 def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:

@@ -187,8 +187,9 @@ def _pdl_ok(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:
-    """The pre-pass and the GEMV for ``x2 [1, K]``, writing ``y [1, N]``."""
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
+           act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """The pre-pass (absmax from ``act_amax`` when given) and the GEMV for ``x2 [1, K]``, writing ``y [1, N]``."""
     M, K = x2.shape
     if M != 1:
         raise ValueError(f"config {cfg}: the stream GEMV kernel takes M == 1 only (M={M})")
@@ -203,7 +204,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
     pdl = bool(cfg.get("PDL", 0)) and _pdl_ok(x2.device)
-    xq, xs, sx = quantize_row_packed(x2, Kp, pdl)
+    xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
     _stream_kernel[(tiles, split)](
         xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
