@@ -118,11 +118,13 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int) -> N
     layer._already_called_process_weights_after_loading = True
 
 
-def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able)."""
+def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+                 act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+    """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able);
+    ``act_amax``: the op's per-token activation absmax, None for each token's own."""
     return torch.ops.aipc.lowbit_linear(
         x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
-        layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_act_group,
+        layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_act_group, act_amax,
     )  # fmt: skip
 
 

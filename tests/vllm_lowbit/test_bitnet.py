@@ -119,28 +119,45 @@ def test_output_projection_float_as_published(families, prompts):
     assert got == reference_greedy(model, prompts, N_NEW, lm_head="float")
 
 
-def test_lowbit2_flag_and_compiled(families, prompts):
+@pytest.fixture(scope="module")
+def compiled_tp1(families, prompts) -> tuple[list[list[int]], str]:
+    """Greedy tokens and log of the ``autobitlinear`` family with ``--quantization lowbit2``, compiled
+    (vLLM's CPU default), one rank."""
+    res = run_vllm_script(_script(families["autobitlinear"], prompts, quantization="lowbit2", enforce_eager=False),
+                          timeout=600)  # fmt: skip
+    return _tokens(res), res.stdout + res.stderr  # vLLM logs to stdout
+
+
+def test_lowbit2_flag_and_compiled(families, prompts, compiled_tp1):
     """``--quantization lowbit2`` on a BitNet checkpoint is served by the bitnet method, compiled (vLLM's
     CPU default): inductor rounds RMSNorm/rotary/attention differently, so teacher forcing."""
     model = families["autobitlinear"]
-    res = run_vllm_script(_script(model, prompts, quantization="lowbit2", enforce_eager=False), timeout=600)
-    got = _tokens(res)
-    log = res.stdout + res.stderr  # vLLM logs to stdout
+    got, log = compiled_tp1
     assert "quantization=bitnet" in log and "enforce_eager=False" in log
     check_teacher_forced(model, prompts, got, "autobitlinear", min_agree=0.9, max_gap_in_std=0.05,
                          model=reference(model))  # fmt: skip
 
 
-def test_tensor_parallel_2(families, prompts):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tensor_parallel_2_equals_1(families, prompts, compiled, request):
     """TP=2 (one core per rank): every packed tensor is unpacked whole before vLLM cuts the rank's rows
-    (q/k/v, gate/up) or columns (o_proj, down_proj). The row-parallel layers quantize activations per
-    token over their own half of K (BitNet quantizes over all of it), so teacher forcing."""
+    (q/k/v, gate/up) or columns (o_proj, down_proj). The row-parallel layers quantize their half of each
+    token with the absmax of the whole token (all-gathered over the ranks: the op's ``act_amax``), as
+    BitNet and one rank do, so the greedy tokens are TP=1's over all 48 steps. Eager: TP=1's tokens
+    are transformers' own (``test_family_served_as_published``); compiled (the all-gather traced by
+    torch.compile): the compiled TP=1 run's. The teacher-forced agreement with transformers is
+    reported too (largest gap at a disagreement)."""
     model = families["autobitlinear"]
-    res = run_vllm_script(_script(model, prompts, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2),
-                          timeout=600)  # fmt: skip
+    res = run_vllm_script(_script(model, prompts, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+                                  enforce_eager=not compiled), timeout=600)  # fmt: skip
     got = _tokens(res)
+    assert f"enforce_eager={not compiled}" in res.stdout + res.stderr  # vLLM logs to stdout
+    assert N_NEW >= 48 and all(len(t) == N_NEW for t in got)
     check_teacher_forced(model, prompts, got, "autobitlinear", min_agree=0.9, max_gap_in_std=0.05,
                          model=reference(model))  # fmt: skip
+    tp1 = request.getfixturevalue("compiled_tp1")[0] if compiled else reference_greedy(model, prompts, N_NEW)
+    first = [next((j for j, (a, b) in enumerate(zip(g, t)) if a != b), None) for g, t in zip(got, tp1)]
+    assert got == tp1, f"TP=2 greedy tokens differ from TP=1's; first differing step per prompt: {first}"
 
 
 def test_serve_chat_without_flag(families, prompts, tmp_path, request):

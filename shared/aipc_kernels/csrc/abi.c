@@ -26,7 +26,8 @@ AIPC_API const char *aipc_status_message(int status) {
     case AIPC_ERR_NULL: return "a tensor pointer is NULL";
     case AIPC_ERR_THREADS: return "nthreads out of range (0 for OpenMP's default, up to 4096)";
     case AIPC_ERR_PATH: return "path entry out of range [0, N)";
-    case AIPC_ERR_AMAX: return "act_amax (per-token activation absmax) needs per-token activation scales (act_group == K)";
+    case AIPC_ERR_AMAX:
+        return "act_amax (per-token activation absmax) needs per-token activation scales (act_group == K)";
     }
     return "unknown status";
 }

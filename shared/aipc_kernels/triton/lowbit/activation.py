@@ -129,6 +129,7 @@ def quantize_row_packed(
     sx = torch.empty(1, dtype=torch.float32, device=x2.device)
     _quant_act_pack_kernel[(triton.cdiv(Kp, bq),)](
         x_ptr=x2, amax_ptr=sx if act_amax is None else act_amax, xq_ptr=xq, xs_ptr=xs, sx_ptr=sx, K=K, Kp=Kp, PDL=pdl,
-        BLOCK_Q=bq, BLOCK_KX=min(triton.next_power_of_2(K), 16384), HAS_AMAX=act_amax is not None, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_Q=bq, BLOCK_KX=min(triton.next_power_of_2(K), 16384), HAS_AMAX=act_amax is not None, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return xq, xs, sx
