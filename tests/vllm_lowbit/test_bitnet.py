@@ -148,8 +148,9 @@ def test_tensor_parallel_2_equals_1(families, prompts, compiled, request):
     torch.compile): the compiled TP=1 run's. The teacher-forced agreement with transformers is
     reported too (largest gap at a disagreement)."""
     model = families["autobitlinear"]
-    res = run_vllm_script(_script(model, prompts, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
-                                  enforce_eager=not compiled), timeout=600)  # fmt: skip
+    # greedy_script alone: _script's apply_model(lambda) cannot be pickled to TP workers
+    res = run_vllm_script(greedy_script(model, prompts, N_NEW, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                                        tensor_parallel_size=2, enforce_eager=not compiled), timeout=600)  # fmt: skip
     got = _tokens(res)
     assert f"enforce_eager={not compiled}" in res.stdout + res.stderr  # vLLM logs to stdout
     assert N_NEW >= 48 and all(len(t) == N_NEW for t in got)
