@@ -119,7 +119,7 @@ def test_kernel_errors_name_the_parameter():
         y = torch.empty(M, 16)
         with pytest.raises(RuntimeError, match=r"bad group size .*group_size=48"):
             native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 2, 48, 1.0, 0.0, 128)
-        with pytest.raises(RuntimeError, match=r"bits must be 1 or 2"):
+        with pytest.raises(RuntimeError, match=r"bits must be 1, 2, 4 or 8"):
             native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 3, 32, 1.0, 0.0, 128)
 
 
