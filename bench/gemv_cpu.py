@@ -6,8 +6,9 @@ Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
 group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what AMX adds for M >= 16;
 group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
-and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in, and ``w8a8`` (the
-``int8`` code book, one scale per output channel: the output projection's format, W8A8). Shapes: the
+and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in, ``w4a8`` / ``w4a8_asym`` (the ``int4`` / ``affine4``
+code books, group 128: GPTQ / AWQ int4 weights, W4A8) and ``w8a8`` (the ``int8`` code book, one scale
+per output channel: the output projection's format, W8A8). Shapes: the
 Llama projections and two output projections (``llama_shapes.HEAD_SHAPES``). At M=1 also ``read``:
 the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
@@ -43,7 +44,7 @@ PEERS = ("fp32", "bf16", "int8", "int4")
 # a plain read (the bandwidth probe's loop) of the int2 group-64 bytes of the shape, rotated and called
 # like the kernels: what any decode kernel of these bytes could reach, fork/join and first lines included
 READ = "read"
-OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w8a8")
+OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8")
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -51,6 +52,8 @@ OUR_CONFIGS = {
     "int2_vnni": ("affine", 64, "avx512_vnni"),  # the AVX-512 VNNI kernels even where AMX exists
     "int2_avxvnni": ("affine", 64, "avx_vnni"),  # 256-bit AVX-VNNI: the widest ISA of client CPUs (Core Ultra)
     "int1": ("binary", 64, None),
+    "w4a8": ("int4", 128, None),  # GPTQ symmetric int4, group 128
+    "w4a8_asym": ("affine4", 128, None),  # GPTQ asymmetric / AWQ int4 (stored zeros), group 128
     "w8a8": ("int8", -1, None),  # int8 per output channel: the output projection's default format
 }
 
