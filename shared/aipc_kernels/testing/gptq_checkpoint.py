@@ -194,6 +194,49 @@ def vllm_dequantized_linears(directory: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+# ---------------------------------------------------------------------- what a vLLM engine serves
+
+#: vLLM's merged linears -> the checkpoint linears they hold, in order
+MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def served_linears(model: torch.nn.Module) -> dict[str, list]:
+    """For vLLM's ``LLM.apply_model`` (a module-level function: it pickles for the workers of TP>1):
+    ``{linear or lm_head: [quant method class, code book, group size]}`` of this rank's model."""
+    return {n: [type(x.quant_method).__name__, getattr(x, "lowbit_codebook", None), getattr(x, "lowbit_group_size", None)]
+            for n, x in model.named_modules()
+            if n.endswith(("_proj", "lm_head")) and getattr(x, "quant_method", None) is not None}  # fmt: skip
+
+
+def served_equals_checkpoint(directory: str, model: torch.nn.Module) -> dict[str, bool]:
+    """For ``LLM.apply_model(functools.partial(served_equals_checkpoint, directory))``: whether each
+    low-bit linear of this rank's model dequantizes bit for bit to its slice of the weight vLLM's own
+    code reads from the checkpoint (:func:`vllm_dequantized_linears`; merged q/k/v and gate/up shards
+    concatenated, each cut for this tensor-parallel rank: rows of column-parallel layers, input
+    features of row-parallel ones)."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from ..packing import PackedLowBit, to_canonical
+
+    ref = vllm_dequantized_linears(directory)
+    out = {}
+    for n, x in model.named_modules():
+        if not (n.endswith("_proj") and getattr(x, "lowbit_layout", None)):
+            continue
+        parent, _, last = n.rpartition(".")
+        whole = [ref[f"{parent}.{c}.weight"] for c in MERGED.get(last, (last,))]
+        r, tp = x.tp_rank, x.tp_size
+        if isinstance(x, RowParallelLinear):
+            expect = torch.cat(whole).tensor_split(tp, dim=1)[r]
+        else:
+            expect = torch.cat([w.tensor_split(tp, dim=0)[r] for w in whole])
+        k = expect.shape[1]
+        packed = PackedLowBit(x.lowbit_layout, x.qweight, x.scales, x.zeros, x.lowbit_codebook, x.lowbit_group_size,
+                              x.lowbit_out_features, k)  # fmt: skip
+        out[n] = torch.equal(to_canonical(packed).dequantize(), expect)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", help="float Hugging Face model directory")
