@@ -1,4 +1,5 @@
-"""vllm_lowbit: 2-bit weight quantization (``--quantization lowbit2``) and BitNet b1.58 checkpoints
+"""vllm_lowbit: 2-bit weight quantization (``--quantization lowbit2``), 4-bit weights and GPTQ / AWQ
+checkpoints on the same kernels (``--quantization lowbit4``) and BitNet b1.58 checkpoints
 (``quant_method: bitnet``, served as published) for vLLM, and the model classes vLLM lacks for the
 low-bit checkpoints it serves (``BitNetForCausalLM``).
 
@@ -15,14 +16,14 @@ MODELS = {"BitNetForCausalLM": "vllm_lowbit.bitnet_model:BitNetForCausalLM"}
 
 
 def register() -> bool:
-    """vLLM plugin hook: imports ``vllm_lowbit.config`` and ``vllm_lowbit.bitnet``, whose imports
-    register the ``lowbit2`` and ``bitnet`` quantization methods with vLLM
+    """vLLM plugin hook: imports ``vllm_lowbit.config``, ``vllm_lowbit.lowbit4`` and ``vllm_lowbit.bitnet``,
+    whose imports register the ``lowbit2``, ``lowbit4`` and ``bitnet`` quantization methods with vLLM
     (``register_quantization_config``), and registers ``MODELS`` that vLLM does not know with its
     ``ModelRegistry``; returns True once registered.
     """
     from aipc_kernels.plugin_hooks import import_integration
 
-    registered = import_integration(__name__, "config") and import_integration(__name__, "bitnet")
+    registered = all(import_integration(__name__, m) for m in ("config", "lowbit4", "bitnet"))
     register_models()
     return registered
 

@@ -10,7 +10,8 @@ KINDS = ("float", "float_a8", "lowbit", "dequantized")
 
 
 def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
-             attn_implementation: Optional[str] = None, lm_head: str = "int8"):  # fmt: skip
+             attn_implementation: Optional[str] = None, lm_head: str = "int8",
+             weights: Optional[dict[str, "torch.Tensor"]] = None):  # fmt: skip
     """The transformers model of ``model_dir`` in float32:
 
     * ``float``: the checkpoint's weights as they are;
@@ -25,18 +26,30 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
 
     ``attn_implementation`` is passed to ``from_pretrained`` (None: transformers' default). ``lm_head``:
     the output projection as the plugins serve it with that ``lm_head`` setting (:func:`with_output_projection`;
-    default ``int8``, theirs), in every kind but ``float``."""
+    default ``int8``, theirs), in every kind but ``float``. ``weights`` (``float`` and ``float_a8``):
+    state-dict entries that replace the checkpoint's, e.g. the linears of a GPTQ checkpoint of
+    ``model_dir`` as its format's own code dequantizes them."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; use one of {KINDS}")
     kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    if kind == "float":
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
-    if kind == "float_a8":
-        model = _int8_inputs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval(), act_group)
-        return with_output_projection(model, lm_head)
+    if weights is not None and kind not in ("float", "float_a8"):
+        raise ValueError(f"weights= replaces checkpoint tensors of the float kinds only, not kind={kind!r}")
+    if kind in ("float", "float_a8"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
+        if weights:
+            state = model.state_dict()
+            unknown = sorted(set(weights) - set(state))
+            if unknown:
+                raise ValueError(f"weights= names tensors the model does not have: {unknown[:3]}")
+            with torch.no_grad():
+                for name, t in weights.items():
+                    state[name].copy_(t)
+        if kind == "float":
+            return model
+        return with_output_projection(_int8_inputs(model, act_group), lm_head)
 
     from aipc_kernels.modules import LowBitLinear, dequantized_linear, quantize_linears
 

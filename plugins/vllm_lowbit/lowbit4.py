@@ -1,0 +1,252 @@
+"""``lowbit4`` as a vLLM quantization method: 4-bit weights (W4A8) on ``aipc::lowbit_linear``.
+
+Two ways in, one flag:
+
+* ``vllm serve BF16_MODEL --quantization lowbit4``: quantized while it loads, exactly as ``lowbit2``
+  does (:class:`LowBit4Config` is a :class:`~vllm_lowbit.config.LowBit2Config` with the defaults
+  ``codebook: int4``, ``group_size: 128``; every other key and ``--hf-overrides`` work as there).
+* ``vllm serve GPTQ_OR_AWQ_MODEL --quantization lowbit4``: a published GPTQ (``quant_method: gptq``,
+  4-bit, sym or asym, v1 or v2, groups in input order) or AWQ GEMM (``quant_method: awq``)
+  checkpoint is claimed for this method (without the flag vLLM's own gptq / awq method serves it).
+  :class:`Int4CheckpointLinearMethod` declares the checkpoint's own tensors (``qweight``,
+  ``qzeros``, ``scales``, GPTQ's ``g_idx``) with vLLM's parameter classes as vLLM's GPTQ and AWQ
+  methods do, so merged q/k/v and gate/up shards and tensor-parallel slices land where they belong,
+  checks each tensor as it arrives (shape, dtype, activation-order ``g_idx``, naming it), and
+  re-lays the integers out exactly into ``int4`` / ``affine4`` (:mod:`aipc_kernels.gptq_format`,
+  the checkpoint's fp16 scales kept) before :func:`~vllm_lowbit.linear_method.install_packed`.
+
+The output projection follows ``lm_head`` as in lowbit2 (int8 per output channel by default; GPTQ
+and AWQ keep it float in the checkpoint).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
+    PackedColumnParameter,
+    PackedvLLMParameter,
+    RowvLLMParameter,
+)
+
+from aipc_kernels import gptq_format as gf
+from aipc_kernels.formats import SCALE_DTYPES
+
+from .config import LowBit2Config
+from .linear_method import (apply_lowbit, check_partition, checkpoint_rows, checkpoint_tensor_name, install_packed,
+                            layer_shards)  # fmt: skip
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
+
+LOWBIT4 = "lowbit4"
+#: lowbit2's keys with these defaults: symmetric 4-bit codes (GPTQ's grid), groups of 128
+DEFAULTS = {"codebook": "int4", "group_size": 128}
+#: the published checkpoints ``--quantization lowbit4`` serves
+CHECKPOINT_METHODS = ("gptq", "awq")
+_SCALE_DTYPES = tuple(SCALE_DTYPES.values())
+
+
+@register_quantization_config(LOWBIT4)
+class LowBit4Config(LowBit2Config):
+    """``lowbit2``'s config with 4-bit defaults, or (``checkpoint`` set) a GPTQ / AWQ checkpoint's
+    ``quantization_config`` read by :func:`aipc_kernels.gptq_format.parse_quantization_config`."""
+
+    def __init__(self, /, **config: Any) -> None:
+        super().__init__(**{**DEFAULTS, **config})
+        self.checkpoint: Optional[gf.Int4Checkpoint] = None
+
+    @classmethod
+    def get_name(cls) -> str:
+        return LOWBIT4
+
+    def __repr__(self) -> str:
+        s = self.checkpoint
+        if s is None:
+            return super().__repr__().replace("LowBit2Config", "LowBit4Config", 1)
+        return (f"LowBit4Config({s.layout} checkpoint, codebook={self.codebook}, group_size={s.group_size}, "
+                f"zero_offset={s.zero_offset}, modules_to_not_convert={self.modules_to_not_convert}, "
+                f"lm_head={self.head_format})")  # fmt: skip
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LowBit4Config":
+        """A GPTQ / AWQ checkpoint's ``quantization_config``, or lowbit2's keys (``quant_method``
+        ``lowbit4`` or none) for on-the-fly quantization."""
+        method = config.get("quant_method") if isinstance(config, dict) else None
+        if isinstance(method, str) and method.lower() in CHECKPOINT_METHODS:
+            spec, ignored = gf.parse_quantization_config(config)
+            if ignored:
+                logger.info("lowbit4: %s quantization_config keys %s do not change the weights; ignored", method, ignored)
+            self = cls(modules_to_not_convert=list(spec.skipped), group_size=spec.group_size,
+                       codebook="int4" if getattr(spec, "sym", False) else "affine4")  # fmt: skip
+            self.checkpoint = spec
+            return self
+        if method == LOWBIT4:
+            config = {k: v for k, v in config.items() if k != "quant_method"}
+        return super().from_config(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> Optional[str]:
+        """``--quantization lowbit4`` claims a GPTQ or AWQ checkpoint (without it vLLM's own method
+        serves the checkpoint); a ``quant_method: lowbit4`` config (``--hf-overrides``) selects it."""
+        method = str(hf_quant_cfg.get("quant_method", "")).lower()
+        if user_quant == LOWBIT4 and method in CHECKPOINT_METHODS:
+            return LOWBIT4
+        if method == LOWBIT4 and user_quant in (None, LOWBIT4):
+            return LOWBIT4
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Optional[str] = None) -> None:
+        if self.checkpoint is None:  # on the fly: lowbit2's reconciliation with --hf-overrides
+            super().maybe_update_config(model_name, hf_config, revision)
+
+    def get_checkpoint_weight_mapper(self):
+        """vLLM drops GPTQ's ``g_idx`` on the way in (its kernels ignore activation order); this method
+        keeps it to refuse an activation-order checkpoint instead of serving it wrongly."""
+        if self.checkpoint is None:
+            return super().get_checkpoint_weight_mapper()
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper()
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if self.checkpoint is None or not isinstance(layer, LinearBase):
+            return super().get_quant_method(layer, prefix)  # on the fly; the output projection
+        if self.is_skipped(prefix):
+            return UnquantizedLinearMethod()
+        return Int4CheckpointLinearMethod(self)
+
+
+@register_weight_loader_v2_supported_method
+class Int4CheckpointLinearMethod(LinearMethodBase):
+    """A GPTQ / AWQ checkpoint's tensors -> exact ``int4`` / ``affine4`` -> ``aipc::lowbit_linear``."""
+
+    def __init__(self, config: LowBit4Config):
+        self.config = config
+        self.spec = config.checkpoint
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        spec, K, N = self.spec, input_size_per_partition, sum(output_partition_sizes)
+        for n in output_partition_sizes:
+            gf.check_layer(spec, K, n, layer.prefix)
+        check_partition(self.config, layer, K)  # warns once about per-token activation scales under TP
+        vllm_loader = extra_weight_attrs["weight_loader"]
+        layer.int4_loaded = set()
+        layer.int4_scale_dtype = None
+        pf, groups = gf.PER_INT32, 1 if spec.group_size == -1 else K // spec.group_size
+
+        def loader(pname: str) -> Callable:
+            return self._checked_loader(layer, pname, vllm_loader)
+
+        # vLLM's gptq / awq declarations: qweight packed along K (GPTQ) or N (AWQ), qzeros along N
+        if spec.layout == "gptq":
+            qweight = PackedvLLMParameter(data=torch.empty(K // pf, N, dtype=torch.int32), input_dim=0, output_dim=1,
+                                          packed_dim=0, packed_factor=pf, weight_loader=loader("qweight"))  # fmt: skip
+        else:
+            qweight = PackedvLLMParameter(data=torch.empty(K, N // pf, dtype=torch.int32), input_dim=0, output_dim=1,
+                                          packed_dim=1, packed_factor=pf, weight_loader=loader("qweight"))  # fmt: skip
+        # scales held in float32 while loading (exact for fp16 and bf16), stored back in the checkpoint's dtype
+        if spec.group_size == -1:  # one group per row: the same on every rank of a row-parallel layer
+            scales = ChannelQuantScaleParameter(data=torch.empty(1, N, dtype=torch.float32), output_dim=1,
+                                                weight_loader=loader("scales"))  # fmt: skip
+            qzeros = PackedColumnParameter(data=torch.empty(1, N // pf, dtype=torch.int32), output_dim=1, packed_dim=1,
+                                           packed_factor=pf, weight_loader=loader("qzeros"))  # fmt: skip
+        else:
+            scales = GroupQuantScaleParameter(data=torch.empty(groups, N, dtype=torch.float32), output_dim=1,
+                                              input_dim=0, weight_loader=loader("scales"))  # fmt: skip
+            qzeros = PackedvLLMParameter(data=torch.empty(groups, N // pf, dtype=torch.int32), input_dim=0,
+                                         output_dim=1, packed_dim=1, packed_factor=pf, weight_loader=loader("qzeros"))  # fmt: skip
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("qzeros", qzeros)
+        layer.register_parameter("scales", scales)
+        if spec.layout == "gptq":
+            g_idx = RowvLLMParameter(data=torch.empty(K, dtype=torch.int32), input_dim=0, weight_loader=loader("g_idx"))
+            layer.register_parameter("g_idx", g_idx)
+
+    # ------------------------------------------------------------------ checkpoint checks
+
+    def _checked_loader(self, layer: torch.nn.Module, pname: str, vllm_loader: Callable) -> Callable:
+        """vLLM's loader for ``pname``, after checking the whole checkpoint tensor (shape, dtype; a
+        ``g_idx`` in input order) and recording that it arrived."""
+        spec = self.spec
+        dtypes = {"scales": _SCALE_DTYPES, "g_idx": (torch.int32, torch.int64)}.get(pname, (torch.int32,))
+
+        def lowbit4_weight_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
+            name = checkpoint_tensor_name(self.config, layer, pname, loaded_shard_id)
+            shape = gf.tensor_shapes(spec, layer.input_size, checkpoint_rows(layer, loaded_shard_id))[pname]
+            what = f"{spec.layout} checkpoint, group_size={spec.group_size}, in_features={layer.input_size}"
+            if tuple(loaded_weight.shape) != shape:
+                raise ValueError(f"{spec.layout} checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, "
+                                 f"expected {shape} ({what})")  # fmt: skip
+            if loaded_weight.dtype not in dtypes:
+                raise ValueError(f"{spec.layout} checkpoint tensor {name} has dtype {loaded_weight.dtype}, expected "
+                                 f"{' or '.join(map(str, dtypes))} ({what})")  # fmt: skip
+            if pname == "scales":
+                if layer.int4_scale_dtype not in (None, loaded_weight.dtype):
+                    raise ValueError(f"{spec.layout} checkpoint tensor {name} is {loaded_weight.dtype} but the other "
+                                     f"scales of layer {layer.prefix} are {layer.int4_scale_dtype}")  # fmt: skip
+                layer.int4_scale_dtype = loaded_weight.dtype
+            if pname == "g_idx":
+                gf.check_g_idx(loaded_weight, spec.group_size, name)
+            ids = layer_shards(layer) if loaded_shard_id is None else (
+                loaded_shard_id if isinstance(loaded_shard_id, tuple) else (loaded_shard_id,))  # fmt: skip
+            layer.int4_loaded.update((pname, s) for s in ids)
+            if loaded_shard_id is None:
+                return vllm_loader(param, loaded_weight)
+            return vllm_loader(param, loaded_weight, loaded_shard_id)
+
+        return lowbit4_weight_loader
+
+    def _check_loaded(self, layer: torch.nn.Module) -> None:
+        pnames = ["qweight", "qzeros", "scales"] + (["g_idx"] if self.spec.layout == "gptq" and self.spec.desc_act else [])
+        missing = [checkpoint_tensor_name(self.config, layer, p, s) for p in pnames for s in layer_shards(layer)
+                   if (p, s) not in layer.int4_loaded]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"{self.spec.layout} checkpoint is missing tensor {missing[0]}"
+                + (f" (and {len(missing) - 1} more of layer {layer.prefix})" if len(missing) > 1 else "")
+                + f"; a {self.spec.layout} linear needs {', '.join(pnames)}"
+            )
+
+    # ------------------------------------------------------------------ vLLM interface
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        self._check_loaded(layer)
+        K = layer.qweight.shape[0] * (gf.PER_INT32 if self.spec.layout == "gptq" else 1)
+        tensors = {"qweight": layer.qweight.data, "qzeros": layer.qzeros.data,
+                   "scales": layer.scales.data.to(layer.int4_scale_dtype)}  # fmt: skip
+        if self.spec.layout == "gptq" and any(p == "g_idx" for p, _ in layer.int4_loaded):
+            tensors["g_idx"] = layer.g_idx.data
+        k_offset = layer.tp_rank * K if K != layer.input_size else 0  # this rank's slice of a row-parallel layer
+        w = gf.read_linear(self.spec, tensors, layer.prefix, k_offset)
+        for name in ("qzeros", "g_idx"):
+            if name in layer._parameters:
+                delattr(layer, name)
+        install_packed(layer, w, self.config.act_group)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return apply_lowbit(layer, x, bias)
+
+
+__all__ = ["Int4CheckpointLinearMethod", "LowBit4Config"]
