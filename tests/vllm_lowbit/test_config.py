@@ -40,7 +40,7 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"codebook": "int3"}, "codebook='int3' is not supported; use one of \"affine\", \"binary\""),
+    ({"codebook": "int3"}, "codebook='int3' is not supported; use one of \"affine\", \"affine4\", \"binary\""),
     ({"group_size": 96}, "group_size=96 is not supported"),
     ({"quantizer": "gptq"}, "quantizer='gptq' is not supported; use one of \"rtn\", \"optimized\""),
     ({"scale_dtype": "float32"}, "scale_dtype='float32' is not supported"),
