@@ -66,11 +66,8 @@ def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, F
     ``c - 128``; 4 bits ``SIGNED``: ``16 * (c - 8)`` (the plane in the high nibbles, sign bit flipped)."""
     if BITS == 8:
         return wv ^ FLIP
-    elif BITS == 4 and SIGNED:
-        if q == 0:
-            return ((wv << 4) & -0x0F0F0F10) ^ FLIP  # -0x0F0F0F10: 0xF0F0F0F0 as int32
-        else:
-            return (wv & -0x0F0F0F10) ^ FLIP
+    elif BITS == 4 and SIGNED:  # no branch on q: Triton 3.6 passes it as a run-time i32 (returns in an if fail to lower)
+        return ((wv << (4 - 4 * q)) & -0x0F0F0F10) ^ FLIP  # -0x0F0F0F10: 0xF0F0F0F0 as int32
     else:
         return (wv >> (BITS * q)) & PMASK
 
