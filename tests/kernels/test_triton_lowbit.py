@@ -258,6 +258,9 @@ def test_bad_input_is_refused():
     _, p8 = _case(1, 65568, "int8", -1, seed=0)  # one 8-bit group past 65536 k: its int32 dot could overflow
     with pytest.raises(ValueError, match="8-bit codes take groups of at most 65536"):
         tlin.lowbit_linear_triton(torch.randn(1, 65568, device=DEVICE), p8)
+    _, p4 = _case(1, 8224, "affine4", -1, seed=0)  # stored zeros: one 4-bit group past 8192 k (u exact in fp32 no longer)
+    with pytest.raises(ValueError, match="4-bit codes with stored zeros take groups of at most 8192"):
+        tlin.lowbit_linear_triton(torch.randn(1, 8224, device=DEVICE), p4)
 
 
 def test_op_dispatch_fake_kernel_and_torch_compile():
@@ -375,34 +378,51 @@ def test_batch_invariant_mode_row_bits_independent_of_m(codebook, group, flag, m
         assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), f"M={M}: rows differ in bits from M=1"
 
 
-def _int8_cancelling(N, K, G, seed):
-    """An ``int8`` weight whose every group (G; -1: the row) is +levels in its first half and the same
-    levels negated, plus a small surplus, in its second: against constant activations the group's dot
-    is small while the dot of its first half is large (whole rows of K = 4096: ~3e7, past 2**24)."""
+def _cancelling(N, K, G, codebook, seed):
+    """A weight of ``codebook`` (``int8``, ``int4``, ``affine4``: integer zeros 7/8) whose every group
+    (G; -1: the row) is +levels in its first half and the same levels negated, plus a small surplus,
+    in its second: against constant activations the group's dot is small while the dot of its first
+    half is large (whole rows of K = 4096 at 8 bits: ~3e7, past 2**24). Also the weight of the
+    levels' sizes (for a bound on a split row's partial conversions)."""
     g = torch.Generator().manual_seed(seed)
+    cb = CODEBOOKS[codebook]
     span = K if G == -1 else G
-    half = torch.randint(100, 128, (N, K // span, span // 2), generator=g)
+    lo, hi, top = (100, 128, 20) if cb.bits == 8 else (4, 7, 11)  # 4 bits: codes z - 6 .. z + 6 (surplus < 11)
+    half = torch.randint(lo, hi, (N, K // span, span // 2), generator=g)
     second = -half
-    second[:, :, 0] += torch.randint(1, 20, (N, K // span), generator=g)  # the group's dot: 127 * surplus
+    second[:, :, 0] += torch.randint(1, top, (N, K // span), generator=g)  # the group's dot: 127 * surplus
     levels = torch.cat([half, second], dim=-1).reshape(N, K)
     scales = (torch.rand(N, K // span, generator=g) + 0.5).to(torch.float16)
-    w = LowBitWeight(pack_codes((levels + 128).to(torch.uint8), 8), scales, None, "int8", span, K)
+    zeros = None if cb.zero is not None else torch.randint(7, 9, (N, K // span), generator=g).to(torch.float16)
+    z = torch.full((N, K), cb.zero) if zeros is None else zeros.float().repeat_interleave(span, dim=1)
+
+    def weight(lv):
+        return LowBitWeight(pack_codes((lv + z).to(torch.uint8), cb.bits), scales, zeros, codebook, span, K)
+
+    w = weight(levels)
     p = packing.pack_for_triton(w)
-    return w, packing.PackedLowBit(p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None, p.codebook, p.group_size, N, K)
+    on = packing.PackedLowBit(
+        p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None if zeros is None else p.zeros.to(DEVICE),
+        p.codebook, p.group_size, N, K,
+    )  # fmt: skip
+    return w, weight(levels.abs()), on
 
 
+@pytest.mark.parametrize("codebook", ["int8", "int4", "affine4"])
 @pytest.mark.parametrize("group", [64, 128, -1], ids=["g64", "g128", "row"])
-def test_int8_groups_over_chunks_cancel_exactly(group):
-    """8-bit codes: a group of 64/128 spans 2/4 chunks and a whole row all of them; each group's dot is
-    one exact int32 (the native kernels' u) converted once, so a group whose halves cancel keeps the
-    float64 reference's value to fp32 rounding (a per-chunk fp32 rescale of the row is 2.6% off here). Splits over
-    K take whole groups, so a split group-64/128 weight is exact too; a split whole row is not (each
-    split converts its own partial dot): checked against the size of the partial sums instead."""
-    N, K = 19, 4096
-    w, p = _int8_cancelling(N, K, group, seed=K + group)
+def test_wide_codes_groups_over_chunks_cancel_exactly(codebook, group):
+    """8- and 4-bit codes: a group wider than a chunk (8 bits: 64/128 over 2/4 chunks of 32 k; 4 bits:
+    128 over 2 chunks of 64 k) and a whole row (all of them) carry one exact int32 dot (the native
+    kernels' u; ``affine4``: minus z times the group's activation sum, exact for integer z) converted
+    once, so a group whose halves cancel keeps the float64 reference's value to fp32 rounding (a
+    per-chunk fp32 rescale of the row is 2.6% off at 8 bits here). Splits over K take whole groups, so a split
+    group-64/128 weight is exact too; a split whole row is not (each split converts its own partial
+    dot): checked against the size of the partial sums instead."""
+    bits = CODEBOOKS[codebook].bits
+    N, K = 19, 4096 if bits == 8 else 2048
+    w, w_abs, p = _cancelling(N, K, group, codebook, seed=K + group)
     split_ok = group != -1
-    w_abs = LowBitWeight(pack_codes(((w.codes().int() - 128).abs() + 128).to(torch.uint8), 8), w.scales, None, "int8", w.group_size, K)
-    stream = dict(STREAM, BLOCK_C=2)  # raised to a whole group of chunks for 64/128
+    stream = dict(STREAM, BLOCK_C=2 if bits == 8 else 1)  # raised to a whole group of chunks for 64/128 (4 bits: 128)
     per_m = {
         1: [stream, dict(stream, FULLX=1, BLOCK_C=8), dict(stream, SPLIT_K=3), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
         5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1)],
@@ -418,9 +438,9 @@ def test_int8_groups_over_chunks_cancel_exactly(group):
                 torch.testing.assert_close(y, ref, rtol=1e-6, atol=0.0, msg=lambda m: f"M={M} {cfg}: {m}")
             else:
                 assert (y - ref).abs().max() < 1e-6 * size.max(), (M, cfg)
-        # untuned: the b8 key is not cached, so the heuristic runs (which may split a whole row)
-        assert tlin.config_key(M, N, K, w.group_size, 8).endswith(":b8")
-        assert tlin.select_config(x.to(DEVICE), p, None, torch.empty(M, N, device=DEVICE)) == tlin.heuristic_config(M, N, K, 8, torch.device(DEVICE))
+        # untuned: the b8/b4 key is not cached, so the heuristic runs (which may split a whole row)
+        assert tlin.config_key(M, N, K, w.group_size, bits).endswith(f":b{bits}")
+        assert tlin.select_config(x.to(DEVICE), p, None, torch.empty(M, N, device=DEVICE)) == tlin.heuristic_config(M, N, K, bits, torch.device(DEVICE))
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p).double().cpu()
         assert (y - ref).abs().max() < 1e-6 * size.max(), M
 
@@ -447,3 +467,25 @@ def test_act_amax_every_activation_pass(M, K, cfg, codebook):
     assert torch.equal(y_own, tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg))
     with pytest.raises(ValueError, match=r"^lowbit_linear: act_amax of shape \(3,\)"):
         tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg, act_amax=torch.ones(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("codebook", ["int4", "affine4"])
+@pytest.mark.parametrize("group", [32, 64, 128, -1], ids=["g32", "g64", "g128", "row"])
+def test_4bit_every_kernel_and_split(codebook, group):
+    """4-bit codes (a 64-k chunk of two 32-k planes: group 32 is one plane, 128 two chunks) with random
+    activations on every kernel, split over K (K = 512: 8 chunks, splits of 3 uneven, in whole groups)
+    and with the atomic split, against the float64 int8-activation reference."""
+    N, K = 45, 512
+    w, p = _case(N, K, codebook, group, seed=K + group)
+    bias = torch.randn(N)
+    per_m = {
+        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
+        5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1), dict(GROUP16, SPLIT_K=8)],
+        17: [GROUP, GROUP_B],
+    }
+    for M, cfgs in per_m.items():
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
+        ref = ops.reference_linear_w8(x, w, bias)
+        for cfg in cfgs:
+            y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
+            _close(y, ref, 2e-5)

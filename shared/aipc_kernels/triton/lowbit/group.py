@@ -7,9 +7,12 @@ four codes per 32-bit register through inline PTX on CUDA), one K=32 ``tl.dot`` 
 int32 over the group, then one fp32 rescale per group; the int32 -> fp32 conversion is a subtract
 (the accumulator starts at the bits of 1.5 * 2**23). At M <= 16 (BLOCK_M 16 token columns) the K
 range is split over ``SPLIT_K`` programs per tile (too few output tiles to fill the GPU). 8-bit codes
-(one plane: the operand is the byte XOR 0x80, ``c - 128``): a group of 64/128 spans several chunks and
-its int32 dot is carried over them; one group per row is one int32 dot over the whole K range (past
-2**22, converted by an exact I2F), so u is the exact integer of the native kernels.
+(one plane: the operand is the byte XOR 0x80, ``c - 128``) and 4-bit codes (two planes, a 64-k chunk:
+``int4``'s operand is ``c - 8``, ``affine4``'s the raw code): a group wider than a chunk (8 bits:
+64/128, 4 bits: 128) spans several chunks and its int32 dot is carried over them; one group per row
+is one int32 dot over the whole K range (past 2**22, converted by an exact I2F), so u is the exact
+integer of the native kernels (``affine4``: ``u = dot - z * (group sum of the int8 activations)``
+in fp32 before the scale, exact for integer zeros like the native float epilogue).
 
 Config: ``BLOCK_N``, ``num_warps``, ``num_stages`` and the path's fields (M > 16: ``BLOCK_M``; M <= 16:
 ``SPLIT_K``, BLOCK_M defaulting to 16), ``WA`` (0/1: weights as the dot's A operand), ``GROUP_M``
@@ -75,14 +78,18 @@ def _group_kernel(
     exactly 12582912 + dot (|dot| < 2**22) and each group's conversion is one fp32 subtract instead of
     a slow I2F. ``SPLIT_K``: program_id(1) takes CHUNKS_PER_SPLIT chunks (a whole number of groups),
     the partials reduced by the last program of the tile. The group scales (zeros, activation sums) of
-    chunk c + 1 are loaded during chunk c. 8 bits: ``CPG`` chunks per group, the dot carried over them
-    (``ROW_DOT``, one group per row: over the program's whole K range, from 0, converted once at the end)."""
+    chunk c + 1 are loaded during chunk c. 4 and 8 bits: ``CPG`` chunks per group, the dot (and the
+    activation sums, stored zeros) carried over them (``ROW_DOT``, one group per row: over the
+    program's whole K range, from 0, converted once at the end); stored zeros of 4-bit codes are
+    taken off the converted dot before the scale (``ZFIRST``, the native kernels' ``u``)."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     RP: tl.constexpr = P if WHOLE_ROW or G >= KC else G // 32  # planes per rescale (the whole row: per chunk)
-    CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1  # chunks per group (8 bits: G // 32)
-    ROW_DOT: tl.constexpr = WHOLE_ROW and BITS == 8
-    tl.static_assert(not HAS_ZEROS or (CPG == 1 and not ROW_DOT))
+    CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1  # chunks per group (8 bits: G // 32, 4 bits: G // 64)
+    ROW_DOT: tl.constexpr = WHOLE_ROW and BITS >= 4
+    ZFIRST: tl.constexpr = HAS_ZEROS and BITS == 4  # u = dot - z * group sum, then the scale
+    XRUN: tl.constexpr = ZFIRST and (CPG > 1 or ROW_DOT)  # activation sums carried over chunks
+    tl.static_assert(not HAS_ZEROS or ZFIRST or (CPG == 1 and not ROW_DOT))
     MAGIC: tl.constexpr = 0 if ROW_DOT else 0x4B400000
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -124,15 +131,18 @@ def _group_kernel(
         c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, n_chunks)
     if WHOLE_ROW:
         sc_row = tl.load(s_ptr + rn).to(tl.float32) * FMUL
-        if HAS_ZEROS:
+        if ZFIRST:
+            z_row = tl.load(z_ptr + rn).to(tl.float32)
+        elif HAS_ZEROS:
             zs_row = sc_row * tl.load(z_ptr + rn).to(tl.float32)
     else:
         sc_nxt = tl.load(s_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
         if HAS_ZEROS:
-            z_nxt = tl.load(z_tile + tl.minimum(c_begin * NGC + og, last_g)[None, :] * N)
+            z_nxt = tl.load(z_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
     if HAS_ZEROS:
         xs_nxt = tl.load(xs_tile + c_begin * P)
     d = d0
+    gx_run = tl.zeros([BLOCK_M], dtype=tl.int32)  # XRUN: the int8 activation sum of the group (row) so far
     for c in range(c_begin, c_end):
         wb = tl.load(w_rows + c * 32)  # [BLOCK_N, 32] bytes, P planes
         cn = tl.minimum(c + 1, n_chunks - 1)
@@ -141,8 +151,11 @@ def _group_kernel(
             sc_nxt = tl.load(s_tile + tl.minimum(cn // CPG * NGC + og, last_g)[None, :] * N)
             if HAS_ZEROS:
                 z_cur = z_nxt.to(tl.float32)
-                z_nxt = tl.load(z_tile + tl.minimum(cn * NGC + og, last_g)[None, :] * N)
-        if HAS_ZEROS:
+                z_nxt = tl.load(z_tile + tl.minimum(cn // CPG * NGC + og, last_g)[None, :] * N)
+        if XRUN:
+            gx_run += tl.sum(xs_nxt, axis=1)
+            xs_nxt = tl.load(xs_tile + cn * P)
+        elif HAS_ZEROS:
             xs_cur = xs_nxt.to(tl.float32)
             xs_nxt = tl.load(xs_tile + cn * P)
         if CPG == 1 and not ROW_DOT:
@@ -180,11 +193,25 @@ def _group_kernel(
                     sc = sc_row
                 else:
                     sc = tl.sum(tl.where(og[None, :] == gi, sc_cur, 0.0), axis=1)
-                if WA:
+                if ZFIRST:  # affine4: u = dot - z * (the group's int8 activation sum), exact for integer z
+                    if XRUN:
+                        gxs = gx_run.to(tl.float32)
+                        gx_run = tl.zeros([BLOCK_M], dtype=tl.int32)
+                    else:
+                        gxs = tl.sum(tl.where((op[None, :] // RP) == gi, xs_cur, 0.0), axis=1)
+                    if WHOLE_ROW:
+                        zg = z_row
+                    else:
+                        zg = tl.sum(tl.where(og[None, :] == gi, z_cur, 0.0), axis=1)
+                    if WA:
+                        acc += (df - zg[:, None] * gxs[None, :]) * sc[:, None]
+                    else:
+                        acc += (df - gxs[:, None] * zg[None, :]) * sc[None, :]
+                elif WA:
                     acc += df * sc[:, None]
                 else:
                     acc += df * sc[None, :]
-                if HAS_ZEROS:  # affine: - s * z * (sum of the group's int8 activations)
+                if HAS_ZEROS and not ZFIRST:  # affine: - s * z * (sum of the group's int8 activations)
                     gxs = tl.sum(tl.where((op[None, :] // RP) == gi, xs_cur, 0.0), axis=1)
                     if WHOLE_ROW:
                         zs = zs_row
@@ -196,10 +223,16 @@ def _group_kernel(
                         acc -= gxs[:, None] * zs[None, :]
                 d = d0
     if ROW_DOT:  # the exact int32 dot of the whole K range (|dot| < 2**31), one conversion
+        df = d.to(tl.float32)
+        if ZFIRST:
+            if WA:
+                df = df - z_row[:, None] * gx_run.to(tl.float32)[None, :]
+            else:
+                df = df - gx_run.to(tl.float32)[:, None] * z_row[None, :]
         if WA:
-            acc += d.to(tl.float32) * sc_row[:, None]
+            acc += df * sc_row[:, None]
         else:
-            acc += d.to(tl.float32) * sc_row[None, :]
+            acc += df * sc_row[None, :]
     sx = tl.load(sx_ptr + rm)
     if WA:
         acc = acc * sx[None, :]

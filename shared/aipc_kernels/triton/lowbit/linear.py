@@ -11,6 +11,7 @@ from .registry import batch_invariant, invariant_config, launch
 from .tuning import select_config
 
 MAX_G_8BIT = 65536  # 8-bit codes: |dot| <= G * 128 * 127 stays below 2**31 (the native kernels' bound)
+MAX_G_4BIT_ZEROS = 8192  # 4-bit codes with stored zeros: |dot| <= G * 15 * 127 below 2**24, u exact (native bound)
 
 
 def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], act_group: int,
@@ -28,10 +29,15 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
     check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
                    weight.group_size, weight.out_features, act_group, act_amax)  # fmt: skip
     K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
-    if G != K and chunk % G and weight.bits < 8:  # 8 bits: a group spans G // 32 chunks
-        raise ValueError(f"group_size={G} must divide {chunk} (or be the whole row) for {TRITON_LAYOUT}")
+    if G != K and chunk % G and G % chunk:  # 4/8 bits: a group may span G // chunk chunks
+        raise ValueError(f"group_size={G} must divide {chunk}, be a multiple of it or be the whole row for {TRITON_LAYOUT}")
     if weight.bits == 8 and G > MAX_G_8BIT:
         raise ValueError(f"group_size={G}: 8-bit codes take groups of at most {MAX_G_8BIT} (int32 dots); use group_size=128")
+    if weight.bits == 4 and weight.zeros is not None and G > MAX_G_4BIT_ZEROS:
+        raise ValueError(
+            f"group_size={G}: 4-bit codes with stored zeros take groups of at most {MAX_G_4BIT_ZEROS} "
+            f"(exact fp32 zero correction); use group_size=128"
+        )
 
 
 def lowbit_linear_triton(

@@ -9,6 +9,10 @@ dependent launch (``PDL``): the GEMV issues its first weight tile, then waits fo
 8-bit codes: the one plane's words XOR 0x80808080 are the signed levels ``c - 128``, whose ``dp4a``
 is u itself (no zero term); a group of 64/128 is summed in int32 over its chunks of a step (BLOCK_C
 at least the group's chunks), one group per row over the program's whole K range, converted once.
+4-bit codes (two planes, a 64-k chunk): ``int4``'s plane moved to the bytes' high nibbles with the
+sign bit flipped is ``16 * (c - 8)`` as int8, so the ``dp4a`` sum shifted right by 4 is u; ``affine4``
+takes the raw codes and ``u = dot - z * (group sum of the int8 activations)`` per group; groups of
+128 and whole rows as for 8 bits (the activation sums carried alike).
 
 Config: ``BLOCK_N``, ``SPLIT_K``, ``num_warps``, ``num_stages`` (the GEMV path's fields), ``BLOCK_C``
 (default 8), ``PDL`` (0/1, default 0), ``FULLX`` (0/1: activation words loaded in the weights' own
@@ -57,10 +61,13 @@ def _dp4a(a, b, c, HW: tl.constexpr):
 
 
 @triton.jit
-def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, FLIP: tl.constexpr):
-    """Bit-plane ``q`` of the packed words ``wv``, 4 codes per word; 8 bits: the signed levels ``c - 128``."""
+def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, FLIP: tl.constexpr, SIGNED: tl.constexpr):
+    """Bit-plane ``q`` of the packed words ``wv``, 4 codes per word; 8 bits: the signed levels
+    ``c - 128``; 4 bits ``SIGNED``: ``16 * (c - 8)`` (the plane in the high nibbles, sign bit flipped)."""
     if BITS == 8:
         return wv ^ FLIP
+    elif BITS == 4 and SIGNED:  # no branch on q: Triton 3.6 passes it as a run-time i32 (returns in an if fail to lower)
+        return ((wv << (4 - 4 * q)) & -0x0F0F0F10) ^ FLIP  # -0x0F0F0F10: 0xF0F0F0F0 as int32
     else:
         return (wv >> (BITS * q)) & PMASK
 
@@ -78,8 +85,9 @@ def _stream_kernel(
     one, the first tile before waiting for the pre-pass (``PDL``), so the weight stream never waits on
     the activations. A plane's 4 codes of a word meet the 4 int8 activations of the same k, read as
     one int32 word of ``xw`` (``xs``: their 32-k sums, ``sx``: the scale), in one ``dp4a`` (exact int32).
-    8 bits (``SIGNED``): ``CPG`` chunks per group, BLOCK_C a multiple of it and every split's start a
-    group's (the host sees to both); one group per row (``ROW_DOT``): int32 over the whole range."""
+    8 bits and ``int4`` (``SIGNED``: signed levels, no zero term; ``int4``'s dot is 16 u), 4 and 8 bits:
+    ``CPG`` chunks per group, BLOCK_C a multiple of it and every split's start a group's (the host
+    sees to both); one group per row (``ROW_DOT``): int32 (and the activation sums) over the whole range."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
@@ -87,9 +95,10 @@ def _stream_kernel(
     PPG: tl.constexpr = P // GPC
     MASK: tl.constexpr = (1 << BITS) - 1
     PMASK: tl.constexpr = MASK | (MASK << 8) | (MASK << 16) | (MASK << 24)
-    SIGNED: tl.constexpr = BITS == 8
+    SIGNED: tl.constexpr = BITS == 8 or (BITS == 4 and not HAS_ZEROS)
+    SHIFT: tl.constexpr = 4 if BITS == 4 and SIGNED else 0  # int4: the dp4a sums are 16 u
     FLIP: tl.constexpr = -0x7F7F7F80  # 0x80808080 as int32: each byte's c ^ 0x80 is c - 128 as int8
-    ROW_DOT: tl.constexpr = WHOLE_ROW and SIGNED
+    ROW_DOT: tl.constexpr = WHOLE_ROW and BITS >= 4
     CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1
     tl.static_assert(BLOCK_C % CPG == 0 and (not SIGNED or not HAS_ZEROS))
     pid_n = tl.program_id(0)
@@ -109,6 +118,7 @@ def _stream_kernel(
 
     acc = tl.zeros([BLOCK_N, BLOCK_C // CPG], dtype=tl.float32)
     dacc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.int32)  # ROW_DOT
+    xacc = tl.zeros([BLOCK_C], dtype=tl.float32)  # ROW_DOT with zeros: the activation sums
     og = tl.arange(0, BLOCK_C // CPG)
     for c0 in range(c_begin, c_end, BLOCK_C):
         c = c0 + oc
@@ -125,24 +135,33 @@ def _stream_kernel(
                 if FULLX:  # activation words loaded as [BLOCK_N, BLOCK_C, 8] like the weights: no layout conversion
                     xoff = (c * P + q)[None, :, None] * 8 + ow[None, None, :] + (offs_n * 0)[:, None, None]
                     xwf = tl.load(xw_ptr + xoff, mask=c_mask[None, :, None], other=0)
-                    d = _dp4a(_plane_words(wv, q, BITS, PMASK, FLIP), xwf, d, HW_DP4A)
+                    d = _dp4a(_plane_words(wv, q, BITS, PMASK, FLIP, SIGNED), xwf, d, HW_DP4A)
                     if not SIGNED:
                         xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
                 else:
                     xw = tl.load(xw_ptr + (c * P + q)[:, None] * 8 + ow[None, :], mask=c_mask[:, None], other=0)
                     if not SIGNED:
                         xs += tl.load(xs_ptr + c * P + q, mask=c_mask, other=0).to(tl.float32)[:, None] * (ow == 0)[None, :]
-                    d = _dp4a(_plane_words(wv, q, BITS, PMASK, FLIP), xw[None, :, :], d, HW_DP4A)
+                    d = _dp4a(_plane_words(wv, q, BITS, PMASK, FLIP, SIGNED), xw[None, :, :], d, HW_DP4A)
             if ROW_DOT:
-                dacc += tl.sum(d, axis=2)
+                if SHIFT:
+                    dacc += tl.sum(d, axis=2) >> SHIFT
+                else:
+                    dacc += tl.sum(d, axis=2)
+                if HAS_ZEROS:
+                    xacc += tl.sum(xs, axis=1)
             else:
                 dot = tl.sum(d, axis=2)  # [BLOCK_N, BLOCK_C] int32
+                if SHIFT:
+                    dot = dot >> SHIFT
                 gc = c
                 if CPG > 1:  # a group's CPG chunks side by side: their int32 sum, then one rescale
                     dot = tl.sum(tl.reshape(dot, [BLOCK_N, BLOCK_C // CPG, CPG]), axis=2)
                     gc = c0 + og * CPG
                 dot = dot.to(tl.float32)
                 gx = tl.sum(xs, axis=1)  # [BLOCK_C]
+                if CPG > 1 and HAS_ZEROS:  # and the activation sums of its chunks
+                    gx = tl.sum(tl.reshape(gx, [BLOCK_C // CPG, CPG]), axis=1)
                 if WHOLE_ROW:
                     g = gc * 0
                 else:
@@ -159,7 +178,10 @@ def _stream_kernel(
         wv = wn
     if ROW_DOT:  # the exact int32 dot of the whole range (|dot| < 2**31), converted once
         sc_row = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        res = tl.sum(dacc, axis=1).to(tl.float32) * CMUL * sc_row * sx
+        u = tl.sum(dacc, axis=1).to(tl.float32)
+        if HAS_ZEROS:  # affine4: u = dot - z * (the range's int8 activation sum)
+            u = u - tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * tl.sum(xacc, axis=0)
+        res = u * CMUL * sc_row * sx
     else:
         res = tl.sum(acc, axis=1) * sx
     bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
