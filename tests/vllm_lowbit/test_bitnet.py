@@ -138,6 +138,18 @@ def test_lowbit2_flag_and_compiled(families, prompts, compiled_tp1):
                          model=reference(model))  # fmt: skip
 
 
+def test_bitlinear_compiled(families, prompts):
+    """The ``bitlinear`` family (Falcon3 / Falcon-E layout, ``W = v / weight_scale``) compiled, with no
+    flag: teacher forcing against transformers' BitLinear model (the other families' compiled runs are
+    ``test_lowbit2_flag_and_compiled`` and ``test_serve_chat_without_flag``)."""
+    model = families["bitlinear"]
+    res = run_vllm_script(_script(model, prompts, enforce_eager=False), timeout=600)
+    got = _tokens(res)
+    log = res.stdout + res.stderr
+    assert "quantization=bitnet" in log and "enforce_eager=False" in log
+    check_teacher_forced(model, prompts, got, "bitlinear", min_agree=0.9, max_gap_in_std=0.05, model=reference(model))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_tensor_parallel_2_equals_1(families, prompts, compiled, request):
     """TP=2 (one core per rank): every packed tensor is unpacked whole before vLLM cuts the rank's rows
