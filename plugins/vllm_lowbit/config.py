@@ -46,6 +46,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from aipc_kernels.config_schema import to_dict
 from aipc_kernels.formats import SCALE_DTYPES
 from aipc_kernels.modules import DEFAULT_SKIP
+from aipc_kernels.output_projection import head_act_group
 
 from . import PLUGIN_NAME
 from .linear_method import GridReport, LowBit2LinearMethod, LowBit2OnlineLinearMethod, QuantizedLMHeadMethod
@@ -194,10 +195,9 @@ class LowBit2Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         if isinstance(layer, ParallelLMHead) and self.head_format != "float":
-            # int8's one group per row leaves per-token activation scales only
             return QuantizedLMHeadMethod(
-                self.act_group if self.head_format == "lowbit" else 0, head_format=self.head_format, codebook=self.codebook, group_size=self.group_size,
-                quantizer=self.quantizer, scale_dtype=self.scale_dtype,
+                head_act_group(self.head_format, self.act_group), head_format=self.head_format,
+                codebook=self.codebook, group_size=self.group_size, quantizer=self.quantizer, scale_dtype=self.scale_dtype,
             )  # fmt: skip
         if not isinstance(layer, LinearBase):
             return None  # embeddings (and lm_head: float) stay in the model dtype

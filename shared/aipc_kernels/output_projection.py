@@ -33,6 +33,12 @@ def int8_scale_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float16 if bool(fits.all()) else torch.bfloat16
 
 
+def head_act_group(head_format: str, act_group: int) -> int:
+    """The op's ``act_group`` for a head in ``head_format``: the linears' for ``lowbit``; 0 (per-token
+    activation scales) for ``int8``, whose one group per row admits no other."""
+    return act_group if head_format == "lowbit" else 0
+
+
 def quantize_output_projection(
     weight: torch.Tensor,
     head_format: str,
@@ -59,4 +65,4 @@ def quantize_output_projection(
                          f"float (lm_head: float)") from None  # fmt: skip
 
 
-__all__ = ["HEAD_FORMATS", "int8_scale_dtype", "quantize_output_projection"]
+__all__ = ["HEAD_FORMATS", "head_act_group", "int8_scale_dtype", "quantize_output_projection"]

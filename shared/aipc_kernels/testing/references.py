@@ -70,7 +70,7 @@ def with_output_projection(model, lm_head: str, codebook: str = "affine", group_
     import torch
 
     from aipc_kernels.modules import LowBitLinear, dequantized_linear
-    from aipc_kernels.output_projection import quantize_output_projection
+    from aipc_kernels.output_projection import head_act_group, quantize_output_projection
 
     head = model.get_output_embeddings()
     w = quantize_output_projection(head.weight.detach().float(), lm_head, codebook=codebook,
@@ -78,7 +78,7 @@ def with_output_projection(model, lm_head: str, codebook: str = "affine", group_
     if w is None:
         return model
     bias = None if head.bias is None else head.bias.detach().float()
-    new = dequantized_linear(head, w) if dequantized else LowBitLinear(w, bias, act_group=act_group if lm_head == "lowbit" else 0)
+    new = dequantized_linear(head, w) if dequantized else LowBitLinear(w, bias, act_group=head_act_group(lm_head, act_group))
     model.set_output_embeddings(new)
     return model
 
