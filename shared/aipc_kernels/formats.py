@@ -18,7 +18,19 @@ binary    1     {-1, +1} (cmul = 2)                  1
 int4      4     {-8, ..., 7} (GPTQ symmetric)        8
 affine4   4     {0, ..., 15} - z (GPTQ/AWQ asym.)    per group, stored (``zeros``)
 int8      8     {-128, ..., 127}                     128 (``c`` is int8 ``w`` XOR 0x80)
+e0m4      4     {0, ..., 15} - z (Transformer-Lite)  per group, stored: an integer in [0, 15]
 ========  ====  ==================================  =============================
+
+``e0m4`` is Transformer-Lite's FP4 (Li et al.): a group is mapped by a scale and a bias into
+[1, 2), where every value shares sign and exponent and the code is the top 4 fraction bits, so a code
+dequantizes to the float ``as_float(0x3F800000 | c << 19) = 1 + c/16`` with two bit operations (bf16:
+``0x3F80 | c << 3``) instead of an int-to-float conversion. The bias ``1 + z/16`` has its fraction bits
+below the code's four at zero (the paper's rule, so a zero weight quantizes exactly), which is what an
+integer ``z`` in [0, 15] stores: ``W = s * (c - z) = 16 s * (1 + c/16) - s * (16 + z)``. Its grid is
+therefore ``affine4``'s with integer zero points, and every W*A8 kernel runs it as such; what differs
+is the quantizer (:func:`aipc_kernels.quantizers.quantize_rtn`: the paper's mapping, a step of range/16)
+and the activation-exact W4A16 kernels (``aipc::lowbit_linear_a16``), whose E0M4 dequantization works
+on the codes of every 4-bit code book.
 
 ``int8`` is the output projection's format (one group per row: per output channel). Every code book
 runs on the same W·A8 kernels: the bits of a byte are its bit-planes (8 of 1 bit ... one of 8).
@@ -52,13 +64,15 @@ SCALE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": to
 
 @dataclass(frozen=True)
 class Codebook:
-    """How codes map to values: ``cmul * c - zero`` (``zero`` None: stored per group)."""
+    """How codes map to values: ``cmul * c - zero`` (``zero`` None: stored per group; ``integer_zero``: the
+    stored zero points are integers within the codes)."""
 
     name: str
     bits: int
     cmul: float
     zero: Optional[float]
     max_code: int
+    integer_zero: bool = False
 
     @property
     def levels(self) -> torch.Tensor:
@@ -78,6 +92,7 @@ CODEBOOKS: dict[str, Codebook] = {
         Codebook("int4", 4, 1.0, 8.0, 15),
         Codebook("affine4", 4, 1.0, None, 15),
         Codebook("int8", 8, 1.0, 128.0, 255),
+        Codebook("e0m4", 4, 1.0, None, 15, integer_zero=True),
     )
 }
 
@@ -177,6 +192,13 @@ class LowBitWeight:
                 raise ValueError(f"{tname} has shape {tuple(t.shape)}, expected {shape} (N={N}, K={K}, group={G})")
             if dtype is not None and t.dtype != dtype:
                 raise ValueError(f"{tname} has dtype {t.dtype}, expected {dtype}")
+        if cb.integer_zero and self.zeros.numel():
+            z = self.zeros.float()
+            if not bool(((z == z.round()) & (z >= 0) & (z <= cb.max_code)).all()):
+                raise ValueError(
+                    f"{name}.zeros: codebook {self.codebook!r} stores integer zero points in [0, {cb.max_code}] (its "
+                    f"bias 1 + z/16 has no fraction bits below the code's); found {z[(z != z.round()) | (z < 0) | (z > cb.max_code)][:3].tolist()}"
+                )
         if self.scales.dtype not in SCALE_DTYPES.values():
             raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use float16 or bfloat16")
 

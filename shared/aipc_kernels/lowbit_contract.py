@@ -16,6 +16,8 @@ from .formats import CODEBOOKS, GROUP_SIZES, SCALE_DTYPES
 from .packing import LAYOUTS, packed_shapes
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x (and y) dtypes of every path
+#: how ``aipc::lowbit_linear_a16`` turns 4-bit codes into floats: E0M4's bit operations, or a conversion
+A16_DEQUANTS = ("e0m4", "int")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +141,31 @@ def _check_act_amax(x: torch.Tensor, act_amax: torch.Tensor, act_group: int) -> 
             f"lowbit_linear: act_amax is given with act_group={act_group}; a given absmax is per token: use "
             f"act_group=0 or pass act_amax=None"
         )
+
+
+def check_operands_a16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    layout: str,
+    codebook: str,
+    group_size: int,
+    out_features: int,
+    dequant: str,
+    check_devices: bool = True,
+) -> OperandPlan:
+    """:func:`check_operands` for ``aipc::lowbit_linear_a16`` (activations unquantized): the same operand
+    checks, a 4-bit code book and a known ``dequant``."""
+    cb = CODEBOOKS.get(codebook)
+    if cb is not None and cb.bits != 4:
+        four = sorted(name for name, c in CODEBOOKS.items() if c.bits == 4)
+        raise ValueError(
+            f"lowbit_linear_a16: codebook={codebook!r} has {cb.bits}-bit codes; the W4A16 kernels take a 4-bit code "
+            f"book ({four}); use lowbit_linear (W*A8) for it"
+        )
+    if dequant not in A16_DEQUANTS:
+        raise ValueError(f"lowbit_linear_a16: dequant={dequant!r} is unknown; use one of {A16_DEQUANTS}")
+    return check_operands(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, 0,
+                          check_devices=check_devices)  # fmt: skip

@@ -23,10 +23,12 @@ from typing import Optional
 
 import torch
 
-ABI_VERSION = 2  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 3  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: aipc_dequant: how the W4A16 kernel turns a 4-bit code into a float
+DEQUANT_CODES = {"e0m4": 0, "int": 1}
 
 
 def _check_codes(lib: ctypes.CDLL, path: str) -> None:
@@ -61,8 +63,10 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     lib = ctypes.CDLL(found[0])
     _check_codes(lib, found[0])
-    lib.aipc_lowbit_linear_v.restype = ctypes.c_int
-    lib.aipc_lowbit_linear_v.argtypes = [ctypes.c_void_p]
+    for fn in ("aipc_lowbit_linear_v", "aipc_lowbit_linear_a16_v"):
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).argtypes = [ctypes.c_void_p]
+    lib.aipc_a16_uses_bf16.restype = ctypes.c_int
     for fn in ("aipc_best_isa", "aipc_get_isa"):
         getattr(lib, fn).restype = ctypes.c_int
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
@@ -193,4 +197,46 @@ def lowbit_linear_into(
         raise RuntimeError(
             f"aipc_lowbit_linear failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
             f"group_size={group_size}, act_group={act_group}, act_amax={'None' if act_amax is None else 'given'})"
+        )
+
+
+def a16_uses_bf16() -> bool:
+    """Whether :func:`lowbit_linear_a16_into` multiplies bf16 activations with AVX512-BF16 dot products
+    under the ISA in use (else float32 FMAs)."""
+    return bool(_lib().aipc_a16_uses_bf16())
+
+
+def lowbit_linear_a16_into(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    group_size: int,
+    zero: float,
+    dequant: str,
+    check_dense: bool = True,
+) -> None:
+    """Runs the activation-exact W4A16 kernel: ``y[..., N] = x[..., K] @ W^T + bias`` for 4-bit codes in the
+    ``cpu_vnni16`` layout, x never quantized. ``zero``: the code book's fixed zero point, or NaN when
+    ``zeros`` holds one per group; ``dequant``: ``e0m4`` (bit operations) or ``int`` (conversion), see
+    ``csrc/lowbit_a16.c``."""
+    if dequant not in DEQUANT_CODES:
+        raise ValueError(f"dequant={dequant!r} is unknown; use one of {list(DEQUANT_CODES)}")
+    if check_dense:
+        for t in (y, x, qweight, scales, zeros, bias):
+            _require_dense(t)
+    K = x.shape[-1]
+    args = array("q", (
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), 4, y.shape[-1],
+        scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), DTYPE_CODES[scales.dtype], group_size,
+        _f32_bits(zero), 0 if bias is None else bias.data_ptr(), y.data_ptr(), DEQUANT_CODES[dequant],
+        torch.get_num_threads(),
+    ))  # fmt: skip
+    status = _lib().aipc_lowbit_linear_a16_v(args.buffer_info()[0])
+    if status != 0:
+        raise RuntimeError(
+            f"aipc_lowbit_linear_a16 failed: {status_message(status)} (M={args[2]}, K={K}, N={args[6]}, "
+            f"group_size={group_size}, dequant={dequant})"
         )

@@ -14,6 +14,15 @@ float32 matmul, activations unquantized). CUDA/XPU + ``triton_k32`` layout -> th
 Every path first checks all operands against each other
 (:func:`aipc_kernels.lowbit_contract.check_operands`): a bad one is a ValueError naming it, before any
 kernel runs.
+
+``torch.ops.aipc.lowbit_linear_a16(x, qweight, scales, zeros, bias, layout, codebook, group_size,
+out_features, dequant) -> y``: the activation-exact W4A16 linear for a 4-bit code book (``int4``,
+``affine4``, ``e0m4``): the same ``y``, x never quantized, float32 accumulation. ``dequant``: ``e0m4``
+(Transformer-Lite's two bit operations: the code into the fraction of ``1.0``) or ``int`` (an
+int-to-float conversion), the two strategies of the paper's comparison; both exact. CPU +
+``cpu_vnni16`` -> ``csrc/lowbit_a16.c`` (bf16 x through AVX512-BF16 dot products where the CPU has them,
+else float32 FMAs); CUDA/XPU + ``triton_k32`` -> :mod:`aipc_kernels.triton.lowbit.a16` (bf16 matrix
+units); anything else -> the reference (dequantize, float32 matmul).
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ import torch
 
 from . import native
 from .formats import LowBitWeight
-from .lowbit_contract import check_operands
+from .lowbit_contract import check_operands, check_operands_a16
 from .packing import CPU_LAYOUT, TRITON_LAYOUT, PackedLowBit, to_canonical
 from .quantizers import quantize_activations
 
@@ -156,4 +165,67 @@ def lowbit_linear(
     return torch.ops.aipc.lowbit_linear(
         x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
         weight.group_size, weight.out_features, act_group, act_amax,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ the activation-exact W4A16 op
+
+_LIB.define(
+    "lowbit_linear_a16(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, str layout, "
+    "str codebook, int group_size, int out_features, str dequant) -> Tensor"
+)
+
+
+def _a16_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant):
+    """Any device: the reference (dequantize, float32 matmul): activation-exact like the kernels."""
+    check_operands_a16(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant)
+    return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features)
+
+
+def _a16_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant):
+    """CPU: ``csrc/lowbit_a16.c`` for the ``cpu_vnni16`` layout, else the reference."""
+    plan = check_operands_a16(
+        x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant, check_devices=False
+    )
+    if layout != CPU_LAYOUT or not native.available():
+        return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features)
+    x = x.contiguous()
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    native.lowbit_linear_a16_into(y, x, qweight, scales, zeros, bias, group_size, plan.zero, dequant, check_dense=False)
+    return y
+
+
+def _a16_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant):
+    """CUDA / XPU: the Triton W4A16 kernel for the ``triton_k32`` layout, else the reference."""
+    if layout != TRITON_LAYOUT:
+        return _a16_reference(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant)
+    from .triton.lowbit.a16 import lowbit_linear_a16_triton  # lazy: triton is imported only here
+
+    K = x.shape[-1] if x.dim() else 0
+    w = _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K)
+    return lowbit_linear_a16_triton(x, w, bias, dequant)
+
+
+_LIB.impl("lowbit_linear_a16", _a16_reference, "CompositeExplicitAutograd")
+_LIB.impl("lowbit_linear_a16", _a16_cpu, "CPU")
+_LIB.impl("lowbit_linear_a16", _a16_gpu, "CUDA")
+_LIB.impl("lowbit_linear_a16", _a16_gpu, "XPU")
+
+
+@torch.library.register_fake("aipc::lowbit_linear_a16")
+def _a16_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, dequant):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def lowbit_linear_a16(
+    x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor] = None, dequant: str = "e0m4"
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a packed 4-bit weight with unquantized activations (see the module docstring)."""
+    return torch.ops.aipc.lowbit_linear_a16(
+        x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
+        weight.group_size, weight.out_features, dequant,
     )  # fmt: skip

@@ -1,6 +1,8 @@
 """Weight quantizers to the canonical low-bit format, and the int8 activation quantizer.
 
-* :func:`quantize_rtn` - min-max round-to-nearest (affine) / absmax (fixed code books).
+* :func:`quantize_rtn` - min-max round-to-nearest (affine) / absmax (fixed code books) / Transformer-Lite's
+  mapping for ``e0m4`` (the group's range, widened to hold 0, onto [1, 2): a step of range/16, the bias
+  truncated to the code's fraction bits, the top code clamped at 15).
 * :func:`quantize_optimized` - fits scale (and zero) per group by alternating least squares: codes
   given the scale, then the least-squares scale (and zero) given the codes, starting from a grid of
   clipping ratios and keeping the best per group. Monotone in the group's squared error.
@@ -35,6 +37,11 @@ def _codes(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, cb: Codebook) -> 
 def _rtn_params(wg: torch.Tensor, cb: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero per group from the group's range (shape [N, ng, 1])."""
     lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    if cb.integer_zero:  # e0m4: w1 = w / range + b in [1, 2), b = 1 - lo / range with its low fraction bits zeroed
+        lo, hi = lo.clamp_max(0), hi.clamp_min(0)
+        s = (hi - lo) / (cb.max_code + 1)
+        z = torch.floor(-lo / torch.where(s > 0, s, torch.ones_like(s))).clamp(0, cb.max_code)
+        return s, z
     if cb.zero is None:  # affine: map [lo, hi] onto [0, max_code]
         # a constant group has no range: scale |lo| and zero -sign(lo) store it exactly with code 0
         s = torch.where(hi > lo, (hi - lo) / cb.max_code, lo.abs())
@@ -51,6 +58,8 @@ def _rtn_params(wg: torch.Tensor, cb: Codebook) -> tuple[torch.Tensor, torch.Ten
 def _store(s: torch.Tensor, z: torch.Tensor, cb: Codebook, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rounds scale/zero to their storage dtype (codes are then chosen for the stored values)."""
     s = s.to(dtype).float()
+    if cb.integer_zero:
+        z = torch.round(z).clamp(0, cb.max_code)
     z = z.to(dtype).float() if cb.zero is None else z
     return s, z
 

@@ -28,6 +28,7 @@ AIPC_API const char *aipc_status_message(int status) {
     case AIPC_ERR_PATH: return "path entry out of range [0, N)";
     case AIPC_ERR_AMAX:
         return "act_amax (per-token activation absmax) needs per-token activation scales (act_group == K)";
+    case AIPC_ERR_DEQUANT: return "dequant must be 0 (e0m4: bit operations) or 1 (int: conversion)";
     }
     return "unknown status";
 }

@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 2
+#define AIPC_ABI_VERSION 3
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -48,7 +48,8 @@ typedef enum {
     AIPC_ERR_THREADS = -10, /* nthreads outside [0, AIPC_MAX_THREADS] */
     AIPC_ERR_PATH = -11,    /* segment_sdpa: a path entry outside [0, N) */
     AIPC_ERR_AMAX = -12,    /* lowbit_linear: act_amax given with per-group activation scales */
-    AIPC_ERR_LAST = AIPC_ERR_AMAX
+    AIPC_ERR_DEQUANT = -13, /* lowbit_linear_a16: dequant not one of aipc_dequant */
+    AIPC_ERR_LAST = AIPC_ERR_DEQUANT
 } aipc_status;
 
 #define AIPC_MAX_THREADS 4096
@@ -92,6 +93,28 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
  * addresses, 0 for NULL; cmul and zero_const as float32 bit patterns). For ctypes: converting 17
  * arguments costs ~2 us per call, one pointer ~0.2 us, and decode makes a call per linear layer. */
 AIPC_API int aipc_lowbit_linear_v(const int64_t *v);
+
+/* ---------------------------------------------------------------- W4A16 linear (lowbit_a16.c) */
+
+/* How the activation-exact kernel turns a 4-bit code into a float (Transformer-Lite's comparison). */
+typedef enum {
+    AIPC_DEQUANT_E0M4 = 0, /* as_float(0x3F800000 | c << 19) = 1 + c/16: two bit operations */
+    AIPC_DEQUANT_INT = 1,  /* (float)c: mask and int-to-float conversion */
+} aipc_dequant;
+
+/*
+ * y[M][N] = x[M][K] @ dequant(w)^T + bias with the activations unquantized (float32 accumulation; bf16
+ * activations on a CPU with AVX512-BF16 through vdpbf16ps, exact products). w: 4-bit codes (bits must be
+ * 4) in the cpu_vnni16 layout; scales, zeros, zero_const, G as aipc_lowbit_linear (zeros may be any
+ * float). dequant: an aipc_dequant. nthreads: 0 for OpenMP's default.
+ */
+AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
+                                    const void *scales, const void *zeros, int scale_dt, int64_t G, float zero_const,
+                                    const void *bias, void *y, int dequant, int nthreads);
+/* The same with its 16 arguments in one int64 vector (zero_const as a float32 bit pattern). */
+AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v);
+/* 1 when aipc_lowbit_linear_a16 takes bf16 activations through vdpbf16ps under the current ISA. */
+AIPC_API int aipc_a16_uses_bf16(void);
 
 /* ---------------------------------------------------------------- segment attention (segment_sdpa.c) */
 

@@ -56,7 +56,7 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
     }
 }
 
-/* Writes 16 outputs of row block nb for MT tokens: acc * outs[m] + bias, in the output dtype. */
+/* Writes 16 outputs of row block nb for MT tokens: acc * outs[m] (outs NULL: acc) + bias, in the output dtype. */
 static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64_t nb, const __m512 *acc) {
     const int64_t n0 = nb * BLOCK_N, nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
     const __mmask16 k = (__mmask16)((1u << nn) - 1u);
@@ -66,7 +66,7 @@ static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64
         else bias = load16_scales_masked(a->bias, n0, a->out_dt, k);
     }
     for (int i = 0; i < mt; i++) {
-        const __m512 v = _mm512_add_ps(_mm512_mul_ps(acc[i], _mm512_set1_ps(a->outs[m0 + i])), bias);
+        const __m512 v = _mm512_add_ps(a->outs ? _mm512_mul_ps(acc[i], _mm512_set1_ps(a->outs[m0 + i])) : acc[i], bias);
         const int64_t off = (m0 + i) * a->N + n0;
         if (a->out_dt == AIPC_DT_F32) {
             _mm512_mask_storeu_ps((float *)a->y + off, k, v);
