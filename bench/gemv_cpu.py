@@ -8,7 +8,11 @@ group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what 
 group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
 and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in, ``w4a8`` / ``w4a8_asym`` (the ``int4`` / ``affine4``
 code books, group 128: GPTQ / AWQ int4 weights, W4A8) and ``w8a8`` (the ``int8`` code book, one scale
-per output channel: the output projection's format, W8A8). Shapes: the
+per output channel: the output projection's format, W8A8); the activation-exact W4A16 kernels
+(``aipc::lowbit_linear_a16``, ``e0m4`` code book, group 128) with Transformer-Lite's E0M4 dequantization
+(``w4a16_e0m4``: two bit operations) against int-to-float dequantization on the same skeleton
+(``w4a16_int``), with bf16 activations (AVX512-BF16 dot products where the CPU has them) and with float32
+ones (``*_fma``: float32 FMAs; op time only, no kernel-alone timing). Shapes: the
 Llama projections and two output projections (``llama_shapes.HEAD_SHAPES``). At M=1 also ``read``:
 the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
@@ -44,7 +48,14 @@ PEERS = ("fp32", "bf16", "int8", "int4")
 # a plain read (the bandwidth probe's loop) of the int2 group-64 bytes of the shape, rotated and called
 # like the kernels: what any decode kernel of these bytes could reach, fork/join and first lines included
 READ = "read"
-OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8")
+# the activation-exact W4A16 kernels: code book, group size, dequantization, activation dtype
+A16_CONFIGS = {
+    "w4a16_e0m4": ("e0m4", 128, "e0m4", torch.bfloat16),
+    "w4a16_int": ("e0m4", 128, "int", torch.bfloat16),
+    "w4a16_e0m4_fma": ("e0m4", 128, "e0m4", torch.float32),
+    "w4a16_int_fma": ("e0m4", 128, "int", torch.float32),
+}
+OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8") + tuple(A16_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -82,6 +93,12 @@ def make_weights(kind: str, w: torch.Tensor):
     if kind == READ:
         nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
         return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by the probes' time_stream_read
+    if kind in A16_CONFIGS:
+        codebook, group, dequant, _ = A16_CONFIGS[kind]
+        p = pack_for_cpu(quantize_rtn(w, codebook, group))
+        meta = (p.layout, p.codebook, p.group_size, p.out_features)
+        a16 = lambda x, ws: torch.ops.aipc.lowbit_linear_a16(x, ws[0], ws[1], ws[2], None, *meta, dequant)  # noqa: E731
+        return a16, (p.qweight, p.scales, p.zeros), p.nbytes()
     codebook, group, isa = OUR_CONFIGS[kind]
     p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
@@ -250,12 +267,12 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                 for kind, (fn, sets, nbytes) in held.items():
                     if kind == READ and M != 1:
                         continue
-                    x = xs[torch.float32 if kind == "fp32" else torch.bfloat16]
+                    x = xs[A16_CONFIGS[kind][3] if kind in A16_CONFIGS else torch.float32 if kind == "fp32" else torch.bfloat16]
                     if kind == READ:  # timed in C, as the kernel alone is (kernel_pct_read compares the two)
                         s = probes.time_stream_read([ws[0] for ws in sets], calls=8)
                     else:
                         s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
-                    sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OURS else None
+                    sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OUR_CONFIGS else None
                     old = results.get((kind, M))
                     if old:
                         s, sk = min(s, old[0]), (min(sk, old[2]) if sk else None)
@@ -295,10 +312,21 @@ def summary(rows: list[dict], ms: list[int]) -> list[str]:
                 read = span(sel, "kernel_pct_read", ".0f")
                 peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in ("bf16", "int8", "int4")
                                   if span(sel, f"x_{p}", ".2f"))
-                lines.append(f"- {kind} M={M}, {group}: op {span(sel, 'pct_bw', '.0f')}% of read BW (kernel alone "
-                             f"{span(sel, 'kernel_pct_bw', '.0f')}%"
-                             + (f"; {read}% of a plain read of the same shape's int2 bytes" if read else "") + ")"
+                alone = span(sel, "kernel_pct_bw", ".0f")
+                lines.append(f"- {kind} M={M}, {group}: op {span(sel, 'pct_bw', '.0f')}% of read BW"
+                             + (f" (kernel alone {alone}%" if alone else "")
+                             + (f"; {read}% of a plain read of the same shape's int2 bytes" if read else "")
+                             + (")" if alone else "")
                              + (f", {peers}" if peers else ""))
+    # Transformer-Lite's table redone: E0M4 against int-to-float dequantization, same skeleton, per shape
+    for e0m4, conv, what in (("w4a16_e0m4", "w4a16_int", "bf16 activations"),
+                             ("w4a16_e0m4_fma", "w4a16_int_fma", "float32 activations, FMA")):
+        for M in ms:
+            us = {(r["shape"], r["kind"]): r["us"] for r in rows if r["M"] == M and r["kind"] in (e0m4, conv)}
+            ratios = [us[(sh, conv)] / us[(sh, e0m4)] for sh, k in us if k == e0m4 and (sh, conv) in us]
+            if ratios:
+                lines.append(f"- W4A16 E0M4 against int dequantization ({what}), M={M}: int time / E0M4 time "
+                             f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} shapes (>1: E0M4 faster)")
     return lines
 
 

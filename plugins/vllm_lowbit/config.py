@@ -21,7 +21,8 @@ on-the-fly only), ``scale_dtype`` (float16, bfloat16), ``act_group`` (0: one int
 per token; else per K-group), ``modules_to_not_convert`` (name fragments that stay unquantized;
 the embeddings stay unquantized), ``lm_head`` (the output projection, quantized at load: ``int8``
 per output channel by default, ``lowbit`` with the keys above, ``float`` to keep it; decode of small
-models is dominated by it; ``quantize_lm_head``, the older key: true is ``lowbit``), ``detect_grid``
+models is dominated by it; ``quantize_lm_head``, the older key: true is ``lowbit``), ``activations`` (``int8``: W*A8, the
+default; ``float``: 4-bit code books on the activation-exact W4A16 kernels), ``detect_grid``
 (default true; on-the-fly only: a layer whose weights already lie on a binary, ternary or 2-bit
 grid, e.g. a ParetoQ checkpoint stored as bf16, is stored exactly in the matching code book with
 one scale per row instead of being quantized; false quantizes every layer with the keys above),
@@ -78,6 +79,7 @@ class LowBit2Config(QuantizationConfig):
         self.scale_dtype_name = o.scale_dtype
         self.scale_dtype = SCALE_DTYPES[o.scale_dtype]
         self.act_group = o.act_group
+        self.activations = o.activations
         self.modules_to_not_convert = list(o.modules_to_not_convert)
         self.prequantized = o.prequantized
         self.head_format = o.head_format
@@ -88,7 +90,7 @@ class LowBit2Config(QuantizationConfig):
         return (
             f"LowBit2Config(codebook={self.codebook}, group_size={self.group_size}, "
             f"{'prequantized' if self.prequantized else 'on-the-fly ' + self.quantizer}, "
-            f"scale_dtype={self.scale_dtype_name}, act_group={self.act_group}, "
+            f"scale_dtype={self.scale_dtype_name}, act_group={self.act_group}, activations={self.activations}, "
             f"modules_to_not_convert={self.modules_to_not_convert}, lm_head={self.head_format}, "
             f"detect_grid={self.detect_grid})"
         )

@@ -101,8 +101,10 @@ def check_partition(config: QuantizationConfig, layer: torch.nn.Module, k_part: 
     return G
 
 
-def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int) -> None:
-    """Replaces the layer's weight parameters by ``w`` packed for the layer's device (once)."""
+def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, activations: str = "int8") -> None:
+    """Replaces the layer's weight parameters by ``w`` packed for the layer's device (once);
+    ``activations``: ``float`` runs a 4-bit weight on the activation-exact W4A16 op (other widths stay
+    W*A8)."""
     device = w.qweight.device
     packed = pack_for_device(w, device)
     for name in ("weight", "qweight", "scales", "zeros"):
@@ -115,13 +117,20 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int) -> N
     layer.lowbit_group_size = packed.group_size
     layer.lowbit_out_features = packed.out_features
     layer.lowbit_act_group = act_group
+    layer.lowbit_a16 = activations == "float" and w.bits == 4
     layer._already_called_process_weights_after_loading = True
 
 
 def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                  act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able);
-    ``act_amax``: the op's per-token activation absmax, None for each token's own."""
+    ``act_amax``: the op's per-token activation absmax, None for each token's own. A layer installed with
+    float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead."""
+    if layer.lowbit_a16:
+        return torch.ops.aipc.lowbit_linear_a16(
+            x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
+            layer.lowbit_group_size, layer.lowbit_out_features, "e0m4",
+        )  # fmt: skip
     return torch.ops.aipc.lowbit_linear(
         x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
         layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_act_group, act_amax,
@@ -288,7 +297,7 @@ class LowBit2LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
-        install_packed(layer, self._check_loaded(layer), self.config.act_group)
+        install_packed(layer, self._check_loaded(layer), self.config.act_group, self.config.activations)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)
@@ -372,7 +381,7 @@ class LowBit2OnlineLinearMethod(OnlineLinearBase):
             w = grid.weight
         else:
             w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=layer.prefix)
-        install_packed(layer, w, self.config.act_group)
+        install_packed(layer, w, self.config.act_group, self.config.activations)
         cfg.grid_report.add(layer.prefix, grid, cfg)
         if self.requantization_source is not None:
             self.release_requantization_source_weights(layer)

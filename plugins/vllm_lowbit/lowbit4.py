@@ -16,7 +16,9 @@ Two ways in, one flag:
   the checkpoint's fp16 scales kept) before :func:`~vllm_lowbit.linear_method.install_packed`.
 
 The output projection follows ``lm_head`` as in lowbit2 (int8 per output channel by default; GPTQ
-and AWQ keep it float in the checkpoint).
+and AWQ keep it float in the checkpoint). ``activations: float`` (in the on-the-fly keys, or added to a
+GPTQ / AWQ ``quantization_config``) serves the 4-bit linears on the
+activation-exact W4A16 kernels instead of W4A8.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ LOWBIT4 = "lowbit4"
 DEFAULTS = {"codebook": "int4", "group_size": 128}
 #: the published checkpoints ``--quantization lowbit4`` serves
 CHECKPOINT_METHODS = ("gptq", "awq")
+#: lowbit2 keys a GPTQ / AWQ quantization_config may carry too (how it is served, not what it stores;
+#: GPTQ's own ``lm_head`` key means something else)
+CHECKPOINT_OPTIONS = ("activations",)
 _SCALE_DTYPES = tuple(SCALE_DTYPES.values())
 
 
@@ -84,11 +89,12 @@ class LowBit4Config(LowBit2Config):
         ``lowbit4`` or none) for on-the-fly quantization."""
         method = config.get("quant_method") if isinstance(config, dict) else None
         if isinstance(method, str) and method.lower() in CHECKPOINT_METHODS:
-            spec, ignored = gf.parse_quantization_config(config)
+            ours = {k: config[k] for k in CHECKPOINT_OPTIONS if k in config}
+            spec, ignored = gf.parse_quantization_config({k: v for k, v in config.items() if k not in ours})
             if ignored:
                 logger.info("lowbit4: %s quantization_config keys %s do not change the weights; ignored", method, ignored)
             self = cls(modules_to_not_convert=list(spec.skipped), group_size=spec.group_size,
-                       codebook="int4" if getattr(spec, "sym", False) else "affine4")  # fmt: skip
+                       codebook="int4" if getattr(spec, "sym", False) else "affine4", **ours)  # fmt: skip
             self.checkpoint = spec
             return self
         if method == LOWBIT4:
@@ -243,7 +249,7 @@ class Int4CheckpointLinearMethod(LinearMethodBase):
         for name in ("qzeros", "g_idx"):
             if name in layer._parameters:
                 delattr(layer, name)
-        install_packed(layer, w, self.config.act_group)
+        install_packed(layer, w, self.config.act_group, self.config.activations)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)

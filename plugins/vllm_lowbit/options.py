@@ -71,6 +71,10 @@ class QuantizationConfigOptions(LowBit2Options):
     lm_head: str = option("int8", choices=HEAD_FORMATS)
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)
+    #: the linears' activations: ``int8`` (W*A8, quantized inside the kernel) or ``float`` (4-bit code books
+    #: only: the activation-exact W4A16 kernels, ``aipc::lowbit_linear_a16``, E0M4 dequantization); layers
+    #: that ``detect_grid`` stores in a 1-/2-bit code book and the output projection stay W*A8
+    activations: str = option("int8", choices=("int8", "float"))
     source: Optional[str] = option(None, choices=(None, "bitnet"))
     #: checkpoint layer name -> LayerFormat keys, overriding codebook/group_size/scale_dtype for it
     #: (the converter writes it for layers recovered from a grid)
@@ -86,6 +90,18 @@ class QuantizationConfigOptions(LowBit2Options):
 
     def check(self, naming: Naming) -> None:
         super().check(naming)
+        if self.activations == "float" and CODEBOOKS[self.codebook].bits != 4:
+            four = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4)
+            raise naming.error(
+                "activations", self.activations,
+                f"needs a 4-bit {naming.ref('codebook')} ({four}); {self.codebook!r} has "
+                f"{CODEBOOKS[self.codebook].bits}-bit codes: use activations int8",
+            )  # fmt: skip
+        if self.activations == "float" and self.act_group:
+            raise naming.error(
+                "act_group", self.act_group,
+                f"sets the int8 activation groups; with {naming.ref('activations')}=float nothing is quantized: use 0",
+            )  # fmt: skip
         if self.quantize_lm_head is not None and self.lm_head != "int8":
             raise naming.error(
                 "quantize_lm_head", self.quantize_lm_head,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .formats import LowBitWeight
-from .ops import lowbit_linear
+from .ops import lowbit_linear, lowbit_linear_a16
 from .packing import pack_for_cpu
 from .quantizers import quantize_weight
 
@@ -19,10 +19,15 @@ DEFAULT_SKIP = ("lm_head", "embed_tokens", "embed_in", "embed_out", "wte")
 
 
 class LowBitLinear(nn.Module):
-    """A linear layer whose weight is a packed low-bit weight (``aipc::lowbit_linear``)."""
+    """A linear layer whose weight is a packed low-bit weight (``aipc::lowbit_linear``; with
+    ``activations="float"``, a 4-bit weight on the activation-exact ``aipc::lowbit_linear_a16``)."""
 
-    def __init__(self, weight: LowBitWeight, bias: Optional[torch.Tensor] = None, act_group: int = 0):
+    def __init__(self, weight: LowBitWeight, bias: Optional[torch.Tensor] = None, act_group: int = 0,
+                 activations: str = "int8"):  # fmt: skip
         super().__init__()
+        if activations not in ("int8", "float"):
+            raise ValueError(f"activations={activations!r}; use 'int8' (W*A8) or 'float' (W4A16)")
+        self.activations = activations
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.codebook, self.group_size, self.act_group = weight.codebook, weight.group_size, act_group
         packed = pack_for_cpu(weight)
@@ -34,6 +39,8 @@ class LowBitLinear(nn.Module):
         self._packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "float":
+            return lowbit_linear_a16(x, self._packed, self.bias)
         return lowbit_linear(x, self._packed, self.bias, self.act_group)
 
     def extra_repr(self) -> str:

@@ -129,7 +129,9 @@ def quantize_optimized(
     best_err = best_s = best_z = None
     s0, z0 = _rtn_params(wg, cb)
     for ratio in clip_ratios:
-        if cb.zero is None:  # shrink the range around its centre
+        if ratio == 1.0:  # RTN's own parameters (e0m4's zero is not the centred range's)
+            s, z = s0, z0
+        elif cb.zero is None:  # shrink the range around its centre
             lo = wg.amin(-1, keepdim=True)
             mid = lo + s0 * cb.max_code / 2
             s = s0 * ratio

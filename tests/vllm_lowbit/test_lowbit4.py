@@ -195,6 +195,20 @@ def test_on_the_fly_int4_equals_transformers_same_op(llama_dir, prompts):
     assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="int4", group_size=128)
 
 
+def test_on_the_fly_e0m4_w4a16_equals_transformers_same_op(llama_dir, prompts):
+    """``quantization_config: {codebook: e0m4, activations: float}``: every linear quantized to
+    Transformer-Lite's E0M4 and served on the activation-exact W4A16 kernel; greedy tokens equal
+    transformers with the same quantizer and op."""
+    cfg = {"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"}
+    res = _run(llama_dir, prompts, quantization="lowbit4", hf_overrides={"quantization_config": cfg})
+    (layers,) = _printed(res, "LAYERS")
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert all(v == ["LowBit2OnlineLinearMethod", "e0m4", 128] for v in layers.values()), layers
+    assert "activations=float" in res.stdout + res.stderr
+    want = hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="e0m4", group_size=128, activations="float")
+    assert script_tokens(res) == want
+
+
 # ---------------------------------------------------------------------- refused at load, naming the tensor
 
 

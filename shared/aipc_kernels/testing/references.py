@@ -11,7 +11,7 @@ KINDS = ("float", "float_a8", "lowbit", "dequantized")
 
 def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
              attn_implementation: Optional[str] = None, lm_head: str = "int8",
-             weights: Optional[dict[str, "torch.Tensor"]] = None):  # fmt: skip
+             weights: Optional[dict[str, "torch.Tensor"]] = None, activations: str = "int8"):  # fmt: skip
     """The transformers model of ``model_dir`` in float32:
 
     * ``float``: the checkpoint's weights as they are;
@@ -28,7 +28,8 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
     the output projection as the plugins serve it with that ``lm_head`` setting (:func:`with_output_projection`;
     default ``int8``, theirs), in every kind but ``float``. ``weights`` (``float`` and ``float_a8``):
     state-dict entries that replace the checkpoint's, e.g. the linears of a GPTQ checkpoint of
-    ``model_dir`` as its format's own code dequantizes them."""
+    ``model_dir`` as its format's own code dequantizes them. ``activations="float"`` (``lowbit``, 4-bit code
+    books): the linears on the activation-exact W4A16 op instead."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -54,7 +55,8 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
     from aipc_kernels.modules import LowBitLinear, dequantized_linear, quantize_linears
 
     def lowbit(lin, w):
-        return LowBitLinear(w, None if lin.bias is None else lin.bias.detach().float(), act_group=act_group)
+        return LowBitLinear(w, None if lin.bias is None else lin.bias.detach().float(), act_group=act_group,
+                            activations=activations)  # fmt: skip
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw).eval()
     quantize_linears(model, codebook, group_size, replace=dequantized_linear if kind == "dequantized" else lowbit)
