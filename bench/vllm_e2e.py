@@ -324,12 +324,13 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
     if llama or any(t[1] in by for t in TARGETS):
         lines += ["", "## Against llama.cpp, and the targets", ""]
         for r in llama:
-            bound = llamacpp.bound_tok_s(bw, row_bytes(r)[2])
-            vs = (f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x vLLM bf16 (best {r['decode_tok_s_best'] / base['decode_tok_s_best']:.2f}x)"
-                  if base else "vLLM bf16 not run")  # fmt: skip
-            lines.append(f"- {r['label']}: decode {r['decode_tok_s']:.2f} tok/s (best {r['decode_tok_s_best']:.2f}), {vs}, "
-                         f"{100 * r['decode_tok_s_best'] / bound:.0f}% of its bytes-per-token bound ({bound:.1f} tok/s "
-                         f"= {bw:.1f} GB/s / {row_bytes(r)[2] / 1e6:.0f} MB); first token {r['prefill_32_s']:.3f} s")  # fmt: skip
+            db = row_bytes(r)[2]
+            bound, med, best = llamacpp.bound_tok_s(bw, db), r["decode_tok_s"], r["decode_tok_s_best"]
+            vs = (f"{med / base['decode_tok_s']:.2f}x vLLM bf16 (best {best / base['decode_tok_s_best']:.2f}x)" if base
+                  else "vLLM bf16 not run")  # fmt: skip
+            lines.append(f"- {r['label']}: decode {med:.2f} tok/s (best {best:.2f}), {vs}, {100 * best / bound:.0f}% of its "
+                         f"bytes-per-token bound ({bound:.1f} tok/s = {bw:.1f} GB/s / {db / 1e6:.0f} MB); first token "
+                         f"{r['prefill_32_s']:.3f} s")  # fmt: skip
         lines += targets(rows)
     prof = next((r for r in rows if "profile" in r), None)
     if prof:
