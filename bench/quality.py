@@ -318,7 +318,8 @@ def rows_for(sections: list[str]) -> list[Row]:
     if "activations" in sections:
         for w in (WFmt("affine", 64, "optimized"), WFmt("int2", 64, "optimized"), WFmt("ternary", 64, "optimized"),
                   WFmt("binary", 64, "optimized"), WFmt("int4", 64, "optimized"), WFmt("affine4", 64, "optimized"),
-                  WFmt("int4", 128, "optimized"), WFmt("affine4", 128, "optimized"), WFmt("int8", -1, "rtn")):
+                  WFmt("int4", 128, "optimized"), WFmt("affine4", 128, "optimized"), WFmt("e0m4", 128, "optimized"),
+                  WFmt("e0m4", 128, "rtn"), WFmt("int8", -1, "rtn")):
             acts = ("A16", "A8 token", "A8 g64") if w.group in (32, 64) else ("A16", "A8 token")
             rows += [Row("activations", w, a, "bf16") for a in acts]
     if "head" in sections:
@@ -589,11 +590,18 @@ def conclusions(rows: list[dict]) -> list[str]:
         out.append(f"4-bit weights: int4 g128 optimized {d(w('int4', 128, 'optimized'))}, rtn {d(w('int4', 128, 'rtn'))}; "
                    f"affine4 g128 optimized {d(w('affine4', 128, 'optimized'))}, rtn {d(w('affine4', 128, 'rtn'))}; "
                    f"int8 row rtn {d(w('int8', -1, 'rtn'))}.")
+        if w("e0m4", 128, "rtn"):
+            out.append(f"Transformer-Lite's E0M4 (e0m4: the range onto [1, 2), step range/16, integer bias) against int4 "
+                       f"dequantization grids, RTN: e0m4 g128 {d(w('e0m4', 128, 'rtn'))}, int4 g128 "
+                       f"{d(w('int4', 128, 'rtn'))}, affine4 g128 {d(w('affine4', 128, 'rtn'))}; e0m4 g64 rtn "
+                       f"{d(w('e0m4', 64, 'rtn'))}; e0m4 g128 optimized {d(w('e0m4', 128, 'optimized'))}.")
     a = lambda cb, g, act: find(rows, "activations", weights=WFmt(cb, g, "optimized").label, act=act)  # noqa: E731
     if a("int4", 128, "A8 token"):
         out.append(f"W4A8 against W4A16 (int4 g128 optimized): A8 per token {d(a('int4', 128, 'A8 token'))} against "
                    f"A16 {d(a('int4', 128, 'A16'))}; 2-bit affine g64: A16 {d(a('affine', 64, 'A16'))}, A8 per token "
-                   f"{d(a('affine', 64, 'A8 token'))}, A8 per 64-group {d(a('affine', 64, 'A8 g64'))}.")
+                   f"{d(a('affine', 64, 'A8 token'))}, A8 per 64-group {d(a('affine', 64, 'A8 g64'))}."
+                   + (f" e0m4 g128 optimized: W4A16 (the activation-exact kernels) {d(a('e0m4', 128, 'A16'))}, W4A8 "
+                      f"{d(a('e0m4', 128, 'A8 token'))}." if a("e0m4", 128, "A16") else ""))
         ref_errs = [r["ref_err"] for r in rows if r.get("ref_err") is not None]
         if ref_errs:
             out.append(f"The simulated A8 linears match `ops.reference_linear_w8` (float64) to a relative error of at "
