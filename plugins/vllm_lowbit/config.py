@@ -65,10 +65,13 @@ class LowBit2Config(QuantizationConfig):
     Built from ``quantization_config`` keys (``LowBit2Config(**keys)``, :meth:`from_config`), all
     checked by :class:`vllm_lowbit.options.QuantizationConfigOptions`: exact types, choices, ranges."""
 
+    #: how errors about this method's quantization_config name a key
+    naming = CONFIG_NAMING
+
     def __init__(self, /, **config: Any) -> None:
         super().__init__()
         self._given = dict(config)  # the keys as vLLM passed them (see maybe_update_config)
-        self._apply(parse_quantization_config(config))
+        self._apply(parse_quantization_config(config, self.naming))
         self.grid_report = GridReport()  # on the fly: which layers detect_grid recovered (one log line)
 
     def _apply(self, o: QuantizationConfigOptions) -> None:
@@ -119,7 +122,7 @@ class LowBit2Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "LowBit2Config":
         """A ``quantization_config`` dict (config.json or ``--hf-overrides``); errors name the key."""
         if not isinstance(config, dict):
-            parse_quantization_config(config)  # raises: must be a JSON object
+            parse_quantization_config(config, cls.naming)  # raises: must be a JSON object
         if config.get("quant_method") == "":  # vLLM's model_arch_config writes "" for a missing quant_method
             config = {k: v for k, v in config.items() if k != "quant_method"}
         return cls(**config)
@@ -169,7 +172,7 @@ class LowBit2Config(QuantizationConfig):
         if override is not None:
             config = _merge_with_checkpoint(parse_quantization_config(converted), override) if converted else override
             self._given = config
-            self._apply(parse_quantization_config(config))
+            self._apply(parse_quantization_config(config, self.naming))
         if self.prequantized and converted is None:
             raise ValueError(
                 f"{CONFIG_NAMING.setting('prequantized', True)}, but {model_name} is not a checkpoint converted by "

@@ -43,6 +43,7 @@ from vllm.model_executor.parameter import (
 )
 
 from aipc_kernels import gptq_format as gf
+from aipc_kernels.config_schema import Naming
 from aipc_kernels.formats import SCALE_DTYPES
 
 from .config import LowBit2Config
@@ -66,6 +67,8 @@ _SCALE_DTYPES = tuple(SCALE_DTYPES.values())
 class LowBit4Config(LowBit2Config):
     """``lowbit2``'s config with 4-bit defaults, or (``checkpoint`` set) a GPTQ / AWQ checkpoint's
     ``quantization_config`` read by :func:`aipc_kernels.gptq_format.parse_quantization_config`."""
+
+    naming = Naming(f"{LOWBIT4} quantization_config", "json")
 
     def __init__(self, /, **config: Any) -> None:
         super().__init__(**{**DEFAULTS, **config})

@@ -133,9 +133,10 @@ class ConverterOptions(LowBit2Options):
     threads: Optional[int] = option(None, ge=1, example=4)
 
 
-def parse_quantization_config(config: dict[str, Any]) -> QuantizationConfigOptions:
-    """A ``quantization_config`` dict -> checked options (errors name ``lowbit2 quantization_config.KEY``)."""
-    return parse(QuantizationConfigOptions, config, CONFIG_NAMING)
+def parse_quantization_config(config: dict[str, Any], naming: Naming = CONFIG_NAMING) -> QuantizationConfigOptions:
+    """A ``quantization_config`` dict -> checked options (errors name ``lowbit2 quantization_config.KEY``, or
+    the method's own ``naming``)."""
+    return parse(QuantizationConfigOptions, config, naming)
 
 
 def quantization_config_dict(

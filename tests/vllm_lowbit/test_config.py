@@ -193,3 +193,15 @@ def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_pat
     assert "group_size=128 conflicts with the converted checkpoint, whose tensors were written with group_size=64" in got[6]["error"]
     assert "prequantized=False conflicts with the converted checkpoint" in got[7]["error"]
     assert got[8] == dict(converted, lm_head="lowbit")
+
+
+def test_lowbit4_errors_name_its_own_quantization_config(config_cls):
+    """``--quantization lowbit4``'s keys are lowbit2's; its errors name lowbit4's quantization_config."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    lowbit4 = get_quantization_config("lowbit4")
+    with pytest.raises(ValueError) as e:
+        lowbit4.from_config({"quant_method": "lowbit4", "codebook": "affine", "activations": "float"})
+    assert str(e.value).startswith("lowbit4 quantization_config.activations='float' needs a 4-bit codebook"), e.value
+    w4a16 = lowbit4.from_config({"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"})
+    assert (w4a16.codebook, w4a16.group_size, w4a16.activations) == ("e0m4", 128, "float")
