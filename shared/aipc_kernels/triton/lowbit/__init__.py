@@ -12,7 +12,11 @@ one module per kernel (:mod:`.stream`: M == 1; :mod:`.group`: M > 1 and the batc
 :mod:`.registry` (kernels by name, heuristic and batch-invariant choice), :mod:`.tuning` (shipped
 configs, tuning cache, tuner), :mod:`.interpret` (the CPU interpreter for tests), :mod:`.linear`
 (the entry). Design and measurements: docs/triton.md.
+
+:mod:`.a16` is the activation-exact W4A16 kernel of ``aipc::lowbit_linear_a16`` (x unquantized, 4-bit
+codes dequantized to bf16/fp16/fp32 by E0M4's bit operations or an int conversion, float dots).
 """
+from .a16 import lowbit_linear_a16_triton
 from .common import GEMV_MAX_M
 from .linear import lowbit_linear_triton
 from .registry import KERNELS, batch_invariant, heuristic_config, invariant_config
@@ -23,6 +27,7 @@ __all__ = [
     "KERNELS",
     "SHIPPED_CONFIGS",
     "lowbit_linear_triton",
+    "lowbit_linear_a16_triton",
     "select_config",
     "heuristic_config",
     "batch_invariant",

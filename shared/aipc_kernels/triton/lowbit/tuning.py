@@ -58,9 +58,11 @@ def cache_file(name: str) -> Path:
     return root / "triton" / f"lowbit_linear-{slug}.json"
 
 
-def cached_configs(name: str) -> dict[str, dict]:
+def cached_configs(name: str, kernels: Optional[tuple[str, ...]] = None) -> dict[str, dict]:
     """Every known config of device ``name`` by key: shipped, overlaid with the tuning cache. Cached
-    configs of kernels no longer shipped (an older version's tuning) are skipped: re-tuned on use."""
+    configs of kernels no longer shipped (an older version's tuning) are skipped: re-tuned on use.
+    ``kernels``: the kernel names kept from the cache (default: :data:`~.registry.KERNELS`; the W4A16
+    kernel caches its own under another name)."""
     with _cache_lock:
         if name not in _mem_cache:
             cfgs: dict[str, dict] = {}
@@ -69,7 +71,8 @@ def cached_configs(name: str) -> dict[str, dict]:
             f = cache_file(name)
             if f.exists():
                 try:
-                    cfgs.update({k: c for k, c in json.loads(f.read_text()).items() if c.get("KERNEL") in KERNELS})
+                    known = KERNELS if kernels is None else kernels
+                    cfgs.update({k: c for k, c in json.loads(f.read_text()).items() if c.get("KERNEL") in known})
                 except json.JSONDecodeError:
                     pass  # a torn write from a crashed process: re-tune
             _mem_cache[name] = cfgs
