@@ -11,7 +11,7 @@ A v + B`` per group:
 
 ``y[m, n] = sum_g A[g, n] * dot_g(v[n], x[m]) + B[g, n] * xsum_g[m] + bias[n]``: each group's dot on
 the matrix units in fp32 accumulation, ``xsum_g`` (the group sum of x's row) summed in fp32 in the
-kernel from the tile it loaded anyway. Both ``v`` are exact in every dot dtype (5 significant bits),
+kernel from the tiles it loaded anyway. Both ``v`` are exact in every dot dtype (5 significant bits),
 so the products are: bf16 x runs bf16 dots and fp16 x fp16 dots (exact products of 8/11-bit
 mantissas), fp32 x fp32 dots with ``input_precision="ieee"`` (no tf32 rounding of x: FMAs instead of
 the matrix units). Output in x's dtype.
@@ -114,9 +114,10 @@ def _a16_kernel(
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, FENCE: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One output tile over a K range of whole steps (a step: one group of 128 = two chunks, else one
-    chunk); ``d`` carries the group's fp32 dot and ``xs`` its activation sums until the group ends
-    (G = 32: each plane; 64: each chunk; 128: each step; a whole row: the program's range), then
-    ``acc += A * d + B * xs``."""
+    chunk); ``d`` carries the group's fp32 dot and ``xs`` its activations summed per column until the
+    group ends (G = 32: each plane; 64: each chunk; 128: each step; a whole row: the program's range),
+    then ``acc += A * d + B * sum(xs)``. (A row sum carried over the loop instead crashed Triton 3.6's
+    OptimizeThreadLocality pass with fp32 FMA dots and whole rows.)"""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     CPS: tl.constexpr = 2 if (G == 128 and not WHOLE_ROW) else 1  # chunks per step
     pid = tl.program_id(0)
@@ -142,7 +143,7 @@ def _a16_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     d = tl.zeros_like(acc)
-    xs = tl.zeros([BLOCK_M], dtype=tl.float32)
+    xs = tl.zeros([BLOCK_M, 32], dtype=tl.float32)  # the group's x summed per column, reduced at its end
     n_steps = KB // (32 * CPS)
     if SPLIT_K == 1:
         s_begin = 0
@@ -162,7 +163,7 @@ def _a16_kernel(
                     d = _dot(v, tl.trans(xt), d, DT, INTERP)
                 else:
                     d = _dot(xt, tl.trans(v), d, DT, INTERP)
-                xs += tl.sum(xt.to(tl.float32), axis=1)
+                xs += xt.to(tl.float32)
                 if WHOLE_ROW:
                     flush = False
                 elif G == 32:
@@ -173,11 +174,11 @@ def _a16_kernel(
                     flush = q == 1 and cc == CPS - 1
                 if flush:
                     gi = tl.minimum(k0 // G, NG - 1)  # a padded plane (d and xs zero) adds nothing to the last group
-                    acc = _rescale(acc, d, xs, s_ptr, z_ptr, gi * N + rn, ZERO, HAS_ZEROS, E0M4, WA)
+                    acc = _rescale(acc, d, tl.sum(xs, axis=1), s_ptr, z_ptr, gi * N + rn, ZERO, HAS_ZEROS, E0M4, WA)
                     d = tl.zeros_like(acc)
-                    xs = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    xs = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
     if WHOLE_ROW:
-        acc = _rescale(acc, d, xs, s_ptr, z_ptr, rn, ZERO, HAS_ZEROS, E0M4, WA)
+        acc = _rescale(acc, d, tl.sum(xs, axis=1), s_ptr, z_ptr, rn, ZERO, HAS_ZEROS, E0M4, WA)
     if WA:
         bias = tl.load(b_ptr + rn).to(tl.float32)[:, None] if HAS_BIAS else 0.0
         out_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
