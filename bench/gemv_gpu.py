@@ -10,6 +10,10 @@ A8W8 int8 dynamic modes. A peer that does not import or fails is reported as ski
 Row ``read`` (measured at the first M asked): the fastest read-only kernel over ours' int2 bytes (or
 torch's ``copy_`` of as many bytes, if faster), the floor of a one-kernel op that streams them from
 HBM; the bounds table compares targets with it.
+Rows ``ours_w4a8`` / ``ours_w8a8`` (``int4`` group 128 / ``int8`` per output channel on the same W*A8 op)
+and ``ours_w4a16_e0m4`` / ``ours_w4a16_int`` (``aipc::lowbit_linear_a16``: e0m4 group 128, bf16
+activations unquantized, Transformer-Lite's E0M4 dequantization against an int-to-bf16 conversion on the
+same kernel; configs from the op's heuristic or autotuner).
 Row ``int8_mm`` (M > 16): torch's cuBLASLt int8 GEMM on an int8 weight, the matrix units with none of
 the low-bit work (unpacking, group rescale, activation quantization).
 
@@ -30,14 +34,21 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels.ops import lowbit_linear
+from aipc_kernels.ops import lowbit_linear, lowbit_linear_a16
 from aipc_kernels.packing import PackedLowBit, pack_for_triton
 from aipc_kernels.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, gpu_copy_bandwidth, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
 EIGHT_B = [s for s in SHAPES if s.startswith("8B")]
-ROWS = ("bf16", "ours_w2a8", "ours_invariant", "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
+#: ours in the 4-/8-bit code books: code book, group size, W4A16 dequantization (None: the W*A8 op)
+OURS_FORMATS = {
+    "ours_w4a8": ("int4", 128, None),
+    "ours_w8a8": ("int8", -1, None),
+    "ours_w4a16_e0m4": ("e0m4", 128, "e0m4"),
+    "ours_w4a16_int": ("e0m4", 128, "int"),
+}
+ROWS = ("bf16", "ours_w2a8", "ours_invariant", *OURS_FORMATS, "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 GROUP = 64
 MAX_COPIES = 1024
 
@@ -127,6 +138,24 @@ def row_ours(W, x, l2, state):
         for _ in range(n_copies(b, l2) - 1)
     ]
     return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
+
+
+def row_ours_format(W, x, l2, state, row: str):
+    """Ours in a 4-/8-bit code book (:data:`OURS_FORMATS`): the W*A8 op, or the activation-exact W4A16 op
+    with E0M4 or int dequantization (the same weights for both)."""
+    codebook, group, dequant = OURS_FORMATS[row]
+    if (codebook, group) not in state:
+        state[(codebook, group)] = pack_for_triton(quantize_rtn(W.float(), codebook, group))
+    p = state[(codebook, group)]
+    b = p.nbytes()
+    ws = [p] + [
+        PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), None if p.zeros is None else p.zeros.clone(),
+                     p.codebook, p.group_size, p.out_features, p.in_features)  # fmt: skip
+        for _ in range(n_copies(b, l2) - 1)
+    ]
+    if dequant is None:
+        return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
+    return [lambda w=w: lowbit_linear_a16(x, w, None, dequant) for w in ws], b, len(ws)
 
 
 def row_ours_invariant(W, x, l2, state):
@@ -336,6 +365,8 @@ def run(args, Ms: list[int], shapes: dict) -> int:
                         calls, b, copies = row_ours(W, x, l2, state)
                     elif row == "ours_invariant":
                         calls, b, copies = row_ours_invariant(W, x, l2, state)
+                    elif row in OURS_FORMATS:
+                        calls, b, copies = row_ours_format(W, x, l2, state, row)
                     elif row == "int8_mm":
                         if M <= 16:
                             continue
@@ -416,6 +447,19 @@ def summary(results, rows, Ms) -> list[str]:
             if px:
                 line += f"; {peer} x_bf16 {min(px):.2f}-{max(px):.2f}"
         lines.append(line)
+    for M in Ms:
+        sel = [e for e in results if e["M"] == M and e["shape"] in EIGHT_B]
+        for row in OURS_FORMATS:
+            got = [e[row] for e in sel if "us" in e.get(row, {}) and "x_bf16" in e[row]]
+            if got:
+                lines.append(f"- {row} M={M}, Llama-3-8B shapes: x_bf16 {min(g['x_bf16'] for g in got):.2f}-"
+                             f"{max(g['x_bf16'] for g in got):.2f}, {min(g['pct_copy'] for g in got):.0f}-"
+                             f"{max(g['pct_copy'] for g in got):.0f}% of copy BW")
+        pairs = [e["ours_w4a16_int"]["us"] / e["ours_w4a16_e0m4"]["us"] for e in sel
+                 if "us" in e.get("ours_w4a16_int", {}) and "us" in e.get("ours_w4a16_e0m4", {})]  # fmt: skip
+        if pairs:
+            lines.append(f"- W4A16 E0M4 against int dequantization, M={M}: int time / E0M4 time {min(pairs):.2f}-"
+                         f"{max(pairs):.2f} over {len(pairs)} Llama-3-8B shapes (>1: E0M4 faster)")
     return lines
 
 
