@@ -8,7 +8,7 @@ where lowbit2's decode time goes.
     python bench/vllm_e2e.py --preset llama-150m --rows 'llamacpp*' --new-tokens 8 --reps 1 --out /tmp/v
 
 The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lowbit4_gptq``,
-``lowbit2``, ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
@@ -51,6 +51,11 @@ VARIANTS = {
     "int4": dict(label=f"int4 GPTQ g{GPTQ_GROUP} (vLLM CPU WNA16 kernel)", model="gptq", llm={}),
     "lowbit4_gptq": dict(label=f"the same GPTQ checkpoint with --quantization lowbit4 (W4A8, lm_head int8)",
                          model="gptq", llm=dict(quantization="lowbit4")),
+    "lowbit4_e0m4_a16": dict(label="the bf16 checkpoint with --quantization lowbit4, e0m4 g128 (RTN while it loads) "
+                                   "on the W4A16 kernels (lm_head int8)", model="bf16",
+                             llm=dict(quantization="lowbit4", hf_overrides={"quantization_config": {
+                                 "quant_method": "lowbit4", "codebook": "e0m4", "quantizer": "rtn",
+                                 "activations": "float"}})),
     "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
