@@ -40,7 +40,7 @@ from ...formats import get_codebook
 from ...lowbit_contract import check_operands_a16
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from . import tuning
-from .common import GEMV_MAX_M, path, sm_count, split_plan, store_or_reduce
+from .common import GEMV_MAX_M, dense_call, path, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, interpreter_scope
 
 NAME = "a16"
@@ -317,22 +317,9 @@ def lowbit_linear_a16_triton(
     if weight.in_features != K:
         raise ValueError(f"lowbit_linear_a16: weight of in_features={weight.in_features} does not match x's K={K}")
     assert triton_chunk(weight.bits) == 64  # 4-bit codes: two planes of 32 k per 32-byte chunk
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    if out is None:
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of {M * N} elements on {x.device}")
-    else:
-        y = out.view(M, N)
-    if M == 0:
+    x2, weight, bias, y = dense_call(x, weight, bias, out)
+    if x2.shape[0] == 0:
         return y.view(*x.shape[:-1], N)
-    bias = None if bias is None else bias.contiguous()
-    weight = PackedLowBit(
-        weight.layout, weight.qweight.contiguous(), weight.scales.contiguous(),
-        None if weight.zeros is None else weight.zeros.contiguous(),
-        weight.codebook, weight.group_size, weight.out_features, weight.in_features,
-    )  # fmt: skip
     cfg = check_config(config) if config is not None else select_config(x2, weight, bias, y, dequant)
     launch(x2, weight, bias, y, cfg, dequant)
     return y.view(*x.shape[:-1], N)

@@ -3,7 +3,8 @@
 Device side (``@triton.jit``): round-half-even and the int8 quantization of an activation, the
 per-row absmax scales, and the split-K epilogue (store, or partials + last-program reduction with
 an atomic ticket). Host side: the M -> path rule, the config fields each path needs, the split-K
-plan and the per-device ticket and atomic-sum buffers it uses.
+plan and the per-device ticket and atomic-sum buffers it uses, and the dense operands of a call
+(:func:`dense_call`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ...packing import PackedLowBit
 
 GEMV_MAX_M = 16  # M up to this is the GEMV path (stream at M == 1, group split over K otherwise)
 LOCK_SLOTS = 16384  # split-K tickets (output tiles) per device
@@ -164,3 +167,25 @@ def sm_count(device: torch.device) -> int:
     if device.type == "xpu":
         return getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 64)
     return 4
+
+
+def dense_call(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]):
+    """The operands of a Triton linear as the kernels read them: ``x`` flattened to dense ``[M, K]``, the
+    output ``y [M, N]`` (a new tensor, or ``out``: contiguous, x's dtype, ``M * N`` elements, on x's
+    device), a dense bias and the weight's tensors made dense. Returns ``(x2, weight, bias, y)``."""
+    K, N = x.shape[-1], weight.out_features
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if out is None:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of {M * N} elements on {x.device}")
+    else:
+        y = out.view(M, N)
+    bias = None if bias is None else bias.contiguous()
+    weight = PackedLowBit(
+        weight.layout, weight.qweight.contiguous(), weight.scales.contiguous(),
+        None if weight.zeros is None else weight.zeros.contiguous(),
+        weight.codebook, weight.group_size, weight.out_features, weight.in_features,
+    )  # fmt: skip
+    return x2, weight, bias, y

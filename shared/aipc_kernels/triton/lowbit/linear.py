@@ -7,6 +7,7 @@ import torch
 
 from ...lowbit_contract import check_operands
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
+from .common import dense_call
 from .registry import batch_invariant, invariant_config, launch
 from .tuning import select_config
 
@@ -57,22 +58,10 @@ def lowbit_linear_triton(
     token's activations are quantized with instead of its own (the op's ``act_amax``)."""
     _validate(x, weight, bias, act_group, act_amax)
     K, N = x.shape[-1], weight.out_features
-    x2 = x.reshape(-1, K).contiguous()
+    x2, weight, bias, y = dense_call(x, weight, bias, out)
     M = x2.shape[0]
-    if out is None:
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of {M * N} elements on {x.device}")
-    else:
-        y = out.view(M, N)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    bias = None if bias is None else bias.contiguous()
-    weight = PackedLowBit(
-        weight.layout, weight.qweight.contiguous(), weight.scales.contiguous(),
-        None if weight.zeros is None else weight.zeros.contiguous(),
-        weight.codebook, weight.group_size, weight.out_features, weight.in_features,
-    )  # fmt: skip
     if config is not None:
         cfg = config
     else:
