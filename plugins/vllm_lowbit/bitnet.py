@@ -28,19 +28,18 @@ Tensor parallelism: a row-parallel layer (``o_proj``, ``down_proj``) gets each r
 input's features, and BitNet quantizes activations per token over all of them. Each rank all-gathers
 its slice's per-token absmax over the TP group (vLLM's collective, traceable under torch.compile)
 and passes the maximum as the op's ``act_amax``, so every rank's int8 codes are the single-rank codes
-(:func:`whole_row_amax`). With one rank nothing changes.
+(:func:`vllm_lowbit.linear_method.whole_row_amax`, which every lowbit linear with per-token
+activation scales uses). With one rank nothing changes.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch
-from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
-    RowParallelLinear,
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
@@ -187,24 +186,9 @@ def _install(layer: torch.nn.Module, values: torch.Tensor, ones: list[float]) ->
     a row-parallel layer over several ranks will quantize with the whole row's absmax."""
     row_one = torch.cat([torch.full((w,), v, dtype=torch.float32) for w, v in zip(layer.bitnet_widths, ones)])
     install_packed(layer, bf.ternary_weight(values, row_one, layer.prefix), act_group=0)
-    layer.bitnet_split_rows = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
     if "weight_scale" in layer._parameters:
         delattr(layer, "weight_scale")
     del layer.bitnet_slot_value
-
-
-def whole_row_amax(x: torch.Tensor) -> torch.Tensor:
-    """float32 [M]: the per-token absmax of the whole rows of which ``x [..., K / tp]`` holds this rank's
-    slice: each rank's absmax all-gathered over the TP group ([M, tp]), then the max."""
-    local = x.abs().amax(dim=-1).float().reshape(-1, 1)  # the max is exact in x's dtype
-    return get_tp_group().all_gather(local, dim=-1).amax(dim=-1)
-
-
-def _apply(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The op; a row-parallel layer over several ranks quantizes x with the whole row's absmax."""
-    if layer.bitnet_split_rows:
-        return apply_lowbit(layer, x, bias, act_amax=whole_row_amax(x))
-    return apply_lowbit(layer, x, bias)
 
 
 @register_weight_loader_v2_supported_method
@@ -277,7 +261,7 @@ class BitNetPackedLinearMethod(LinearMethodBase):
         _install(layer, layer.weight.data, _slot_values(layer, self.config, "weight_scale"))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return _apply(layer, x, bias)
+        return apply_lowbit(layer, x, bias)
 
 
 class BitNetOnlineLinearMethod(OnlineLinearBase):
@@ -321,7 +305,7 @@ class BitNetOnlineLinearMethod(OnlineLinearBase):
         _install(layer, torch.cat([v for v, _ in parts]), [one for _, one in parts])
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return _apply(layer, x, bias)
+        return apply_lowbit(layer, x, bias)
 
 
-__all__ = ["BitNetConfig", "BitNetOnlineLinearMethod", "BitNetPackedLinearMethod", "whole_row_amax"]
+__all__ = ["BitNetConfig", "BitNetOnlineLinearMethod", "BitNetPackedLinearMethod"]

@@ -26,11 +26,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    RowParallelLinear,
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -75,30 +77,31 @@ def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_p
         ) from None
 
 
-_warned_tp_act = False
-
-
 def check_partition(config: QuantizationConfig, layer: torch.nn.Module, k_part: int) -> int:
-    """Validates this rank's slice of a layer and returns its group size. Warns once when a
-    row-parallel slice quantizes activations per token (act_group 0): its int8 scale then comes
-    from the rank's own K slice, so TP>1 is not bit-identical to TP=1 (a multiple of group_size
-    that divides K/tp as act_group is)."""
-    global _warned_tp_act
+    """Validates this rank's slice of a layer and returns its group size."""
     G = effective_group_size(config, layer, k_part)
     if config.act_group and k_part % config.act_group:
         raise ValueError(
             f"lowbit2 act_group={config.act_group} does not divide this rank's K={k_part} of layer {layer.prefix!r}; "
             f"pick an act_group that divides in_features / tensor_parallel_size"
         )
-    if k_part != layer.input_size and config.act_group == 0 and not _warned_tp_act:
-        _warned_tp_act = True
-        logger.warning(
-            "lowbit2: tensor-parallel row-parallel layers quantize activations per token over their own K "
-            "slice (act_group=0), so greedy tokens can differ from TP=1 at near-ties; set "
-            "quantization_config.act_group to a multiple of group_size (e.g. %d) for TP-invariant results",
-            G,
-        )
     return G
+
+
+def splits_token_rows(layer: torch.nn.Module, act_group: int, activations: str = "int8") -> bool:
+    """Whether ``layer`` holds only its rank's slice of each token's features while quantizing the
+    activations with one int8 scale per token: a row-parallel layer over several ranks with
+    ``act_group`` 0. Such a layer takes the whole row's absmax (:func:`whole_row_amax`)."""
+    return (activations == "int8" and act_group == 0 and isinstance(layer, RowParallelLinear)
+            and getattr(layer, "tp_size", 1) > 1)  # fmt: skip
+
+
+def whole_row_amax(x: torch.Tensor) -> torch.Tensor:
+    """float32 [M]: the per-token absmax of the whole rows of which ``x [..., K / tp]`` holds this rank's
+    slice: each rank's absmax all-gathered over the TP group ([M, tp]), then the max (vLLM's collective,
+    traceable under torch.compile). Every rank then quantizes its slice with the single-rank scale."""
+    local = x.abs().amax(dim=-1).float().reshape(-1, 1)  # the max is exact in x's dtype
+    return get_tp_group().all_gather(local, dim=-1).amax(dim=-1)
 
 
 def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, activations: str = "int8") -> None:
@@ -118,14 +121,18 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, acti
     layer.lowbit_out_features = packed.out_features
     layer.lowbit_act_group = act_group
     layer.lowbit_a16 = activations == "float" and w.bits == 4
+    layer.lowbit_split_rows = not layer.lowbit_a16 and splits_token_rows(layer, act_group)
     layer._already_called_process_weights_after_loading = True
 
 
 def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                  act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able);
-    ``act_amax``: the op's per-token activation absmax, None for each token's own. A layer installed with
-    float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead."""
+    ``act_amax``: the op's per-token activation absmax, None for each token's own (a row-parallel layer
+    over several ranks with per-token scales takes the whole row's: :func:`splits_token_rows`). A layer
+    installed with float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead."""
+    if act_amax is None and getattr(layer, "lowbit_split_rows", False):
+        act_amax = whole_row_amax(x)
     if layer.lowbit_a16:
         return torch.ops.aipc.lowbit_linear_a16(
             x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,

@@ -157,7 +157,7 @@ class Int4CheckpointLinearMethod(LinearMethodBase):
         spec, K, N = self.spec, input_size_per_partition, sum(output_partition_sizes)
         for n in output_partition_sizes:
             gf.check_layer(spec, K, n, layer.prefix)
-        check_partition(self.config, layer, K)  # warns once about per-token activation scales under TP
+        check_partition(self.config, layer, K)
         vllm_loader = extra_weight_attrs["weight_loader"]
         layer.int4_loaded = set()
         layer.int4_scale_dtype = None

@@ -203,9 +203,11 @@ MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 def served_linears(model: torch.nn.Module) -> dict[str, list]:
     """For vLLM's ``LLM.apply_model`` (a module-level function: it pickles for the workers of TP>1):
     ``{linear or lm_head: [quant method class, code book, group size]}`` of this rank's model, ``"a16"``
-    appended for a layer served on the activation-exact W4A16 op."""
+    appended for a layer served on the activation-exact W4A16 op, ``"whole_row_amax"`` for a row-parallel
+    slice that quantizes its activations with the whole token's absmax (TP>1, per-token scales)."""
     return {n: [type(x.quant_method).__name__, getattr(x, "lowbit_codebook", None), getattr(x, "lowbit_group_size", None)]
             + (["a16"] if getattr(x, "lowbit_a16", False) else [])
+            + (["whole_row_amax"] if getattr(x, "lowbit_split_rows", False) else [])
             for n, x in model.named_modules()
             if n.endswith(("_proj", "lm_head")) and getattr(x, "quant_method", None) is not None}  # fmt: skip
 
