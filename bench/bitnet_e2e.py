@@ -11,15 +11,16 @@ One random float BitNet model of the chosen geometry (``2b-4t``: 30 layers, hidd
 ternary values: vLLM the packed checkpoint and the bf16 masters (no flag: the plugin claims
 ``quant_method: bitnet``), llama.cpp the GGUFs that its own ``convert_hf_to_gguf.py`` (which
 ternarizes the masters with BitNet's absmean rule) and ``llama-quantize`` make from the masters,
-timed with its ``llama-bench``. Every row computes on the same number of threads: vLLM-CPU
-reserves one core, so on 2 cores it computes on one, and llama.cpp gets ``-t 1`` (``--threads``).
+timed with its ``llama-bench``. Every row computes on the same number of threads: vLLM's in-process
+engine computes on torch's threads (all cores: it reserves none for itself; each row records them), and
+llama.cpp gets that ``-t`` (``--threads`` overrides).
 
 Measured per row: decode tokens/s (vLLM: (T(1 + D tokens) - T(1 token)) / D after a 32-token
 prompt; llama.cpp: ``llama-bench -p 0 -n D``), time to first token of a 512-token prompt (vLLM:
 one request with ``max_tokens=1``; llama.cpp: 512 / the ``-p 512 -n 0`` rate), peak resident memory
 of the serving process, the bytes one decode step reads and the bound: (ternary linears at 2 bits +
-one scale per tensor + the output projection as the row stores it) / the single-thread read
-bandwidth (harness probe). A row whose process fails is recorded as failed and the bench goes on.
+one scale per tensor + the output projection as the row stores it) / the read bandwidth on the
+rows' threads (harness probe). A row whose process fails is recorded as failed and the bench goes on.
 Results: bench/results/bitnet_e2e.{md,json}.
 
 llama.cpp is built from the vendored sources of the ``llama-cpp-python`` sdist on the package
@@ -176,6 +177,7 @@ def _proc_status(key: str) -> int:
 
 def run_vllm(name: str, model: Path, new_tokens: int, prompt: int, reps: int, prompt_reps: int, eager: bool) -> dict:
     """One vLLM row in this process: the checkpoint loaded with no quantization flag, greedy, batch 1."""
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -212,10 +214,11 @@ def run_vllm(name: str, model: Path, new_tokens: int, prompt: int, reps: int, pr
     for _ in range(prompt_reps):
         ttft.append(timed(long, 1))
     peak_rss, steady_rss = _proc_status("VmHWM"), _proc_status("VmRSS")  # before the probe's 1 GB buffer
-    bw = read_bandwidth(1)  # right after the timing, under the same load
-    return dict(variant=name, label=ROWS[name]["label"], model=str(model), threads=1, load_s=load_s,
+    threads = torch.get_num_threads()  # what the in-process engine computes on
+    bw = read_bandwidth(threads)  # right after the timing, under the same load
+    return dict(variant=name, label=ROWS[name]["label"], model=str(model), threads=threads, load_s=load_s,
                 weight_bytes=wbytes, quant_methods=methods, model_class=model_cls, head_codebook=head,
-                read_bw_gbs_1thread=bw,
+                read_bw_gbs=bw,
                 decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates), decode_tok_s_all=rates,
                 ttft_s=statistics.median(ttft), ttft_s_best=min(ttft), ttft_s_all=ttft,
                 peak_rss=peak_rss, steady_rss=steady_rss)  # fmt: skip
@@ -247,10 +250,11 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
     by = {r["variant"]: r for r in rows}
     base = by.get(BASELINE)
     llama_best = min((r for r in rows if r["variant"].startswith("llamacpp")), key=lambda r: r["ttft_s_best"], default=None)
-    bw = max(r["read_bw_gbs_1thread"] for r in rows)  # the least disturbed probe of the run
+    bw = max(r["read_bw_gbs"] for r in rows)  # the least disturbed probe of the run
     ideal = ideal_linear_bytes(g)
     notes = (f"Cores shared with other jobs (load average {meta['loadavg_after'][0]:.2f} after). Every row computes "
-             f"on **{meta['threads']} thread(s)**: vLLM-CPU reserves one core and computes on one, llama.cpp runs "
+             f"on **{meta['threads']} thread(s)**: vLLM's in-process engine on torch's threads (read in each row: "
+             f"{'/'.join(sorted({str(r['threads']) for r in rows if 'weight_bytes' in r})) or '-'}), llama.cpp runs "
              f"`llama-bench -t {meta['threads']}`. {meta['software']}. Model: random BitNet b1.58, `{meta['geometry_name']}` "
              f"geometry ({g['layers']} layers, hidden {g['hidden']}, FFN {g['intermediate']}, {g['heads']}/{g['kv_heads']} "
              f"heads, vocab {g['vocab']}, tied embeddings; {meta['params_b']:.2f} B parameters), batch 1, "
@@ -272,9 +276,9 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
             "output proj. type": otype, "bound tok/s": bound, "% of bound (best)": 100 * r["decode_tok_s_best"] / bound,
         })  # fmt: skip
     cols = list(table[0])
-    probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
+    probes = ", ".join(f"{r['variant']} {r['read_bw_gbs']:.1f}" for r in rows)
     lines = [markdown_table(table, cols), "",
-             f"Bound: read bandwidth {bw:.1f} GB/s (best single-thread probe of the run; each row probes just before "
+             f"Bound: read bandwidth {bw:.1f} GB/s (best probe of the run on the rows' threads; each row probes just before "
              f"(llama.cpp) or after (vLLM) it is timed: {probes}) divided by the bytes a decode step must read: "
              "the ternary linears at 2 bits + one scale per tensor "
              f"({ideal / 1e6:.0f} MB) + the output projection as the row stores it (tied to the embedding). "
@@ -338,8 +342,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt length for the first token (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5, help="decode repetitions (default: %(default)s)")
     ap.add_argument("--prompt-reps", type=int, default=3, help="first-token repetitions (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="llama.cpp threads: the number vLLM-CPU computes on (default: %(default)s, on 2 cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="llama.cpp threads (default: torch's thread count, what vLLM's in-process engine computes on)")
     ap.add_argument("--eager", action="store_true", help="vLLM --enforce-eager instead of its compiled default")
     llamacpp.add_arguments(ap)
     ap.add_argument("--prepare-only", action="store_true",
@@ -347,6 +351,10 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not args.threads:
+        import torch
+
+        args.threads = torch.get_num_threads()
     if args.prompt + args.new_tokens + 8 > MAX_MODEL_LEN:
         ap.error(f"--prompt {args.prompt} + --new-tokens {args.new_tokens} must fit in {MAX_MODEL_LEN} tokens")
 

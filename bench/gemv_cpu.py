@@ -8,7 +8,8 @@ group 64; group 128; group 64 forced onto the AVX-512 VNNI kernels to show what 
 group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs such as Core Ultra have)
 and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in, ``w4a8`` / ``w4a8_asym`` (the ``int4`` / ``affine4``
 code books, group 128: GPTQ / AWQ int4 weights, W4A8) and ``w8a8`` (the ``int8`` code book, one scale
-per output channel: the output projection's format, W8A8); the activation-exact W4A16 kernels
+per output channel: the output projection's format, W8A8), ``w4a8_vnni`` / ``w8a8_vnni`` (the same forced
+onto the AVX-512 VNNI kernels, to show what AMX adds for M >= 16); the activation-exact W4A16 kernels
 (``aipc::lowbit_linear_a16``, ``e0m4`` code book, group 128) with Transformer-Lite's E0M4 dequantization
 (``w4a16_e0m4``: two bit operations) against int-to-float dequantization on the same skeleton
 (``w4a16_int``), with bf16 activations (AVX512-BF16 dot products where the CPU has them) and with float32
@@ -16,8 +17,9 @@ ones (``*_fma``: float32 FMAs; op time only, no kernel-alone timing). Shapes: th
 Llama projections and two output projections (``llama_shapes.HEAD_SHAPES``). At M=1 also ``read``:
 the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
-(``kernel_pct_read``: a kernel's GB/s as a share of it). ``us`` is the op as users call it, timed from
-Python; ``kernel_us`` is our C kernel alone, timed in C over the same rotation (as the read row and the
+(``kernel_pct_read``: a kernel's GB/s as a share of it; ``kernel_pct_own_read``: the same against a
+plain read of the kind's own packed codes, its rotating copies, timed in the same round). ``us`` is
+the op as users call it, timed from Python; ``kernel_us`` is our C kernel alone, timed in C over the same rotation (as the read row and the
 bandwidth probe are), so the two differ by the op's dispatch and Python body.
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
 call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
@@ -55,7 +57,8 @@ A16_CONFIGS = {
     "w4a16_e0m4_fma": ("e0m4", 128, "e0m4", torch.float32),
     "w4a16_int_fma": ("e0m4", 128, "int", torch.float32),
 }
-OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8") + tuple(A16_CONFIGS)
+OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8", "w4a8_vnni",
+        "w8a8_vnni") + tuple(A16_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -66,6 +69,8 @@ OUR_CONFIGS = {
     "w4a8": ("int4", 128, None),  # GPTQ symmetric int4, group 128
     "w4a8_asym": ("affine4", 128, None),  # GPTQ asymmetric / AWQ int4 (stored zeros), group 128
     "w8a8": ("int8", -1, None),  # int8 per output channel: the output projection's default format
+    "w4a8_vnni": ("int4", 128, "avx512_vnni"),  # W4A8 / W8A8 on the AVX-512 VNNI kernels even where AMX exists
+    "w8a8_vnni": ("int8", -1, "avx512_vnni"),
 }
 
 
@@ -233,13 +238,14 @@ def main() -> None:
              f"interpreter between calls; the difference to us is the op's dispatcher and Python body, which run "
              f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
              f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "
-             f"share of it. x_<peer> = peer time / this row's time (>1: this row is faster)."
+             f"share of it; kernel_pct_own_read (M=1) = the same against a plain read of the kind's own packed "
+             f"codes (its rotating copies, timed in C in the same round). x_<peer> = peer time / this row's time (>1: this row is faster)."
              + (" --update: the rows of shapes not named were kept from the previous file (see Runs)." if args.update else ""))
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     body = "Runs (shape: when, load average at its start): " + "; ".join(
         f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
-    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read", "x_bf16", "x_fp32",
-            "x_int8", "x_int4"]
+    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read",
+            "kernel_pct_own_read", "x_bf16", "x_fp32", "x_int8", "x_int4"]
     lines = summary(rows, ms)
     body += ("\n".join(lines) + "\n\n" if lines else "") + markdown_table(rows, cols) + "\n"
     write_results(args.out, args.name, "Low-bit GEMV/GEMM on CPU", info, rows, body, notes)
@@ -257,7 +263,7 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
             fn, one, nbytes = make_weights(kind, w)
             copies = max(2, int(rotate * 1e9 // nbytes))
             held[kind] = (fn, [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], nbytes)
-        results, bw = {}, 0.0
+        results, bw, own_read = {}, 0.0, {}  # own_read: kind -> GB/s of a plain read of its codes (M=1)
         for M in ms:
             xs = {dt: torch.randn(M, K, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
             # rounds: every kind (and the bandwidth probe) once per round, best of the rounds, so slow
@@ -277,6 +283,11 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                     if old:
                         s, sk = min(s, old[0]), (min(sk, old[2]) if sk else None)
                     results[(kind, M)] = (s, nbytes, sk)
+                    if M == 1 and sk:  # a plain read of this kind's own packed codes, same rotation, same round
+                        codes = [ws[0] for ws in sets]
+                        rs = probes.time_stream_read(codes, calls=8)
+                        own = codes[0].numel() * codes[0].element_size() / rs / 1e9
+                        own_read[kind] = max(own_read.get(kind, 0.0), own)
         del held
         for M in ms:
             base = {k: results[(k, M)][0] for k in PEERS if (k, M) in results}
@@ -290,6 +301,8 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                                  kernel_us=sk * 1e6 if sk else None,
                                  kernel_pct_bw=100 * nbytes / sk / 1e9 / bw if sk else None,
                                  kernel_pct_read=100 * nbytes / sk / 1e9 / read_gbs if sk and read_gbs else None,
+                                 kernel_pct_own_read=(100 * nbytes / sk / 1e9 / own_read[kind]
+                                                      if sk and M == 1 and kind in own_read else None),
                                  **{f"x_{k}": base[k] / s if kind != READ and k in base else None for k in PEERS}))
         print(f"{label}: done (read bandwidth {bw:.1f} GB/s)", flush=True)
     return rows
@@ -310,12 +323,14 @@ def summary(rows: list[dict], ms: list[int]) -> list[str]:
                 if not sel:
                     continue
                 read = span(sel, "kernel_pct_read", ".0f")
+                own = span(sel, "kernel_pct_own_read", ".0f")
                 peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in ("bf16", "int8", "int4")
                                   if span(sel, f"x_{p}", ".2f"))
                 alone = span(sel, "kernel_pct_bw", ".0f")
                 lines.append(f"- {kind} M={M}, {group}: op {span(sel, 'pct_bw', '.0f')}% of read BW"
                              + (f" (kernel alone {alone}%" if alone else "")
                              + (f"; {read}% of a plain read of the same shape's int2 bytes" if read else "")
+                             + (f"; {own}% of a plain read of its own codes" if own else "")
                              + (")" if alone else "")
                              + (f", {peers}" if peers else ""))
     # Transformer-Lite's table redone: E0M4 against int-to-float dequantization, same skeleton, per shape

@@ -12,8 +12,9 @@ The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lo
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
-computes on the same number of threads: vLLM-CPU reserves one core, so on 2 cores it computes on one,
-and llama.cpp gets ``-t 1`` (``--threads``). A row not asked for, or whose process fails, is left out
+computes on the same number of threads: each vLLM row reads the threads its in-process engine computes
+on (torch's; 2 on a 2-core machine: vLLM's in-process engine does not reserve a core for itself), and
+llama.cpp gets that ``-t`` (``--threads`` overrides). A row not asked for, or whose process fails, is left out
 with the reason printed and recorded, and its ratio columns stay empty.
 
 Decode tokens/s: vLLM, (T(1 + D tokens) - T(1 token)) / D from one request of batch 1 after a 32-token
@@ -21,7 +22,9 @@ prompt (prefix caching off, so both requests prefill alike); llama.cpp, ``llama-
 median of ``--reps``. First token of the 32-token prompt: vLLM, T(1 token); llama.cpp, 32 / the
 ``-p 32 -n 0`` rate. Bound: the run's best single-thread read bandwidth / the bytes a decode step reads
 (vLLM: the loaded linears + output projection; llama.cpp: the GGUF's linears + scales + output
-projection). The report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
+projection); and, per row, its threads reading exactly that many bytes cyclically right after the row
+(a last-level cache larger than part of a step keeps some of it between steps, which a 1 GB probe
+does not see). The report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
 lowbit2 >= 3x vLLM bf16 decode. Results go to bench/results/vllm_e2e.{md,json} with the machine, its
 load average and the command. llama.cpp is built and its GGUFs cached as bench/bitnet_e2e.py does
 (``--llamacpp-cache``, ``--build-llamacpp``; ``harness.llamacpp``).
@@ -180,6 +183,7 @@ def _weight_bytes(model) -> dict[str, int]:
 
 
 def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: bool, eager: bool) -> dict:
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -204,7 +208,8 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
         return time.perf_counter() - t
 
     timed(4)  # warm-up (compiles the decode and prefill graphs)
-    bw = read_bandwidth(1)  # under the same load as this variant's decode
+    threads = torch.get_num_threads()  # what the model computes on (the in-process engine's torch/OpenMP threads)
+    bw = read_bandwidth(threads)  # under the same load as this variant's decode
     rates, firsts = [], []
     for _ in range(reps):
         t1, tn = timed(1), timed(1 + new_tokens)
@@ -213,7 +218,7 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
     res = dict(variant=name, label=spec["label"], model=str(model), load_s=load_s, weight_bytes=wbytes,
                quant_methods=methods, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
                decode_tok_s_all=rates,
-               prefill_32_s=statistics.median(firsts), read_bw_gbs_1thread=bw,
+               prefill_32_s=statistics.median(firsts), read_bw_gbs=bw, threads=threads,
                loadavg_after=os.getloadavg())  # fmt: skip
     if profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
@@ -257,6 +262,29 @@ def row_bytes(r: dict) -> tuple[int, int, int]:
     return b["linear"] + b["scales"], b["total"], llamacpp.per_token_bytes(b)
 
 
+def llama_threads(given: Optional[int], rows: list[dict]) -> int:
+    """llama.cpp's ``-t``: ``--threads`` if given, else the most threads a vLLM row computed on (rows run
+    before the llama.cpp ones), else torch's default (what vLLM's in-process engine takes)."""
+    if given:
+        return given
+    measured = [r["threads"] for r in rows if "weight_bytes" in r]
+    if measured:
+        return max(measured)
+    import torch
+
+    return torch.get_num_threads()
+
+
+def own_bound(r: dict, what: str) -> str:
+    """Row ``r``'s bound from the read of its own bytes per token (``bound``: tok/s, ``pct``: best decode
+    as a share of it), empty for a row measured without that probe."""
+    bw = r.get("read_bw_gbs_own_bytes")
+    if not bw:
+        return ""
+    bound = llamacpp.bound_tok_s(bw, row_bytes(r)[2])
+    return f"{bound:.1f}" if what == "bound" else f"{100 * r['decode_tok_s_best'] / bound:.0f}%"
+
+
 def targets(rows: list[dict]) -> list[str]:
     """One line per target of ``TARGETS``: the measured ratio of median decode tokens/s (best of the
     repetitions in parentheses) and met / not met on the median, or which row did not run."""
@@ -277,10 +305,12 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
     """(the notes after the machine sentence, the body) of the results file."""
     by = {r["variant"]: r for r in rows}
     base, int4 = by.get("bf16"), by.get("int4")
-    bw = max(r["read_bw_gbs_1thread"] for r in rows)  # the least disturbed probe of the run
+    bw = max(r["read_bw_gbs"] for r in rows)  # the least disturbed probe of the run
     llama_threads = f", and llama.cpp runs `llama-bench -t {meta['threads']}`" if any("bytes" in r for r in rows) else ""
+    vllm_threads = sorted({r["threads"] for r in rows if "weight_bytes" in r})
     notes = (f"Cores shared with other engineers' jobs (load average {meta['loadavg_after'][0]:.2f} after); vLLM-CPU "
-             f"reserves one core, so each model computes on **one thread**{llama_threads}. {meta['software']}. "
+             f"computes on **{'/'.join(map(str, vllm_threads)) or '?'} thread(s)** (the in-process engine's torch threads, "
+             f"read in each row){llama_threads}. {meta['software']}. "
              f"Native ISA: {meta['isa']}"
              f"{' (forced with AIPC_ISA)' if meta.get('aipc_isa_env') else ''}. Model: random Llama, `{meta['preset']}` "
              f"geometry ({meta['params_b']:.2f} B parameters, {'tied' if meta['tied'] else 'untied'} embeddings), bf16 "
@@ -289,9 +319,9 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
     lines = [
         "| variant | decode tok/s (median) | x bf16 | x int4 | decode tok/s (best) | x bf16 | x int4 | "
         f"first token, {PROMPT}-token prompt, s (median) | "
-        "linear weights MB | x bf16 | resident weights MB | bytes read / token MB | bound tok/s (1-thread read BW) | "
-        "best % of bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "linear weights MB | x bf16 | resident weights MB | bytes read / token MB | bound tok/s (read BW, same threads) | "
+        "best % of bound | bound tok/s (read of its own bytes) | best % of it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     linear_bf16 = row_bytes(base)[0] if base else None
     for r in rows:
@@ -303,10 +333,11 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
             f"| {r['label']} | {med:.2f} | {ratio(r, base, 'decode_tok_s')} | {ratio(r, int4, 'decode_tok_s')} | "
             f"{best:.2f} | {ratio(r, base, 'decode_tok_s_best')} | {ratio(r, int4, 'decode_tok_s_best')} | "
             f"{r['prefill_32_s']:.3f} | {lin / 1e6:.0f} | {linear_x} | {total / 1e6:.0f} | "
-            f"{db / 1e6:.0f} | {bound:.1f} | {100 * best / bound:.0f}% |"
+            f"{db / 1e6:.0f} | {bound:.1f} | {100 * best / bound:.0f}% | {own_bound(r, 'bound')} | {own_bound(r, 'pct')} |"
         )
-    probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_1thread']:.1f}" for r in rows)
-    lines += ["", f"Read bandwidth: best single-thread probe of the run {bw:.1f} GB/s (each row probes right "
+    probes = ", ".join(f"{r['variant']} {r['read_bw_gbs']:.1f}" for r in rows)
+    own_probes = ", ".join(f"{r['variant']} {r['read_bw_gbs_own_bytes']:.1f}" for r in rows if r.get("read_bw_gbs_own_bytes"))
+    lines += ["", f"Read bandwidth: best probe of the run on the rows' threads, {bw:.1f} GB/s (each row probes right "
               f"before its decode, under the same load: {probes}). Bytes read per token = "
               "linear weights + output projection (tied to the bf16 embedding unless quantized); KV cache and "
               "activations are negligible at this length. bf16 linear bytes are counted from the shapes: "
@@ -315,7 +346,11 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
               "the GGUF (mmapped). First token: vLLM, one request of the prompt with `max_tokens=1` (prefill + "
               f"the first sampled token); llama.cpp, {PROMPT} / the `llama-bench -p {PROMPT} -n 0` rate. The "
               "machine is shared: the best of the repetitions is the least disturbed one, the median shows the "
-              "disturbance.", ""]  # fmt: skip
+              "disturbance. Read of its own bytes: after each row, the row's threads read a buffer of exactly its "
+              "bytes per token, cyclically, best of 5 passes (a 1 GB buffer overstates the cost of a smaller step "
+              "where the last-level cache keeps part of it from one step to the next, and understates it for a "
+              "larger one): the bound of a decode step that only streamed those bytes "
+              f"({own_probes} GB/s).", ""]  # fmt: skip
     for r in rows:
         if "weight_bytes" in r:
             lines.append(f"- {r['variant']}: quant methods {', '.join(r['quant_methods'])}; load {r['load_s']:.0f} s; "
@@ -333,8 +368,9 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
             bound, med, best = llamacpp.bound_tok_s(bw, db), r["decode_tok_s"], r["decode_tok_s_best"]
             vs = (f"{med / base['decode_tok_s']:.2f}x vLLM bf16 (best {best / base['decode_tok_s_best']:.2f}x)" if base
                   else "vLLM bf16 not run")  # fmt: skip
+            own = f", {own_bound(r, 'pct')} of the read of its own bytes" if own_bound(r, "pct") else ""
             lines.append(f"- {r['label']}: decode {med:.2f} tok/s (best {best:.2f}), {vs}, {100 * best / bound:.0f}% of its "
-                         f"bytes-per-token bound ({bound:.1f} tok/s = {bw:.1f} GB/s / {db / 1e6:.0f} MB); first token "
+                         f"bytes-per-token bound ({bound:.1f} tok/s = {bw:.1f} GB/s / {db / 1e6:.0f} MB){own}; first token "
                          f"{r['prefill_32_s']:.3f} s")  # fmt: skip
         lines += targets(rows)
     prof = next((r for r in rows if "profile" in r), None)
@@ -364,8 +400,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="--enforce-eager instead of vLLM's compiled default")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="llama.cpp threads: the number vLLM-CPU computes on (default: %(default)s, on 2 cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="llama.cpp threads (default: the number the vLLM rows computed on, read in each row; "
+                         "torch's default where no vLLM row ran)")
     llamacpp.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -400,7 +437,7 @@ def main() -> None:
             print(f"[{name}] {spec['label']} ...", flush=True)
             if spec.get("kind") == "llamacpp":
                 try:
-                    res = llamacpp.run_row(files[spec["qtype"]], cache, args.threads, args.new_tokens, args.reps, PROMPT,
+                    res = llamacpp.run_row(files[spec["qtype"]], cache, llama_threads(args.threads, rows), args.new_tokens, args.reps, PROMPT,
                                            args.reps)  # fmt: skip
                 except (RuntimeError, ValueError, KeyError) as e:
                     skipped[name] = f"failed: {str(e)[:300]}"
@@ -417,6 +454,10 @@ def main() -> None:
                     skipped[name] = reason
                     continue
                 rows.append(row)
+            # the same bytes read cyclically on the row's threads, right after the row: the bound of a step
+            # that only streamed them (a last-level cache larger than part of a step keeps some between steps)
+            rows[-1]["read_bw_gbs_own_bytes"] = read_bandwidth(rows[-1]["threads"], gb=row_bytes(rows[-1])[2] / 1e9,
+                                                               reps=5)  # fmt: skip
             print(f"[{name}] decode {rows[-1]['decode_tok_s']:.2f} tok/s", flush=True)
         if not rows:
             sys.exit("no variant ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -436,7 +477,7 @@ def main() -> None:
             software=software, isa=native.get_isa() if native.available() else "none",
             preset=args.preset, tied=bool(p.get("tie_embeddings")),
             params_b=(L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h * (1 if p.get("tie_embeddings") else 2)) / 1e9,
-            aipc_isa_env=os.environ.get("AIPC_ISA"), threads=args.threads, prompt=PROMPT,
+            aipc_isa_env=os.environ.get("AIPC_ISA"), threads=llama_threads(args.threads, rows), prompt=PROMPT,
             new_tokens=args.new_tokens, reps=args.reps, eager=args.eager, skipped=skipped,
             llamacpp_cache=str(cache) if files else None, ggufs={k: str(f) for k, f in files.items()},
             notes=NOTES,

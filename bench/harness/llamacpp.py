@@ -255,8 +255,8 @@ def run_row(gguf: Path, cache: Path, threads: int, new_tokens: int, reps: int, p
     """One llama.cpp row: the single-thread read bandwidth right before (under the same load), the
     GGUF's bytes, decode ``-p 0 -n new_tokens`` and prompt ``-p prompt -n 0`` (first token = ``prompt`` /
     its rate); tokens/s and first-token seconds per repetition, their median and best, and the peak RSS."""
-    bw = read_bandwidth(1)
-    res: dict[str, Any] = dict(model=str(gguf), threads=threads, read_bw_gbs_1thread=bw, bytes=gguf_bytes(gguf, cache))
+    bw = read_bandwidth(threads)
+    res: dict[str, Any] = dict(model=str(gguf), threads=threads, read_bw_gbs=bw, bytes=gguf_bytes(gguf, cache))
     decode, res["build"], rss_d = llama_bench(gguf, cache, threads, 0, new_tokens, reps)
     prefill, _, rss_p = llama_bench(gguf, cache, threads, prompt, 0, prompt_reps)
     ttft = [prompt / r for r in prefill]
