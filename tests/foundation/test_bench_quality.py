@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CODEBOOKS = ("affine", "int2", "sym", "ternary", "binary", "int4", "affine4", "int8")
+CODEBOOKS = ("affine", "int2", "sym", "ternary", "binary", "int4", "affine4", "e0m4", "int8")
 
 
 def test_quality_smoke_writes_every_row(tmp_path):
@@ -33,10 +33,11 @@ def test_quality_smoke_writes_every_row(tmp_path):
     assert {r["codebook"] for r in rows if r["section"] == "activations"} == set(CODEBOOKS) - {"sym"}
     assert ("int4 g128 optimized", "A8 token") in acts and ("int4 g128 optimized", "A16") in acts
     assert ("affine g64 optimized", "A8 g64") in acts and ("int4 g128 optimized", "A8 g64") not in acts  # 64 % 128
+    assert {("e0m4 g128 rtn", "A16"), ("e0m4 g128 rtn", "A8 token")} <= acts  # Transformer-Lite's FP4, W4A16 vs W4A8
     heads = {(r["weights"], r["head"]) for r in rows if r["section"] == "head"}
     assert {("bf16", "bf16"), ("bf16", "int8"), ("bf16", "lowbit affine g64 optimized"),
             ("affine g64 optimized", "int8")} <= heads  # fmt: skip
-    assert len(rows) == 1 + 24 + 10
+    assert len(rows) == 1 + 28 + 10
 
     ref = rows[0]
     assert ref["section"] == "reference" and ref["kl"] == 0.0 and ref["top1"] == 1.0

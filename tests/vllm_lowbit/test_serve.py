@@ -11,7 +11,9 @@ token must be the reference's argmax at nearly every step and otherwise a near-t
 * the transformers model holding the *dequantized* lowbit2 weights in ``nn.Linear`` (float
   activations, W2A32): it differs from W2A8 by the int8 activation rounding;
 * vLLM's compiled mode (inductor) and bf16: RMSNorm/rotary/attention round differently from
-  transformers, and the int8 activation rounding turns that into a flip wherever two logits tie.
+  transformers, and the int8 activation rounding turns that into a flip wherever two logits tie;
+* the converter's checkpoint with per-group activation scales: transformers' own KV-cache decode
+  and its full forward over the same prefix can part at such a tie (seen on a 2-core Xeon).
 """
 from __future__ import annotations
 
@@ -126,7 +128,11 @@ def prequantized_tokens(llama_prequantized, logs, prompts, request):
 
 
 def test_prequantized_checkpoint_loads_without_flag(prequantized_tokens, llama_dir, prompts):
-    assert prequantized_tokens == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", act_group=64)
+    # teacher forcing, not equality with transformers' own greedy run: on a 2-core Xeon (2026-11-26)
+    # transformers' KV-cache decode took another token at a near-tie than its full forward over the same
+    # prefix (one step of 80), while the server agreed with that full forward at all 80 steps
+    check_teacher_forced(llama_dir, prompts, prequantized_tokens, "lowbit", min_agree=0.95, max_gap_in_std=0.05,
+                         act_group=64)  # fmt: skip
 
 
 def test_tensor_parallel_2_equals_1(llama_prequantized, logs, prompts, prequantized_tokens, request):
