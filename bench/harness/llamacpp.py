@@ -252,7 +252,7 @@ def llama_bench(gguf: Path, cache: Path, threads: int, prompt: int, gen: int, re
 
 
 def run_row(gguf: Path, cache: Path, threads: int, new_tokens: int, reps: int, prompt: int, prompt_reps: int) -> dict:
-    """One llama.cpp row: the single-thread read bandwidth right before (under the same load), the
+    """One llama.cpp row: the read bandwidth on ``threads`` right before (under the same load), the
     GGUF's bytes, decode ``-p 0 -n new_tokens`` and prompt ``-p prompt -n 0`` (first token = ``prompt`` /
     its rate); tokens/s and first-token seconds per repetition, their median and best, and the peak RSS."""
     bw = read_bandwidth(threads)

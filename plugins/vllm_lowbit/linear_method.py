@@ -88,12 +88,11 @@ def check_partition(config: QuantizationConfig, layer: torch.nn.Module, k_part: 
     return G
 
 
-def splits_token_rows(layer: torch.nn.Module, act_group: int, activations: str = "int8") -> bool:
-    """Whether ``layer`` holds only its rank's slice of each token's features while quantizing the
-    activations with one int8 scale per token: a row-parallel layer over several ranks with
+def splits_token_rows(layer: torch.nn.Module, act_group: int) -> bool:
+    """Whether ``layer``, if it quantizes its activations to int8, holds only its rank's slice of each
+    token's features under one scale per token: a row-parallel layer over several ranks with
     ``act_group`` 0. Such a layer takes the whole row's absmax (:func:`whole_row_amax`)."""
-    return (activations == "int8" and act_group == 0 and isinstance(layer, RowParallelLinear)
-            and getattr(layer, "tp_size", 1) > 1)  # fmt: skip
+    return act_group == 0 and isinstance(layer, RowParallelLinear) and getattr(layer, "tp_size", 1) > 1
 
 
 def whole_row_amax(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +130,7 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
     ``act_amax``: the op's per-token activation absmax, None for each token's own (a row-parallel layer
     over several ranks with per-token scales takes the whole row's: :func:`splits_token_rows`). A layer
     installed with float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead."""
-    if act_amax is None and getattr(layer, "lowbit_split_rows", False):
+    if act_amax is None and layer.lowbit_split_rows:
         act_amax = whole_row_amax(x)
     if layer.lowbit_a16:
         return torch.ops.aipc.lowbit_linear_a16(
