@@ -13,7 +13,11 @@ onto the AVX-512 VNNI kernels, to show what AMX adds for M >= 16); the activatio
 (``aipc::lowbit_linear_a16``, ``e0m4`` code book, group 128) with Transformer-Lite's E0M4 dequantization
 (``w4a16_e0m4``: two bit operations) against int-to-float dequantization on the same skeleton
 (``w4a16_int``), with bf16 activations (AVX512-BF16 dot products where the CPU has them) and with float32
-ones (``*_fma``: float32 FMAs; op time only, no kernel-alone timing). Shapes: the
+ones (``*_fma``: float32 FMAs; op time only, no kernel-alone timing); the small-M dense kernels
+(``aipc::dense_linear``: the model's own float32 / bf16 weights streamed once for all M rows, the
+segment-KV plugin's decode path) as ``dense_fp32`` / ``dense_bf16`` against torch's ``fp32`` / ``bf16``
+``F.linear`` on the same weights and activations: the kernel itself at every M, called from Python like
+the op (the op runs it up to ``aipc_kernels.dense_linear.cpu_max_rows`` rows, F.linear beyond). Shapes: the
 Llama projections and two output projections (``llama_shapes.HEAD_SHAPES``). At M=1 also ``read``:
 the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 
 from aipc_kernels import native
 from aipc_kernels.formats import get_codebook
+import aipc_kernels.dense_linear  # noqa: F401  (registers torch.ops.aipc.dense_linear)
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
@@ -57,8 +62,10 @@ A16_CONFIGS = {
     "w4a16_e0m4_fma": ("e0m4", 128, "e0m4", torch.float32),
     "w4a16_int_fma": ("e0m4", 128, "int", torch.float32),
 }
+# the small-M dense kernels on the model's own float weights (aipc::dense_linear): weight dtype = x dtype
+DENSE_CONFIGS = {"dense_fp32": torch.float32, "dense_bf16": torch.bfloat16}
 OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8", "w4a8_vnni",
-        "w8a8_vnni") + tuple(A16_CONFIGS)
+        "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -95,6 +102,15 @@ def make_weights(kind: str, w: torch.Tensor):
         sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         fn = lambda x, ws: torch._weight_int4pack_mm_for_cpu(x, ws[0], G, ws[1])  # noqa: E731
         return fn, (packed, sz), packed.numel() + sz.numel() * 2
+    if kind in DENSE_CONFIGS:  # the kernel at every M (the op runs it up to cpu_max_rows rows, then F.linear)
+        t = w.to(DENSE_CONFIGS[kind])
+
+        def dense(x, ws):
+            y = torch.empty(x.shape[0], ws[0].shape[0], dtype=x.dtype)
+            native.dense_linear_into(y, x, ws[0], None, check_dense=False)
+            return y
+
+        return dense, (t,), t.numel() * t.element_size()
     if kind == READ:
         nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
         return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by the probes' time_stream_read
@@ -273,7 +289,8 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                 for kind, (fn, sets, nbytes) in held.items():
                     if kind == READ and M != 1:
                         continue
-                    x = xs[A16_CONFIGS[kind][3] if kind in A16_CONFIGS else torch.float32 if kind == "fp32" else torch.bfloat16]
+                    x = xs[A16_CONFIGS[kind][3] if kind in A16_CONFIGS else DENSE_CONFIGS[kind] if kind in DENSE_CONFIGS
+                           else torch.float32 if kind == "fp32" else torch.bfloat16]  # fmt: skip
                     if kind == READ:  # timed in C, as the kernel alone is (kernel_pct_read compares the two)
                         s = probes.time_stream_read([ws[0] for ws in sets], calls=8)
                     else:
@@ -324,7 +341,7 @@ def summary(rows: list[dict], ms: list[int]) -> list[str]:
                     continue
                 read = span(sel, "kernel_pct_read", ".0f")
                 own = span(sel, "kernel_pct_own_read", ".0f")
-                peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in ("bf16", "int8", "int4")
+                peers = ", ".join(f"x_{p} {span(sel, f'x_{p}', '.2f')}" for p in {"dense_fp32": ("fp32",), "dense_bf16": ("bf16",)}.get(kind, ("bf16", "int8", "int4"))
                                   if span(sel, f"x_{p}", ".2f"))
                 alone = span(sel, "kernel_pct_bw", ".0f")
                 lines.append(f"- {kind} M={M}, {group}: op {span(sel, 'pct_bw', '.0f')}% of read BW"

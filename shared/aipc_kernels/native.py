@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-ABI_VERSION = 3  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 4  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -63,10 +63,11 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     lib = ctypes.CDLL(found[0])
     _check_codes(lib, found[0])
-    for fn in ("aipc_lowbit_linear_v", "aipc_lowbit_linear_a16_v"):
+    for fn in ("aipc_lowbit_linear_v", "aipc_lowbit_linear_a16_v", "aipc_dense_linear_v"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_void_p]
     lib.aipc_a16_uses_bf16.restype = ctypes.c_int
+    lib.aipc_bf16_dot_products.restype = ctypes.c_int
     for fn in ("aipc_best_isa", "aipc_get_isa"):
         getattr(lib, fn).restype = ctypes.c_int
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
@@ -239,4 +240,35 @@ def lowbit_linear_a16_into(
         raise RuntimeError(
             f"aipc_lowbit_linear_a16 failed: {status_message(status)} (M={args[2]}, K={K}, N={args[6]}, "
             f"group_size={group_size}, dequant={dequant})"
+        )
+
+
+def bf16_dot_products() -> bool:
+    """Whether the kernels multiply bf16 by bf16 with AVX512-BF16 dot products under the ISA in use (the
+    dense kernel with bf16 activations and weights, the W4A16 kernel with bf16 activations)."""
+    return bool(_lib().aipc_bf16_dot_products())
+
+
+def dense_linear_into(
+    y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], check_dense: bool = True
+) -> None:
+    """Runs the small-M dense kernel: ``y[..., N] = x[..., K] @ weight[N, K]^T + bias`` (x, bias and y in
+    one dtype, the weight in float32 / bf16 / fp16; x and y dense, their leading dimensions flattened to M
+    rows), every weight row streamed once for all rows of x; see ``csrc/dense_linear.c``.
+    ``check_dense=False`` skips the contiguity checks, for a caller (the op) that has made every operand
+    dense itself."""
+    if check_dense:
+        for t in (y, x, weight, bias):
+            _require_dense(t)
+    K = x.shape[-1]
+    args = array("q", (
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, weight.data_ptr(),
+        DTYPE_CODES[weight.dtype], y.shape[-1], 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    ))  # fmt: skip
+    status = _lib().aipc_dense_linear_v(args.buffer_info()[0])
+    if status != 0:
+        raise RuntimeError(
+            f"aipc_dense_linear failed: {status_message(status)} (M={args[2]}, K={K}, N={args[6]}, "
+            f"x {x.dtype}, weight {weight.dtype})"
         )

@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 3
+#define AIPC_ABI_VERSION 4
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -71,6 +71,9 @@ AIPC_API int aipc_best_isa(void);
 AIPC_API int aipc_get_isa(void);
 /* Forces an ISA (tests, benchmarks, AIPC_ISA); AIPC_ERR_ISA for one the CPU lacks. */
 AIPC_API int aipc_set_isa(int isa);
+/* 1 when the kernels take bf16 x bf16 products through vdpbf16ps (AVX512-BF16) under the current ISA:
+ * the W4A16 kernel with bf16 activations, the dense kernel with bf16 activations and weights. */
+AIPC_API int aipc_bf16_dot_products(void);
 
 /* ---------------------------------------------------------------- low-bit linear (lowbit_linear.c) */
 
@@ -115,6 +118,20 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
 AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v);
 /* 1 when aipc_lowbit_linear_a16 takes bf16 activations through vdpbf16ps under the current ISA. */
 AIPC_API int aipc_a16_uses_bf16(void);
+
+/* ---------------------------------------------------------------- small-M dense linear (dense_linear.c) */
+
+/*
+ * y[M][N] = x[M][K] @ w[N][K]^T + bias for float weights in the model's own row-major [N][K] layout:
+ * every weight row is streamed once for all M tokens (decode of beams x batch; meant for M <= 32, correct
+ * for any M). x, bias and y share `dt`; w is in `wdt` (float32, bf16 or fp16, not necessarily dt).
+ * float32 accumulation; each output is the same for any M and thread count. bias may be NULL.
+ * nthreads: 0 for OpenMP's default.
+ */
+AIPC_API int aipc_dense_linear(const void *x, int dt, int64_t M, int64_t K, const void *w, int wdt, int64_t N,
+                               const void *bias, void *y, int nthreads);
+/* The same with its 10 arguments in one int64 vector, in the same order. */
+AIPC_API int aipc_dense_linear_v(const int64_t *v);
 
 /* ---------------------------------------------------------------- segment attention (segment_sdpa.c) */
 

@@ -3,6 +3,7 @@
  * ISA of this CPU, and the one the kernels use (the best unless aipc_set_isa overrode it). Every kernel
  * of the library (low-bit linear, segment attention) dispatches on aipc_get_isa().
  */
+#include "cpu_features.h"
 #include "lowbit_kernels.h"
 
 #ifdef AIPC_X86
@@ -43,7 +44,21 @@ static int detect_isa(void) {
     return AIPC_ISA_SCALAR;
 }
 
+int cpu_has_avx512_bf16(void) {
+#ifdef AIPC_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
 static int g_isa = -1;
+
+/* Whether the kernels multiply bf16 by bf16 with vdpbf16ps under the current ISA (AVX-512 and AVX512-BF16). */
+AIPC_API int aipc_bf16_dot_products(void) {
+    return aipc_get_isa() >= AIPC_ISA_AVX512_VNNI && cpu_has_avx512_bf16();
+}
 
 /* Best ISA this CPU supports (the one used unless overridden). */
 AIPC_API int aipc_best_isa(void) { return detect_isa(); }

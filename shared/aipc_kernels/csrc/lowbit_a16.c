@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_features.h"
 #include "lowbit_kernels.h"
 #ifdef AIPC_X86
 #include "lowbit_avx512.h"
@@ -239,10 +240,6 @@ static inline T512BF __attribute__((always_inline)) void a16_tile_bf16(const a16
 A16_INSTANCES(a16_fma512, a16_tile_fma, T512)
 A16_INSTANCES(a16_bf16_512, a16_tile_bf16, T512BF)
 
-static int a16_has_bf16(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
-}
 #endif /* AIPC_X86 */
 
 /* ------------------------------------------------------------------------------------ entry */
@@ -272,7 +269,7 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
     const int isa = aipc_get_isa();
     int use_bf16 = 0;
 #ifdef AIPC_X86
-    use_bf16 = dt == AIPC_DT_BF16 && isa >= AIPC_ISA_AVX512_VNNI && a16_has_bf16();
+    use_bf16 = dt == AIPC_DT_BF16 && isa >= AIPC_ISA_AVX512_VNNI && cpu_has_avx512_bf16();
 #endif
     const int64_t ng = K / G;
     float *xs = (float *)malloc((size_t)(M * ng) * sizeof(float));
@@ -340,7 +337,7 @@ AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v) {
  * current ISA, for the benchmarks' labels. */
 AIPC_API int aipc_a16_uses_bf16(void) {
 #ifdef AIPC_X86
-    return aipc_get_isa() >= AIPC_ISA_AVX512_VNNI && a16_has_bf16();
+    return aipc_bf16_dot_products();
 #else
     return 0;
 #endif

@@ -1,0 +1,66 @@
+/*
+ * Internals shared by the small-M dense linear units (not part of the C API, see aipc_native.h):
+ * the tile sizes, the arguments every tile reads, and the per-ISA tile functions. dense_linear.c holds
+ * the entry point, the threading and the portable tile; dense_linear_x86.c the AVX-512 and AVX2 ones.
+ */
+#ifndef AIPC_DENSE_LINEAR_H
+#define AIPC_DENSE_LINEAR_H
+
+#include <stdint.h>
+
+#include "aipc_native.h"
+#include "half_float.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define DENSE_X86 1
+#endif
+
+/* Output rows (weight rows) per tile: the unit threads split, streamed once for every token. */
+#define DENSE_NB 4
+/* Tokens per register block: DENSE_MB x DENSE_NB accumulators (AVX-512: 16 of 32 registers). */
+#define DENSE_MB 4
+/* K padding of the float32 copy of x (and of a converted weight tile): one 512-bit vector. */
+#define DENSE_KPAD 16
+/* K padding of the bf16 copy of x (the AVX512-BF16 path): one 512-bit vector of bf16. */
+#define DENSE_KPAD_BF16 32
+
+typedef struct {
+    const float *xf;  /* [M][Kp] float32 copy of x, zero past K (NULL on the bf16 path) */
+    const uint16_t *xb; /* [M][Kb] bf16 copy of x, zero past K: bf16 x and weights on AVX512-BF16, else NULL */
+    const void *w;    /* [N][K] weights, row-major, in wdt */
+    const void *bias; /* [N] in dt, or NULL */
+    void *y;          /* [M][N] in dt */
+    int64_t M, K, Kp, Kb, N;
+    int dt, wdt;
+} dense_args;
+
+/* Element i of a float32 / bf16 / fp16 array, as float32. */
+static inline float dense_load_f32(const void *p, int dt, int64_t i) {
+    return dt == AIPC_DT_F32    ? ((const float *)p)[i]
+           : dt == AIPC_DT_BF16 ? bf16_to_f32(((const uint16_t *)p)[i])
+                                : f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* y[m][n] = v + bias[n], rounded to the output dtype. */
+static inline void dense_store(const dense_args *a, int64_t m, int64_t n, float v) {
+    if (a->bias) v += dense_load_f32(a->bias, a->dt, n);
+    const int64_t i = m * a->N + n;
+    if (a->dt == AIPC_DT_F32)
+        ((float *)a->y)[i] = v;
+    else if (a->dt == AIPC_DT_BF16)
+        ((uint16_t *)a->y)[i] = f32_to_bf16(v);
+    else
+        ((uint16_t *)a->y)[i] = f32_to_f16(v);
+}
+
+/* The outputs of weight rows [n0, n0 + nb) for every token; wtile: a per-thread scratch of
+ * DENSE_NB * Kp floats (a tile converted to float32 once when several token blocks read it). */
+typedef void (*dense_tile_fn)(const dense_args *a, int64_t n0, int nb, float *wtile);
+
+void dense_tile_scalar(const dense_args *a, int64_t n0, int nb, float *wtile);
+#ifdef DENSE_X86
+void dense_tile_avx512(const dense_args *a, int64_t n0, int nb, float *wtile);
+void dense_tile_avx2(const dense_args *a, int64_t n0, int nb, float *wtile);
+#endif
+
+#endif /* AIPC_DENSE_LINEAR_H */

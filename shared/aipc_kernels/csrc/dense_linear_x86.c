@@ -1,0 +1,256 @@
+/*
+ * AVX-512 and AVX2 tiles of the small-M dense linear (dense_linear.c): DENSE_NB weight rows against a
+ * block of tokens, float32 FMAs, the weight rows loaded once per block (converted from bf16 / fp16 in
+ * registers) and prefetched ahead. With more tokens than one register block, a bf16 / fp16 tile is
+ * converted to float32 once into the thread's scratch and the blocks read it from L1/L2.
+ */
+#include "dense_linear.h"
+#ifdef DENSE_X86
+#include <immintrin.h>
+
+#include "prefetch.h"
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define T512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
+#define T256 __attribute__((target("avx2,f16c,fma")))
+#define INLINE inline __attribute__((always_inline))
+#define MB256 2 /* AVX2: 2 tokens x 4 rows = 8 accumulators of 16 registers */
+
+static inline int64_t elem_bytes(int wdt) { return wdt == AIPC_DT_F32 ? 4 : 2; }
+
+/* ---------------------------------------------------------------- AVX-512 */
+
+static INLINE T512 __m512 load16(const void *w, const int wdt, int64_t off, __mmask16 m) {
+    if (wdt == AIPC_DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)w + off);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + off);
+    return wdt == AIPC_DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                               : _mm512_cvtph_ps(h);
+}
+
+/* MB tokens from m0 x NB weight rows from w0 (ws elements apart) -> y[m0.., n0..] */
+static INLINE T512 void block512(const dense_args *a, const void *w0, int64_t ws, const int wdt, int64_t n0, int64_t m0,
+                                 const int MB, const int NB, const int PF) {
+    __m512 acc[DENSE_MB][DENSE_NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t K = a->K, Kp = a->Kp, Kv = K & ~(int64_t)15, es = elem_bytes(wdt);
+    const float *x0 = a->xf + m0 * Kp;
+    int64_t k = 0;
+    for (; k < Kv; k += 16) {
+        __m512 wv[DENSE_NB];
+        for (int j = 0; j < NB; j++) {
+            if (PF) { /* the first token block streams the rows; the next ones find them in L1/L2 */
+                const char *p = (const char *)w0 + (j * ws + k) * es;
+                _mm_prefetch(p + PREFETCH_BYTES, _MM_HINT_T0);
+                PREFETCH_L2(p);
+            }
+            wv[j] = load16(w0, wdt, j * ws + k, (__mmask16)0xFFFF);
+        }
+        for (int i = 0; i < MB; i++) {
+            const __m512 xv = _mm512_load_ps(x0 + i * Kp + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) { /* the last K % 16: weights masked (never read past the row), x is zero padded */
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[DENSE_NB];
+        for (int j = 0; j < NB; j++) wv[j] = load16(w0, wdt, j * ws + k, m);
+        for (int i = 0; i < MB; i++) {
+            const __m512 xv = _mm512_load_ps(x0 + i * Kp + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) dense_store(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+/* every token block of nb rows (a full tile, else one row at a time) */
+static INLINE T512 void rows512(const dense_args *a, const void *w0, int64_t ws, const int wdt, int64_t n0, int nb) {
+    for (int64_t m0 = 0; m0 < a->M; m0 += DENSE_MB) {
+        const int64_t mb = a->M - m0 < DENSE_MB ? a->M - m0 : DENSE_MB;
+        for (int j = 0; j < nb; j += (nb == DENSE_NB ? DENSE_NB : 1)) {
+            const void *wj = (const char *)w0 + j * ws * elem_bytes(wdt);
+            const int full = nb == DENSE_NB;
+#define B512(MBV)                                                                                                     \
+    m0 == 0 ? (full ? block512(a, wj, ws, wdt, n0 + j, m0, MBV, DENSE_NB, 1) : block512(a, wj, ws, wdt, n0 + j, m0, MBV, 1, 1)) \
+            : (full ? block512(a, wj, ws, wdt, n0 + j, m0, MBV, DENSE_NB, 0) : block512(a, wj, ws, wdt, n0 + j, m0, MBV, 1, 0))
+            switch (mb) {
+            case 1: B512(1); break;
+            case 2: B512(2); break;
+            case 3: B512(3); break;
+            default: B512(4);
+            }
+#undef B512
+        }
+    }
+}
+
+static INLINE T512 void tile512(const dense_args *a, int64_t n0, int nb, float *wtile, const int wdt) {
+    const void *w0 = (const char *)a->w + n0 * a->K * elem_bytes(wdt);
+    if (wdt == AIPC_DT_F32 || a->M <= DENSE_MB) {
+        rows512(a, w0, a->K, wdt, n0, nb);
+        return;
+    }
+    for (int j = 0; j < nb; j++) /* converted once, read by every token block */
+        for (int64_t k = 0; k < a->Kp; k += 16) {
+            const int64_t r = a->K - k;
+            const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : r <= 0 ? (__mmask16)0 : (__mmask16)((1u << r) - 1);
+            const char *p = (const char *)w0 + (j * a->K + k) * elem_bytes(wdt);
+            _mm_prefetch(p + PREFETCH_BYTES, _MM_HINT_T0);
+            PREFETCH_L2(p);
+            _mm512_store_ps(wtile + j * a->Kp + k, load16(w0, wdt, j * a->K + k, m));
+        }
+    rows512(a, wtile, a->Kp, AIPC_DT_F32, n0, nb);
+}
+
+/* ---------------------------------------------------------------- AVX512-BF16: bf16 x and weights */
+
+/* MB tokens x NB bf16 weight rows: vdpbf16ps over 32 k at a time (pairs (2i, 2i+1) of x and w). */
+static INLINE T512BF void block512_bf16(const dense_args *a, const uint16_t *w0, int64_t n0, int64_t m0, const int MB,
+                                        const int NB, const int PF) {
+    __m512 acc[DENSE_MB][DENSE_NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t K = a->K, Kb = a->Kb, Kv = K & ~(int64_t)31;
+    const uint16_t *x0 = a->xb + m0 * Kb;
+    int64_t k = 0;
+    for (; k < Kv; k += 32) {
+        __m512i wv[DENSE_NB];
+        for (int j = 0; j < NB; j++) {
+            const uint16_t *p = w0 + j * K + k;
+            if (PF) {
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                PREFETCH_L2(p);
+            }
+            wv[j] = _mm512_loadu_si512((const void *)p);
+        }
+        for (int i = 0; i < MB; i++) {
+            const __m512bh xv = (__m512bh)_mm512_load_si512((const void *)(x0 + i * Kb + k));
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
+        }
+    }
+    if (k < K) { /* the last K % 32: weights masked, x zero padded */
+        const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        __m512i wv[DENSE_NB];
+        for (int j = 0; j < NB; j++) wv[j] = _mm512_maskz_loadu_epi16(m, w0 + j * K + k);
+        for (int i = 0; i < MB; i++) {
+            const __m512bh xv = (__m512bh)_mm512_load_si512((const void *)(x0 + i * Kb + k));
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) dense_store(a, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+static T512BF void tile512_bf16(const dense_args *a, int64_t n0, int nb) {
+    const uint16_t *w0 = (const uint16_t *)a->w + n0 * a->K;
+    for (int64_t m0 = 0; m0 < a->M; m0 += DENSE_MB) {
+        const int64_t mb = a->M - m0 < DENSE_MB ? a->M - m0 : DENSE_MB;
+        const int full = nb == DENSE_NB;
+        for (int j = 0; j < nb; j += (full ? DENSE_NB : 1)) {
+            const uint16_t *wj = w0 + j * a->K;
+#define BBF(MBV)                                                                                                     \
+    m0 == 0 ? (full ? block512_bf16(a, wj, n0 + j, m0, MBV, DENSE_NB, 1) : block512_bf16(a, wj, n0 + j, m0, MBV, 1, 1)) \
+            : (full ? block512_bf16(a, wj, n0 + j, m0, MBV, DENSE_NB, 0) : block512_bf16(a, wj, n0 + j, m0, MBV, 1, 0))
+            switch (mb) {
+            case 1: BBF(1); break;
+            case 2: BBF(2); break;
+            case 3: BBF(3); break;
+            default: BBF(4);
+            }
+#undef BBF
+        }
+    }
+}
+
+T512 void dense_tile_avx512(const dense_args *a, int64_t n0, int nb, float *wtile) {
+    if (a->xb) { /* dense_linear.c chose vdpbf16ps: bf16 x and weights, a CPU with AVX512-BF16 */
+        tile512_bf16(a, n0, nb);
+        return;
+    }
+    switch (a->wdt) {
+    case AIPC_DT_F32: tile512(a, n0, nb, wtile, AIPC_DT_F32); break;
+    case AIPC_DT_BF16: tile512(a, n0, nb, wtile, AIPC_DT_BF16); break;
+    default: tile512(a, n0, nb, wtile, AIPC_DT_F16);
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 */
+
+static INLINE T256 __m256 load8(const void *w, const int wdt, int64_t off) {
+    if (wdt == AIPC_DT_F32) return _mm256_loadu_ps((const float *)w + off);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
+    return wdt == AIPC_DT_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+
+static INLINE T256 float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static INLINE T256 void block256(const dense_args *a, const void *w0, int64_t ws, const int wdt, int64_t n0, int64_t m0,
+                                 const int MB, const int NB) {
+    __m256 acc[MB256][DENSE_NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
+    const int64_t K = a->K, Kp = a->Kp, Kv = K & ~(int64_t)7, es = elem_bytes(wdt);
+    const float *x0 = a->xf + m0 * Kp;
+    for (int64_t k = 0; k < Kv; k += 8) {
+        __m256 wv[DENSE_NB];
+        for (int j = 0; j < NB; j++) {
+            const char *p = (const char *)w0 + (j * ws + k) * es;
+            _mm_prefetch(p + PREFETCH_BYTES, _MM_HINT_T0);
+            PREFETCH_L2(p);
+            wv[j] = load8(w0, wdt, j * ws + k);
+        }
+        for (int i = 0; i < MB; i++) {
+            const __m256 xv = _mm256_load_ps(x0 + i * Kp + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) {
+            float s = hsum256(acc[i][j]);
+            for (int64_t k = Kv; k < K; k++) s += x0[i * Kp + k] * dense_load_f32(w0, wdt, j * ws + k);
+            dense_store(a, m0 + i, n0 + j, s);
+        }
+}
+
+static INLINE T256 void rows256(const dense_args *a, const void *w0, int64_t ws, const int wdt, int64_t n0, int nb) {
+    for (int64_t m0 = 0; m0 < a->M; m0 += MB256) {
+        const int full = nb == DENSE_NB, one = a->M - m0 < MB256;
+        for (int j = 0; j < nb; j += (full ? DENSE_NB : 1)) {
+            const void *wj = (const char *)w0 + j * ws * elem_bytes(wdt);
+            if (full)
+                one ? block256(a, wj, ws, wdt, n0 + j, m0, 1, DENSE_NB) : block256(a, wj, ws, wdt, n0 + j, m0, 2, DENSE_NB);
+            else
+                one ? block256(a, wj, ws, wdt, n0 + j, m0, 1, 1) : block256(a, wj, ws, wdt, n0 + j, m0, 2, 1);
+        }
+    }
+}
+
+static INLINE T256 void tile256(const dense_args *a, int64_t n0, int nb, float *wtile, const int wdt) {
+    const void *w0 = (const char *)a->w + n0 * a->K * elem_bytes(wdt);
+    if (wdt == AIPC_DT_F32 || a->M <= MB256) {
+        rows256(a, w0, a->K, wdt, n0, nb);
+        return;
+    }
+    for (int j = 0; j < nb; j++) {
+        int64_t k = 0;
+        for (; k + 8 <= a->K; k += 8) _mm256_store_ps(wtile + j * a->Kp + k, load8(w0, wdt, j * a->K + k));
+        for (; k < a->Kp; k++) wtile[j * a->Kp + k] = k < a->K ? dense_load_f32(w0, wdt, j * a->K + k) : 0.f;
+    }
+    rows256(a, wtile, a->Kp, AIPC_DT_F32, n0, nb);
+}
+
+T256 void dense_tile_avx2(const dense_args *a, int64_t n0, int nb, float *wtile) {
+    switch (a->wdt) {
+    case AIPC_DT_F32: tile256(a, n0, nb, wtile, AIPC_DT_F32); break;
+    case AIPC_DT_BF16: tile256(a, n0, nb, wtile, AIPC_DT_BF16); break;
+    default: tile256(a, n0, nb, wtile, AIPC_DT_F16);
+    }
+}
+
+#endif /* DENSE_X86 */

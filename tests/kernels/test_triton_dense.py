@@ -1,0 +1,52 @@
+"""Triton ``aipc::dense_linear`` kernel against float64 references.
+
+On a CUDA machine the kernel runs compiled on the GPU; without one it runs on CPU tensors under
+``TRITON_INTERPRET=1`` (set here only while the kernel module is imported), on small shapes.
+"""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+if not ON_GPU:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
+from aipc_kernels.triton import dense_linear as tdense  # noqa: E402
+
+if not ON_GPU:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+# the output dtype's rounding (the interpreter truncates fp32 to bf16: a whole ulp)
+OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2**-7 if not ON_GPU else 2**-8, torch.float16: 2**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("M, N, K", [(1, 37, 100), (4, 64, 128), (5, 130, 263), (17, 9, 40), (32, 1, 1)])
+def test_matches_float64_reference(dtype, M, N, K):
+    """Odd N and K (masked columns and K tail), one and two row blocks, with and without bias, and the
+    output poisoned first: every element written."""
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if M % 2 else None
+    y = tdense.dense_linear(x.to(DEVICE), w.to(DEVICE), None if bias is None else bias.to(DEVICE))
+    assert y.shape == (M, N) and y.dtype == dtype and y.device.type == DEVICE
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w.double().abs().T + 1e-30
+    err = (y.double().cpu() - ref).abs()
+    assert torch.isfinite(y).all()
+    assert (err <= 1e-5 * scale + OUT_EPS[dtype] * ref.abs()).all(), f"max err {err.max().item():.3g}"
+
+
+def test_leading_dimensions_and_strided_x():
+    x = torch.randn(2, 3, 128)[..., ::2]
+    w, b = torch.randn(20, 64), torch.randn(20)
+    y = tdense.dense_linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE))
+    assert y.shape == (2, 3, 20)
+    torch.testing.assert_close(y.cpu(), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
