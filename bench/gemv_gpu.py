@@ -14,6 +14,8 @@ Rows ``ours_w4a8`` / ``ours_w8a8`` (``int4`` group 128 / ``int8`` per output cha
 and ``ours_w4a16_e0m4`` / ``ours_w4a16_int`` (``aipc::lowbit_linear_a16``: e0m4 group 128, bf16
 activations unquantized, Transformer-Lite's E0M4 dequantization against an int-to-bf16 conversion on the
 same kernel; configs from the op's heuristic or autotuner).
+Row ``dense_bf16``: ``aipc::dense_linear`` (the segment-KV plugin's small-M float linear) on the same bf16
+weight as ``bf16``: its Triton kernel up to 32 rows, ``F.linear`` beyond.
 Row ``int8_mm`` (M > 16): torch's cuBLASLt int8 GEMM on an int8 weight, the matrix units with none of
 the low-bit work (unpacking, group rescale, activation quantization).
 
@@ -34,6 +36,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from aipc_kernels.dense_linear import dense_linear
 from aipc_kernels.ops import lowbit_linear, lowbit_linear_a16
 from aipc_kernels.packing import PackedLowBit, pack_for_triton
 from aipc_kernels.quantizers import quantize_rtn
@@ -48,7 +51,7 @@ OURS_FORMATS = {
     "ours_w4a16_e0m4": ("e0m4", 128, "e0m4"),
     "ours_w4a16_int": ("e0m4", 128, "int"),
 }
-ROWS = ("bf16", "ours_w2a8", "ours_invariant", *OURS_FORMATS, "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
+ROWS = ("bf16", "dense_bf16", "ours_w2a8", "ours_invariant", *OURS_FORMATS, "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 GROUP = 64
 MAX_COPIES = 1024
 
@@ -111,6 +114,14 @@ def row_bf16(W, x, l2):
     b = nbytes(wb)
     ws = [wb] + [wb.clone() for _ in range(n_copies(b, l2) - 1)]
     return [lambda w=w: F.linear(x, w) for w in ws], b, len(ws)
+
+
+def row_dense_bf16(W, x, l2):
+    """``aipc::dense_linear`` on the bf16 weight (the Triton small-M kernel up to its row limit)."""
+    wb = W.to(torch.bfloat16)
+    b = nbytes(wb)
+    ws = [wb] + [wb.clone() for _ in range(n_copies(b, l2) - 1)]
+    return [lambda w=w: dense_linear(x, w) for w in ws], b, len(ws)
 
 
 def row_int8_mm(W, x, l2):
@@ -361,6 +372,8 @@ def run(args, Ms: list[int], shapes: dict) -> int:
                 try:
                     if row == "bf16":
                         calls, b, copies = row_bf16(W, x, l2)
+                    elif row == "dense_bf16":
+                        calls, b, copies = row_dense_bf16(W, x, l2)
                     elif row == "ours_w2a8":
                         calls, b, copies = row_ours(W, x, l2, state)
                     elif row == "ours_invariant":
@@ -449,7 +462,7 @@ def summary(results, rows, Ms) -> list[str]:
         lines.append(line)
     for M in Ms:
         sel = [e for e in results if e["M"] == M and e["shape"] in EIGHT_B]
-        for row in OURS_FORMATS:
+        for row in (*OURS_FORMATS, "dense_bf16"):
             got = [e[row] for e in sel if "us" in e.get(row, {}) and "x_bf16" in e[row]]
             if got:
                 lines.append(f"- {row} M={M}, Llama-3-8B shapes: x_bf16 {min(g['x_bf16'] for g in got):.2f}-"

@@ -7,10 +7,10 @@ where torch's GEMM reads the weights at a fraction of the memory bandwidth; thes
 weight row once for all rows, float32 accumulation.
 
 Dispatch: CPU with at most :func:`cpu_max_rows` rows -> ``csrc/dense_linear.c`` (AVX-512 / AVX2 / portable,
-OpenMP; the weight may be in another float dtype than x: it is converted in registers); CUDA/XPU with
-at most :data:`MAX_M` rows and one dtype -> the Triton kernel (:mod:`aipc_kernels.triton.dense_linear`);
-more rows (a prompt), other dtypes, or no kernel -> ``F.linear`` itself (a compute-bound GEMM is what
-it is good at). Operands are checked first: a bad one is a ValueError naming it.
+OpenMP; the weight may be in another float dtype than x: it is converted in registers); XPU with at
+most :data:`MAX_M` rows and one dtype -> the Triton kernel (:mod:`aipc_kernels.triton.dense_linear`);
+CUDA -> ``F.linear`` (cuBLAS measured faster than the Triton kernel on an H200); more rows (a prompt),
+other dtypes, or no kernel -> ``F.linear`` itself (a compute-bound GEMM is what it is good at). Operands are checked first: a bad one is a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -92,8 +92,12 @@ def _dense_cpu(x, weight, bias=None):
 
 
 def _dense_gpu(x, weight, bias=None):
-    """CUDA / XPU: the Triton kernel for 1..MAX_M rows with x, weight and bias in one dtype, else F.linear."""
+    """XPU: the Triton kernel for 1..MAX_M rows with x, weight and bias in one dtype, else F.linear. CUDA:
+    F.linear (cuBLAS), which the Triton kernel did not beat on an H200 at any M (0.72-1.00x at M <= 16 on
+    the Llama shapes, bench/results/gemv_gpu_dense.md); the kernel stays tested there."""
     check_dense_operands(x, weight, bias)
+    if x.device.type == "cuda":
+        return _torch_linear(x, weight, bias)
     M = _rows(x)
     same = x.dtype in DTYPES and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
     if not (0 < M <= MAX_M and same):

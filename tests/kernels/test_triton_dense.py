@@ -50,3 +50,26 @@ def test_leading_dimensions_and_strided_x():
     y = tdense.dense_linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE))
     assert y.shape == (2, 3, 20)
     torch.testing.assert_close(y.cpu(), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_N": 16, "SPLIT_K": 3}, {"BLOCK_N": 32, "SPLIT_K": 2}, {"BLOCK_N": 64, "SPLIT_K": 1}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_block_width_and_k_split(config, dtype):
+    """Each column block, and K split in uneven parts (K = 700: 6 steps of 128, the last partial) with the
+    partial sums added atomically, bias added after the split."""
+    M, N, K = 5, 45, 700
+    g = torch.Generator().manual_seed(K + config["BLOCK_N"])
+    x, w, bias = (torch.randn(*s, generator=g).to(dtype) for s in ((M, K), (N, K), (N,)))
+    y = tdense.dense_linear(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), config=config)
+    ref = x.double() @ w.double().T + bias.double()
+    scale = x.double().abs() @ w.double().abs().T + bias.double().abs()
+    assert ((y.double().cpu() - ref).abs() <= 1e-5 * scale + OUT_EPS[dtype] * ref.abs()).all()
+
+
+def test_config_fills_the_gpu():
+    """Narrower column blocks before a K split; a split only where even 16 columns leave the GPU idle."""
+    assert tdense.choose_config(1, 28672, 4096, 264) == {"BLOCK_N": 64, "SPLIT_K": 1}
+    assert tdense.choose_config(1, 14336, 4096, 264) == {"BLOCK_N": 32, "SPLIT_K": 1}
+    assert tdense.choose_config(4, 4096, 14336, 264) == {"BLOCK_N": 16, "SPLIT_K": 2}
+    cfg = tdense.choose_config(4, 1024, 4096, 264)
+    assert cfg["BLOCK_N"] == 16 and cfg["SPLIT_K"] == 5
