@@ -66,7 +66,6 @@ def library() -> Optional[ctypes.CDLL]:
     for fn in ("aipc_lowbit_linear_v", "aipc_lowbit_linear_a16_v", "aipc_dense_linear_v"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_void_p]
-    lib.aipc_a16_uses_bf16.restype = ctypes.c_int
     lib.aipc_bf16_dot_products.restype = ctypes.c_int
     for fn in ("aipc_best_isa", "aipc_get_isa"):
         getattr(lib, fn).restype = ctypes.c_int
@@ -199,12 +198,6 @@ def lowbit_linear_into(
             f"aipc_lowbit_linear failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
             f"group_size={group_size}, act_group={act_group}, act_amax={'None' if act_amax is None else 'given'})"
         )
-
-
-def a16_uses_bf16() -> bool:
-    """Whether :func:`lowbit_linear_a16_into` multiplies bf16 activations with AVX512-BF16 dot products
-    under the ISA in use (else float32 FMAs)."""
-    return bool(_lib().aipc_a16_uses_bf16())
 
 
 def lowbit_linear_a16_into(

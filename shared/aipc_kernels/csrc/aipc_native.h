@@ -116,8 +116,6 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
                                     const void *bias, void *y, int dequant, int nthreads);
 /* The same with its 16 arguments in one int64 vector (zero_const as a float32 bit pattern). */
 AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v);
-/* 1 when aipc_lowbit_linear_a16 takes bf16 activations through vdpbf16ps under the current ISA. */
-AIPC_API int aipc_a16_uses_bf16(void);
 
 /* ---------------------------------------------------------------- small-M dense linear (dense_linear.c) */
 

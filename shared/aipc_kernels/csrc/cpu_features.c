@@ -3,7 +3,6 @@
  * ISA of this CPU, and the one the kernels use (the best unless aipc_set_isa overrode it). Every kernel
  * of the library (low-bit linear, segment attention) dispatches on aipc_get_isa().
  */
-#include "cpu_features.h"
 #include "lowbit_kernels.h"
 
 #ifdef AIPC_X86
@@ -44,7 +43,8 @@ static int detect_isa(void) {
     return AIPC_ISA_SCALAR;
 }
 
-int cpu_has_avx512_bf16(void) {
+/* AVX512-BF16 (vdpbf16ps) on this CPU: an extension the ISA level does not imply. */
+static int cpu_has_avx512_bf16(void) {
 #ifdef AIPC_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");

@@ -24,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_features.h"
 #include "lowbit_kernels.h"
 #ifdef AIPC_X86
 #include "lowbit_avx512.h"
@@ -269,7 +268,7 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
     const int isa = aipc_get_isa();
     int use_bf16 = 0;
 #ifdef AIPC_X86
-    use_bf16 = dt == AIPC_DT_BF16 && isa >= AIPC_ISA_AVX512_VNNI && cpu_has_avx512_bf16();
+    use_bf16 = dt == AIPC_DT_BF16 && aipc_bf16_dot_products();
 #endif
     const int64_t ng = K / G;
     float *xs = (float *)malloc((size_t)(M * ng) * sizeof(float));
@@ -331,14 +330,4 @@ AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v) {
     return aipc_lowbit_linear_a16((const void *)v[0], (int)v[1], v[2], v[3], (const uint8_t *)v[4], (int)v[5], v[6],
                                   (const void *)v[7], (const void *)v[8], (int)v[9], v[10], zero_const,
                                   (const void *)v[12], (void *)v[13], (int)v[14], (int)v[15]);
-}
-
-/* Whether aipc_lowbit_linear_a16 multiplies bf16 activations with vdpbf16ps (AVX512-BF16) under the
- * current ISA, for the benchmarks' labels. */
-AIPC_API int aipc_a16_uses_bf16(void) {
-#ifdef AIPC_X86
-    return aipc_bf16_dot_products();
-#else
-    return 0;
-#endif
 }
