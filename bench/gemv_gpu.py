@@ -14,8 +14,8 @@ Rows ``ours_w4a8`` / ``ours_w8a8`` (``int4`` group 128 / ``int8`` per output cha
 and ``ours_w4a16_e0m4`` / ``ours_w4a16_int`` (``aipc::lowbit_linear_a16``: e0m4 group 128, bf16
 activations unquantized, Transformer-Lite's E0M4 dequantization against an int-to-bf16 conversion on the
 same kernel; configs from the op's heuristic or autotuner).
-Row ``dense_bf16``: ``aipc::dense_linear`` (the segment-KV plugin's small-M float linear) on the same bf16
-weight as ``bf16``: its Triton kernel up to 32 rows, ``F.linear`` beyond.
+Row ``dense_bf16``: the Triton kernel of ``aipc::dense_linear`` (the segment-KV plugin's small-M float
+linear) on the same bf16 weight as ``bf16``, called directly: the op itself calls ``F.linear`` on CUDA.
 Row ``int8_mm`` (M > 16): torch's cuBLASLt int8 GEMM on an int8 weight, the matrix units with none of
 the low-bit work (unpacking, group rescale, activation quantization).
 
@@ -36,7 +36,6 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels.dense_linear import dense_linear
 from aipc_kernels.ops import lowbit_linear, lowbit_linear_a16
 from aipc_kernels.packing import PackedLowBit, pack_for_triton
 from aipc_kernels.quantizers import quantize_rtn
@@ -117,7 +116,9 @@ def row_bf16(W, x, l2):
 
 
 def row_dense_bf16(W, x, l2):
-    """``aipc::dense_linear`` on the bf16 weight (the Triton small-M kernel up to its row limit)."""
+    """The Triton small-M dense kernel on the bf16 weight (what ``aipc::dense_linear`` runs on Intel XPU)."""
+    from aipc_kernels.triton.dense_linear import dense_linear  # lazy: triton is imported only here
+
     wb = W.to(torch.bfloat16)
     b = nbytes(wb)
     ws = [wb] + [wb.clone() for _ in range(n_copies(b, l2) - 1)]
