@@ -5,7 +5,6 @@ On a CUDA machine the kernel runs compiled on the GPU; without one it runs on CP
 Reference: the weight dequantized in float64 times x in float64 (x is never quantized), plus bias.
 """
 import json
-import os
 
 import pytest
 import torch
@@ -15,19 +14,11 @@ pytest.importorskip("triton")
 from aipc_kernels import ops, packing  # noqa: E402
 from aipc_kernels.formats import CODEBOOKS  # noqa: E402
 from aipc_kernels.quantizers import quantize_rtn  # noqa: E402
+from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-if not ON_GPU:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-from aipc_kernels.triton.lowbit import a16, tuning  # noqa: E402
-
-if not ON_GPU:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+a16, tuning = import_kernels("aipc_kernels.triton.lowbit.a16", "aipc_kernels.triton.lowbit.tuning")
 
 FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4)  # affine4, e0m4, int4
 DEQUANTS = ("e0m4", "int")

@@ -3,25 +3,16 @@
 On a CUDA machine the kernel runs compiled on the GPU; without one it runs on CPU tensors under
 ``TRITON_INTERPRET=1`` (set here only while the kernel module is imported), on small shapes.
 """
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-if not ON_GPU:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-from aipc_kernels.triton import dense_linear as tdense  # noqa: E402
-
-if not ON_GPU:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+(tdense,) = import_kernels("aipc_kernels.triton.dense_linear")
 
 # the output dtype's rounding (the interpreter truncates fp32 to bf16: a whole ulp)
 OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2**-7 if not ON_GPU else 2**-8, torch.float16: 2**-11}

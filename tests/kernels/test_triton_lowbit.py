@@ -4,7 +4,6 @@ On a CUDA machine the kernels run compiled on the GPU; without one they run on C
 ``TRITON_INTERPRET=1`` (set here only while the kernel module is imported), on small shapes.
 """
 import json
-import os
 
 import pytest
 import torch
@@ -14,20 +13,14 @@ pytest.importorskip("triton")
 from aipc_kernels import ops, packing  # noqa: E402
 from aipc_kernels.formats import CODEBOOKS, LowBitWeight, pack_codes  # noqa: E402
 from aipc_kernels.quantizers import quantize_rtn  # noqa: E402
+from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-if not ON_GPU:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-from aipc_kernels.triton import lowbit as tlin  # noqa: E402
-from aipc_kernels.triton.lowbit import common, registry, stream, tuning  # noqa: E402
-
-if not ON_GPU:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+tlin, common, registry, stream, tuning = import_kernels(
+    "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.common", "aipc_kernels.triton.lowbit.registry",
+    "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning",
+)
 
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
 GROUP = {"KERNEL": "group", "BLOCK_N": 32, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "WA": 1}
