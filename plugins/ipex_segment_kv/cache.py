@@ -261,7 +261,6 @@ class SegmentKVCache(Cache):
         layer.response_key[t0 : t0 + q].copy_(key.permute(2, 0, 1, 3))
         layer.response_value[t0 : t0 + q].copy_(value.permute(2, 0, 1, 3))
         layer.response_len = t0 + q
-        self._note_bytes()
 
     def _extend_path(self, q: int, device: torch.device) -> None:
         N, t0 = self.rows, self.path_len

@@ -10,6 +10,7 @@ from aipc_kernels.config_schema import Naming, option, parse
 from aipc_kernels.segment_contract import SUPPORTED_DTYPES
 
 from .cache import DEFAULT_RESPONSE_STEP
+from . import fused_layers as fusion
 from .hook import install
 
 _PREVIOUS = "_aipc_segment_kv_previous_attn"
@@ -21,18 +22,26 @@ class OptimizeOptions:
     """The keywords of :func:`optimize`."""
 
     response_step: int = option(DEFAULT_RESPONSE_STEP, ge=1, example=DEFAULT_RESPONSE_STEP)
+    fuse_layers: bool = option(True, choices=(True, False))
     inplace: bool = option(True, choices=(True,), note="it would copy the weights; call optimize(model) "
                                                       "and undo(model) instead")  # fmt: skip
 
 
-def optimize(model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, inplace: bool = True) -> Any:
+def optimize(
+    model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, fuse_layers: bool = True, inplace: bool = True
+) -> Any:
     """Switches a loaded transformers causal LM to the segment KV cache + fused segment SDPA for
-    ``generate`` (beam search, sampling, greedy). Returns the model (modified in place; ``inplace=False``
-    is refused rather than silently copying a model). Undo with :func:`undo`.
+    ``generate`` (beam search, sampling, greedy) and, with ``fuse_layers`` (the default), rewrites its
+    supported decoder layers into the fused form (:mod:`ipex_segment_kv.fused_layers`: Llama, Mistral,
+    Qwen2, Qwen3, Phi-3; other layers keep their stock forward) and runs its lm_head through
+    ``aipc::dense_linear``. What was rewritten is in ``model._aipc_segment_kv_fusion``. Returns the model
+    (modified in place; ``inplace=False`` is refused rather than silently copying a model). Undo with
+    :func:`undo`.
 
     Raises ValueError for architectures whose attention bypasses transformers' AttentionInterface and
     for dtypes the kernels do not support."""
-    options = parse(OptimizeOptions, dict(response_step=response_step, inplace=inplace), NAMING)
+    options = parse(OptimizeOptions, dict(response_step=response_step, fuse_layers=fuse_layers, inplace=inplace),
+                    NAMING)  # fmt: skip
     install()
     from .attention import ATTN_NAME
     from .generation import check_architecture
@@ -49,17 +58,25 @@ def optimize(model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, inplace:
         setattr(model, _PREVIOUS, current)
         model.set_attn_implementation(ATTN_NAME)
     model._aipc_segment_kv_step = options.response_step
+    setattr(model, fusion.OPT_OUT, not options.fuse_layers)
+    if options.fuse_layers:
+        fusion.fuse_layers(model)
+    else:
+        fusion.unfuse_layers(model)
     return model
 
 
 def undo(model: Any) -> Any:
-    """Restores the attention implementation the model had before :func:`optimize`."""
+    """Restores the attention implementation the model had before :func:`optimize` and the stock classes of
+    the layers it rewrote (their modules and tensors were never changed: ``undo`` gives back the same
+    objects)."""
     from .attention import ATTN_NAME
 
     previous = getattr(model, _PREVIOUS, None)
     if model.config._attn_implementation == ATTN_NAME:
         model.set_attn_implementation(previous or "sdpa")
-    for attr in (_PREVIOUS, "_aipc_segment_kv_step"):
+    fusion.unfuse_layers(model)
+    for attr in (_PREVIOUS, "_aipc_segment_kv_step", fusion.OPT_OUT):
         if hasattr(model, attr):
             delattr(model, attr)
     return model

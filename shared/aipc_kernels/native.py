@@ -19,11 +19,11 @@ import os
 import struct
 from array import array
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-ABI_VERSION = 4  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 5  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -63,7 +63,7 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     lib = ctypes.CDLL(found[0])
     _check_codes(lib, found[0])
-    for fn in ("aipc_lowbit_linear_v", "aipc_lowbit_linear_a16_v", "aipc_dense_linear_v"):
+    for fn in ("aipc_lowbit_linear_v", "aipc_lowbit_linear_a16_v", "aipc_dense_linear_v", "aipc_dense_linear_fused_v"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_void_p]
     lib.aipc_bf16_dot_products.restype = ctypes.c_int
@@ -265,3 +265,38 @@ def dense_linear_into(
             f"aipc_dense_linear failed: {status_message(status)} (M={args[2]}, K={K}, N={args[6]}, "
             f"x {x.dtype}, weight {weight.dtype})"
         )
+
+
+#: prologue codes of ``aipc_dense_linear_fused`` (``aipc_prologue`` in csrc/aipc_native.h)
+PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
+#: weights one ``aipc_dense_linear_fused`` call reads (AIPC_DENSE_MAX_SEGMENTS)
+MAX_SEGMENTS = 4
+
+
+def dense_linear_fused_into(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[Optional[torch.Tensor]],
+    prologue: str = "none",
+    gamma: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
+) -> None:
+    """Runs ``aipc_dense_linear_fused`` (see csrc/aipc_native.h): ``y = prologue(x) @ cat(weights)^T + cat(biases)
+    (+ residual)``, each weight read once in its own tensor. Every operand must be dense (the caller, the op
+    in :mod:`aipc_kernels.fused_linear`, makes them so); x's last dimension is K, or 2K for ``"silu_mul"``."""
+    K = weights[0].shape[1]
+    N = sum(w.shape[0] for w in weights)
+    args = [
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // x.shape[-1] if x.shape[-1] else 0, K, x.shape[-1],
+        PROLOGUES[prologue], 0 if gamma is None else gamma.data_ptr(), _f32_bits(eps), y.data_ptr(), N,
+        0 if residual is None else residual.data_ptr(), torch.get_num_threads(), len(weights),
+    ]  # fmt: skip
+    for w, b in zip(weights, biases, strict=True):
+        args += [w.data_ptr(), DTYPE_CODES[w.dtype], w.shape[0], 0 if b is None else b.data_ptr()]
+    vec = array("q", args)
+    status = _lib().aipc_dense_linear_fused_v(vec.buffer_info()[0])
+    if status != 0:
+        raise RuntimeError(f"aipc_dense_linear_fused failed: {status_message(status)} (M={args[2]}, K={K}, N={N}, "
+                           f"prologue {prologue}, x {x.dtype}, weights {[w.dtype for w in weights]})")  # fmt: skip

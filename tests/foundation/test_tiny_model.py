@@ -157,7 +157,7 @@ def test_out_dir_is_replaced_but_foreign_dirs_are_kept(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(arch="bert"), r"arch='bert'.*llama, qwen2, mistral, phi3, phi3_longrope, gemma, gpt_neox, opt, bitnet"),
+    (dict(arch="bert"), r"arch='bert'.*llama, qwen2, qwen3, mistral, phi3, phi3_longrope, gemma, gpt_neox, opt, bitnet"),
     (dict(hidden=100, heads=8), r"hidden=100 is not divisible by heads=8"),
     (dict(heads=4, kv_heads=3), r"heads=4 is not divisible by kv_heads=3"),
     (dict(arch="gpt_neox", heads=4, kv_heads=2), r"gpt_neox.*no grouped-query.*kv_heads=4"),

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "phi3_longrope", "gpt_neox", "opt")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "gpt_neox", "opt")
 PROMPTS = ["The old engineer reads a long letter", "Why is the sky blue? Maybe. The weather"]
 
 BEAM_KW = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True)

@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 4
+#define AIPC_ABI_VERSION 5
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -130,6 +130,29 @@ AIPC_API int aipc_dense_linear(const void *x, int dt, int64_t M, int64_t K, cons
                                const void *bias, void *y, int nthreads);
 /* The same with its 10 arguments in one int64 vector, in the same order. */
 AIPC_API int aipc_dense_linear_v(const int64_t *v);
+
+/* What aipc_dense_linear_fused applies to each row of x before the product (a decoder layer's
+ * element-wise pass, rounded to dt at the points where transformers' modules round). */
+typedef enum {
+    AIPC_PRO_NONE = 0,     /* x[m][k] */
+    AIPC_PRO_RMSNORM = 1,  /* gamma[k] * dt(x[m][k] / sqrt(mean_k(x[m]^2) + eps)), gamma in dt */
+    AIPC_PRO_SILU_MUL = 2, /* dt(silu(x[m][k])) * x[m][K + k]: the gate and up halves of one row */
+    AIPC_PRO_COUNT
+} aipc_prologue;
+
+#define AIPC_DENSE_MAX_SEGMENTS 4
+
+/*
+ * A decoder layer's projection in one call: y[M][ldy] = prologue(x) @ [w_0; w_1; ...]^T + bias (+ residual).
+ * Up to AIPC_DENSE_MAX_SEGMENTS weights (e.g. q, k and v: each its own [N_s][K] tensor, read once) write
+ * the consecutive column ranges of y, so the merged projection needs no merged copy. x rows are ldx
+ * elements apart (K, or 2K for AIPC_PRO_SILU_MUL); y and residual are dense [M][ldy] in dt with ldy the
+ * sum of the N_s; residual (may alias y, may be NULL) is added after rounding the product to dt, as a
+ * module's `residual + linear(x)` does. eps is a float32 bit pattern.
+ * v: x, dt, M, K, ldx, prologue, gamma, eps, y, ldy, residual, nthreads, nseg, then per segment
+ * w, wdt, N, bias (bias in dt or 0).
+ */
+AIPC_API int aipc_dense_linear_fused_v(const int64_t *v);
 
 /* ---------------------------------------------------------------- segment attention (segment_sdpa.c) */
 

@@ -8,22 +8,78 @@
  * subnormal inputs read as zero), twice the products of an FMA: decode of several beams is
  * compute-bound in float32 from about 8 rows on.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dense_linear.h"
 
-/* x converted to float32 once, [M][Kp], zero padded: the tiles read it from L1/L2 for every weight row. */
-static void x_to_f32(float *xf, const void *x, int dt, int64_t M, int64_t K, int64_t Kp) {
+/* One row of x after the prologue (see aipc_prologue), value k, in float32: rounded to dt where the
+ * modules it replaces round (an RMSNorm's normalized row and its product with gamma; SiLU's output and
+ * its product with the up half). inv: the row's 1 / sqrt(mean(x^2) + eps) for AIPC_PRO_RMSNORM. */
+static inline float prologue_value(const void *x, int dt, int64_t row, int64_t k, int64_t K, int pro,
+                                   const void *gamma, float inv) {
+    const float v = dense_load_f32(x, dt, row + k);
+    if (pro == AIPC_PRO_RMSNORM) return dense_round(dense_load_f32(gamma, dt, k) * dense_round(v * inv, dt), dt);
+    if (pro == AIPC_PRO_SILU_MUL) {
+        const float act = dense_round(v / (1.f + expf(-v)), dt);
+        return dense_round(act * dense_load_f32(x, dt, row + K + k), dt);
+    }
+    return v;
+}
+
+/* x after the prologue, once: [M][Kp] float32 (xf) or [M][Kb] bf16 (xb), zero padded; the tiles read it
+ * from L1/L2 for every weight row. */
+static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M, int64_t K, int64_t ldx,
+                      int64_t Kp, int64_t Kb, int pro, const void *gamma, float eps, int isa) {
+#ifdef DENSE_X86
+    const int simd = isa >= AIPC_ISA_AVX512_VNNI;
+#else
+    const int simd = 0;
+    (void)isa;
+#endif
     for (int64_t m = 0; m < M; m++) {
-        float *dst = xf + m * Kp;
-        if (dt == AIPC_DT_F32) {
-            memcpy(dst, (const float *)x + m * K, (size_t)K * sizeof(float));
-        } else {
-            for (int64_t k = 0; k < K; k++) dst[k] = dense_load_f32(x, dt, m * K + k);
+        const int64_t row = m * ldx;
+        float inv = 1.f;
+        if (pro == AIPC_PRO_RMSNORM) {
+            float ss = 0.f;
+#ifdef DENSE_X86
+            if (simd) ss = dense_sumsq_avx512(x, dt, row, K);
+#endif
+            for (int64_t k = 0; k < K && !simd; k++) {
+                const float v = dense_load_f32(x, dt, row + k);
+                ss += v * v;
+            }
+            inv = 1.f / sqrtf(ss / (float)K + eps);
         }
-        for (int64_t k = K; k < Kp; k++) dst[k] = 0.f;
+#ifdef DENSE_X86
+        if (simd && pro != AIPC_PRO_NONE) {
+            dense_prologue_avx512(xb ? NULL : xf + m * Kp, xb ? xb + m * Kb : NULL, x, dt, row, K, pro, gamma, inv);
+            if (xb)
+                memset(xb + m * Kb + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
+            else
+                for (int64_t k = K; k < Kp; k++) xf[m * Kp + k] = 0.f;
+            continue;
+        }
+#endif
+        if (xb) {
+            uint16_t *dst = xb + m * Kb;
+            if (pro == AIPC_PRO_NONE) {
+                memcpy(dst, (const uint16_t *)x + row, (size_t)K * sizeof(uint16_t));
+            } else {
+                for (int64_t k = 0; k < K; k++) dst[k] = f32_to_bf16(prologue_value(x, dt, row, k, K, pro, gamma, inv));
+            }
+            memset(dst + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
+        } else {
+            float *dst = xf + m * Kp;
+            if (pro == AIPC_PRO_NONE && dt == AIPC_DT_F32) {
+                memcpy(dst, (const float *)x + row, (size_t)K * sizeof(float));
+            } else {
+                for (int64_t k = 0; k < K; k++) dst[k] = prologue_value(x, dt, row, k, K, pro, gamma, inv);
+            }
+            for (int64_t k = K; k < Kp; k++) dst[k] = 0.f;
+        }
     }
 }
 
@@ -50,35 +106,68 @@ static dense_tile_fn tile_for(int isa) {
     return dense_tile_scalar;
 }
 
-AIPC_API int aipc_dense_linear(const void *x, int dt, int64_t M, int64_t K, const void *w, int wdt, int64_t N,
-                               const void *bias, void *y, int nthreads) {
-    if (dt < AIPC_DT_F32 || dt >= AIPC_DT_COUNT || wdt < AIPC_DT_F32 || wdt >= AIPC_DT_COUNT) return AIPC_ERR_DTYPE;
-    if (M < 0 || N <= 0 || K <= 0 || K > (INT64_C(1) << 40) / (M > N ? M : N)) return AIPC_ERR_SHAPE;
+/* The arguments of aipc_dense_linear_fused (see aipc_native.h). */
+typedef struct {
+    const void *x, *gamma, *res;
+    void *y;
+    int64_t M, K, ldx, ldy;
+    int dt, pro, nthreads, nseg;
+    float eps;
+    const void *w[AIPC_DENSE_MAX_SEGMENTS], *bias[AIPC_DENSE_MAX_SEGMENTS];
+    int wdt[AIPC_DENSE_MAX_SEGMENTS];
+    int64_t N[AIPC_DENSE_MAX_SEGMENTS];
+} fused_call;
+
+static int dense_linear_fused(const fused_call *c) {
+    const int dt = c->dt;
+    const int64_t M = c->M, K = c->K;
+    if (dt < AIPC_DT_F32 || dt >= AIPC_DT_COUNT) return AIPC_ERR_DTYPE;
+    if (c->nseg < 1 || c->nseg > AIPC_DENSE_MAX_SEGMENTS || c->pro < AIPC_PRO_NONE || c->pro >= AIPC_PRO_COUNT)
+        return AIPC_ERR_SHAPE;
+    int64_t total = 0;
+    for (int s = 0; s < c->nseg; s++) {
+        if (c->wdt[s] < AIPC_DT_F32 || c->wdt[s] >= AIPC_DT_COUNT) return AIPC_ERR_DTYPE;
+        if (c->N[s] <= 0) return AIPC_ERR_SHAPE;
+        if (!c->w[s]) return AIPC_ERR_NULL;
+        total += c->N[s];
+    }
+    const int64_t in_cols = c->pro == AIPC_PRO_SILU_MUL ? 2 * K : K;
+    if (M < 0 || K <= 0 || c->ldy != total || c->ldx < in_cols || K > (INT64_C(1) << 40) / (M > total ? M : total))
+        return AIPC_ERR_SHAPE;
+    int nthreads = c->nthreads;
     if (nthreads < 0 || nthreads > AIPC_MAX_THREADS) return AIPC_ERR_THREADS;
     if (M == 0) return AIPC_OK;
-    if (!x || !w || !y) return AIPC_ERR_NULL;
+    if (!c->x || !c->y || (c->pro == AIPC_PRO_RMSNORM && !c->gamma)) return AIPC_ERR_NULL;
     if (nthreads == 0) nthreads = omp_get_max_threads();
     const int isa = aipc_get_isa();
-    const int use_bf16 = dt == AIPC_DT_BF16 && wdt == AIPC_DT_BF16 && aipc_bf16_dot_products();
+    int use_bf16 = dt == AIPC_DT_BF16 && aipc_bf16_dot_products();
+    for (int s = 0; s < c->nseg; s++) use_bf16 = use_bf16 && c->wdt[s] == AIPC_DT_BF16;
     const int64_t Kp = (K + DENSE_KPAD - 1) / DENSE_KPAD * DENSE_KPAD;
     const int64_t Kb = (K + DENSE_KPAD_BF16 - 1) / DENSE_KPAD_BF16 * DENSE_KPAD_BF16;
     float *xf = NULL;
     uint16_t *xb = NULL;
-    if (use_bf16) {
+    if (use_bf16)
         xb = (uint16_t *)aligned_alloc(64, (size_t)(M * Kb) * sizeof(uint16_t));
-        if (!xb) return AIPC_ERR_NOMEM;
-        for (int64_t m = 0; m < M; m++) {
-            memcpy(xb + m * Kb, (const uint16_t *)x + m * K, (size_t)K * sizeof(uint16_t));
-            memset(xb + m * Kb + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
-        }
-    } else {
+    else
         xf = (float *)aligned_alloc(64, (size_t)(M * Kp) * sizeof(float));
-        if (!xf) return AIPC_ERR_NOMEM;
-        x_to_f32(xf, x, dt, M, K, Kp);
+    if (!xf && !xb) return AIPC_ERR_NOMEM;
+    prepare_x(xf, xb, c->x, dt, M, K, c->ldx, Kp, Kb, c->pro, c->gamma, c->eps, isa);
+    /* one dense_args per weight, its y and residual starting at the weight's first column */
+    dense_args a[AIPC_DENSE_MAX_SEGMENTS];
+    int64_t first_tile[AIPC_DENSE_MAX_SEGMENTS + 1];
+    const int64_t es = dt == AIPC_DT_F32 ? 4 : 2;
+    int64_t col = 0;
+    first_tile[0] = 0;
+    for (int s = 0; s < c->nseg; s++) {
+        const dense_args as = {xf, xb, c->w[s], c->bias[s], (char *)c->y + col * es,
+                               c->res ? (const char *)c->res + col * es : NULL,
+                               M, K, Kp, Kb, c->N[s], c->ldy, dt, c->wdt[s]};
+        a[s] = as;
+        col += c->N[s];
+        first_tile[s + 1] = first_tile[s] + (c->N[s] + DENSE_NB - 1) / DENSE_NB;
     }
-    const dense_args a = {xf, xb, w, bias, y, M, K, Kp, Kb, N, dt, wdt};
     const dense_tile_fn tile = tile_for(isa);
-    const int64_t tiles = (N + DENSE_NB - 1) / DENSE_NB;
+    const int64_t tiles = first_tile[c->nseg];
     if (tiles < nthreads) nthreads = (int)tiles;
     int status = AIPC_OK;
 #pragma omp parallel num_threads(nthreads)
@@ -91,9 +180,11 @@ AIPC_API int aipc_dense_linear(const void *x, int dt, int64_t M, int64_t K, cons
 #pragma omp atomic write
             status = AIPC_ERR_NOMEM;
         } else {
+            int s = 0;
             for (int64_t i = t0; i < t1; i++) {
-                const int64_t n0 = i * DENSE_NB;
-                tile(&a, n0, (int)(N - n0 < DENSE_NB ? N - n0 : DENSE_NB), wtile);
+                while (i >= first_tile[s + 1]) s++;
+                const int64_t n0 = (i - first_tile[s]) * DENSE_NB, N = a[s].N;
+                tile(&a[s], n0, (int)(N - n0 < DENSE_NB ? N - n0 : DENSE_NB), wtile);
             }
         }
         free(wtile);
@@ -103,7 +194,41 @@ AIPC_API int aipc_dense_linear(const void *x, int dt, int64_t M, int64_t K, cons
     return status;
 }
 
+AIPC_API int aipc_dense_linear(const void *x, int dt, int64_t M, int64_t K, const void *w, int wdt, int64_t N,
+                               const void *bias, void *y, int nthreads) {
+    if (N <= 0 || K <= 0) return AIPC_ERR_SHAPE;
+    fused_call c = {x, NULL, NULL, y, M, K, K, N, dt, AIPC_PRO_NONE, nthreads, 1, 0.f, {w}, {bias}, {wdt}, {N}};
+    return dense_linear_fused(&c);
+}
+
 AIPC_API int aipc_dense_linear_v(const int64_t *v) {
     return aipc_dense_linear((const void *)v[0], (int)v[1], v[2], v[3], (const void *)v[4], (int)v[5], v[6],
                              (const void *)v[7], (void *)v[8], (int)v[9]);
+}
+
+AIPC_API int aipc_dense_linear_fused_v(const int64_t *v) {
+    fused_call c;
+    memset(&c, 0, sizeof c);
+    c.x = (const void *)v[0];
+    c.dt = (int)v[1];
+    c.M = v[2];
+    c.K = v[3];
+    c.ldx = v[4];
+    c.pro = (int)v[5];
+    c.gamma = (const void *)v[6];
+    const uint32_t bits = (uint32_t)v[7];
+    memcpy(&c.eps, &bits, sizeof c.eps);
+    c.y = (void *)v[8];
+    c.ldy = v[9];
+    c.res = (const void *)v[10];
+    c.nthreads = (int)v[11];
+    c.nseg = (int)v[12];
+    if (c.nseg < 1 || c.nseg > AIPC_DENSE_MAX_SEGMENTS) return AIPC_ERR_SHAPE;
+    for (int s = 0; s < c.nseg; s++) {
+        c.w[s] = (const void *)v[13 + 4 * s];
+        c.wdt[s] = (int)v[14 + 4 * s];
+        c.N[s] = v[15 + 4 * s];
+        c.bias[s] = (const void *)v[16 + 4 * s];
+    }
+    return dense_linear_fused(&c);
 }

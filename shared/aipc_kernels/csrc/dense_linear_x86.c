@@ -175,6 +175,81 @@ T512 void dense_tile_avx512(const dense_args *a, int64_t n0, int nb, float *wtil
     }
 }
 
+/* ---------------------------------------------------------------- AVX-512 prologue (aipc_prologue) */
+
+/* exp(x) in float32: x = n ln2 + r, |r| <= ln2 / 2, degree-6 Taylor polynomial (relative error < 1e-7),
+ * times 2^n by vscalefps (which also gives 0 and inf past the float range); NaN stays NaN. */
+static INLINE T512 __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.f), x); /* max/min return x when it is NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(89.f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* v rounded to bf16 (nearest even) or fp16 and back; float32 as it is. NaN needs no care: the rounding
+ * add can only turn a NaN payload into another NaN or into infinity's neighbour NaN pattern. */
+static INLINE T512 __m512 round512(__m512 v, const int dt) {
+    if (dt == AIPC_DT_F32) return v;
+    if (dt == AIPC_DT_F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __m512 r = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v); /* NaN kept as NaN */
+}
+
+T512 float dense_sumsq_avx512(const void *x, int dt, int64_t row, int64_t K) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        const __m512 v = load16(x, dt, row + k, m);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static INLINE T512 void prologue512(float *dstf, uint16_t *dstb, const void *x, const int dt, int64_t row, int64_t K,
+                                    int pro, const void *gamma, float inv) {
+    const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        const __m512 v = load16(x, dt, row + k, m);
+        __m512 out;
+        if (pro == AIPC_PRO_RMSNORM) {
+            out = round512(_mm512_mul_ps(load16(gamma, dt, k, m), round512(_mm512_mul_ps(v, vinv), dt)), dt);
+        } else { /* AIPC_PRO_SILU_MUL */
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+            const __m512 act = round512(_mm512_div_ps(v, _mm512_add_ps(one, e)), dt);
+            out = round512(_mm512_mul_ps(act, load16(x, dt, row + K + k, m)), dt);
+        }
+        if (dstb) {
+            const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(out), 16); /* exact: out is bf16 already */
+            _mm256_mask_storeu_epi16(dstb + k, m, _mm512_cvtepi32_epi16(u));
+        } else {
+            _mm512_mask_storeu_ps(dstf + k, m, out);
+        }
+    }
+}
+
+T512 void dense_prologue_avx512(float *dstf, uint16_t *dstb, const void *x, int dt, int64_t row, int64_t K, int pro,
+                                const void *gamma, float inv) {
+    switch (dt) {
+    case AIPC_DT_F32: prologue512(dstf, dstb, x, AIPC_DT_F32, row, K, pro, gamma, inv); break;
+    case AIPC_DT_BF16: prologue512(dstf, dstb, x, AIPC_DT_BF16, row, K, pro, gamma, inv); break;
+    default: prologue512(dstf, dstb, x, AIPC_DT_F16, row, K, pro, gamma, inv);
+    }
+}
+
 /* ---------------------------------------------------------------- AVX2 */
 
 static INLINE T256 __m256 load8(const void *w, const int wdt, int64_t off) {

@@ -31,10 +31,11 @@ from typing import Any
 BUILDER_VERSION = 1
 MANIFEST = "aipc_tiny_model.json"
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "phi3_longrope", "gemma", "gpt_neox", "opt", "bitnet")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "gemma", "gpt_neox", "opt", "bitnet")
 _CONFIG_CLASSES = {
     "llama": "LlamaConfig",
     "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
     "mistral": "MistralConfig",
     "phi3": "Phi3Config",
     "phi3_longrope": "Phi3Config",
@@ -316,8 +317,8 @@ def _make_config(spec: dict[str, Any]):
         kwargs["intermediate_size"] = spec["intermediate"]
     if arch not in _NO_GQA:
         kwargs["num_key_value_heads"] = spec["kv_heads"]
-    if arch == "gemma":
-        kwargs["head_dim"] = spec["hidden"] // spec["heads"]  # GemmaConfig defaults to 256
+    if arch in ("gemma", "qwen3"):
+        kwargs["head_dim"] = spec["hidden"] // spec["heads"]  # GemmaConfig defaults to 256, Qwen3Config to 128
     if arch == "phi3_longrope":
         kwargs.update(original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
                       rope_scaling=longrope_scaling(spec["hidden"] // spec["heads"]))

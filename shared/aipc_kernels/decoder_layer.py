@@ -1,0 +1,90 @@
+"""The fused pre-norm SwiGLU decoder layer (Llama, Mistral, Qwen2/3, Phi-3) of the segment-KV paper.
+
+One layer is four calls of ``aipc::fused_linear`` (:mod:`aipc_kernels.fused_linear`) around the rotary
+embedding and the attention:
+
+    qkv = [q | k | v](rmsnorm(x))            one call, the three weights read once each, no merged copy
+    q, k = rope(q, k)                        one pass over q and k together (views of qkv, no layout copy)
+    a = attend(q, k, v)                      the caller's attention (the segment KV cache and SDPA)
+    h = o(a) + x                             residual in the epilogue
+    gu = [gate | up](rmsnorm(h))
+    y = down(silu(gate) * up) + h            SwiGLU in the prologue, residual in the epilogue
+
+The layer's weights stay its own tensors (:class:`DecoderLayerWeights` holds references). The rounding
+points are transformers' (see :mod:`aipc_kernels.fused_linear`), so float32 outputs match the modules'
+to float32 rounding and bf16 ones to bf16 rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .fused_linear import fused_linear
+
+#: (query [B, Hq, L, D], key [B, Hkv, L, D], value [B, Hkv, L, D]) -> attention output [B, L, Hq, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """References to one layer's tensors, in the order the fused calls read them."""
+
+    qkv: tuple[torch.Tensor, ...]  # [q; k; v] as 3 tensors, or 1 merged one (Phi-3's qkv_proj)
+    qkv_bias: tuple[Optional[torch.Tensor], ...]
+    o: torch.Tensor
+    o_bias: Optional[torch.Tensor]
+    gate_up: tuple[torch.Tensor, ...]  # [gate; up] as 2 tensors, or 1 merged one (Phi-3's gate_up_proj)
+    gate_up_bias: tuple[Optional[torch.Tensor], ...]
+    down: torch.Tensor
+    down_bias: Optional[torch.Tensor]
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    #: per-head RMSNorm of q and k before the rotary embedding (Qwen3): modules called as they are
+    q_norm: Optional[torch.nn.Module] = None
+    k_norm: Optional[torch.nn.Module] = None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: ``cat(-x2, x1)`` of the two halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, L, H, D]`` rotated by ``cos`` / ``sin`` ``[B, L, R]`` (R <= D: a partial rotary, as Phi-3's,
+    leaves the last D - R dimensions as they are); the element-wise operations of transformers'
+    ``apply_rotary_pos_emb`` in its order."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    R = cos.shape[-1]
+    if R == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    rot = x[..., :R]
+    return torch.cat([(rot * cos) + (rotate_half(rot) * sin), x[..., R:]], dim=-1)
+
+
+def decoder_layer(
+    x: torch.Tensor, w: DecoderLayerWeights, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+) -> torch.Tensor:
+    """One decoder layer on ``x [B, L, hidden]`` (see the module docstring); returns ``[B, L, hidden]``."""
+    B, L, _ = x.shape
+    D, Hq, Hkv = w.head_dim, w.heads, w.kv_heads
+    qkv = fused_linear(x, w.qkv, w.qkv_bias, "rmsnorm", w.input_norm, w.input_eps)
+    nq, nk = Hq * D, Hkv * D
+    v = qkv[..., nq + nk :].view(B, L, Hkv, D)
+    if w.q_norm is None:  # q and k rotated in one pass
+        qk = apply_rope(qkv[..., : nq + nk].view(B, L, Hq + Hkv, D), cos, sin)
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+    else:
+        q = apply_rope(w.q_norm(qkv[..., :nq].view(B, L, Hq, D)), cos, sin)
+        k = apply_rope(w.k_norm(qkv[..., nq : nq + nk].view(B, L, Hkv, D)), cos, sin)
+    a = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    h = fused_linear(a.reshape(B, L, nq), (w.o,), (w.o_bias,), residual=x)
+    gu = fused_linear(h, w.gate_up, w.gate_up_bias, "rmsnorm", w.post_norm, w.post_eps)
+    return fused_linear(gu, (w.down,), (w.down_bias,), "silu_mul", residual=h)
