@@ -2,7 +2,9 @@
 
 Used as ``attn_implementation="segment_kv"`` with stock ``model.generate`` (registered by an import
 hook when transformers is imported), or explicitly with ``ipex_segment_kv.optimize(model)`` /
-``ipex_segment_kv.undo(model)``. Importing this package imports neither transformers nor torch.
+``ipex_segment_kv.undo(model)``. Both also run supported decoder layers (Llama, Mistral, Qwen2, Qwen3,
+Phi-3) in the fused form (:mod:`ipex_segment_kv.fused_layers`). Importing this package imports neither
+transformers nor torch.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ _WRAPPED = "__aipc_segment_kv_original__"
 CACHE_KWARG = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
                else "past_key_values")  # fmt: skip
 # Model types whose attention goes through transformers' AttentionInterface, verified by the tests.
-TESTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt_neox", "opt")
+TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt")
 # Architectures with their own attention code in transformers 5.x: the cache would be misread.
 UNSUPPORTED_MODEL_TYPES = ("gptj", "falcon", "bloom", "mamba", "rwkv", "xlnet", "reformer")
 

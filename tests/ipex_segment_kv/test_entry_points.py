@@ -95,6 +95,8 @@ def test_package_import_is_light():
     (dict(inplace="no"), "inplace='no' is not supported; use one of True (it would copy the weights"),
     (dict(inplace=0), "inplace=0 is not supported"),
     (dict(inplace=False), "inplace=False is not supported"),
+    (dict(fuse_layers="no"), "fuse_layers='no' is not supported"),
+    (dict(fuse_layers=1), "fuse_layers=1 is not supported"),
 ])  # fmt: skip
 def test_optimize_keywords_are_checked(pair, kw, message):
     """optimize's keywords: exact types (True is not a step, "no" is not a bool), checked before the
@@ -107,3 +109,4 @@ def test_optimize_keywords_are_checked(pair, kw, message):
         ipex_segment_kv.optimize(model, **kw)
     assert message in str(e.value)
     assert model.config._attn_implementation == "sdpa"
+    assert not type(model.model.layers[0]).__name__.startswith("Fused")
