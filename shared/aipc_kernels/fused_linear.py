@@ -144,6 +144,11 @@ def fused_linear(
     eps: float = 0.0,
     residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``aipc::fused_linear`` (see the module docstring); ``biases`` None means no bias on any weight."""
+    """``aipc::fused_linear`` (see the module docstring); ``biases`` None means no bias on any weight.
+
+    On the CPU without autograd and outside ``torch.compile`` the op's CPU implementation is called
+    directly: the dispatcher's ~20 us a call were 4% of a llama-150m beam-search decode step (48 calls)."""
     biases = [None] * len(weights) if biases is None else list(biases)
+    if x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _fused_cpu(x, list(weights), biases, prologue, gamma, float(eps), residual)
     return torch.ops.aipc.fused_linear(x, list(weights), biases, prologue, gamma, float(eps), residual)

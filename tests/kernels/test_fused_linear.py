@@ -78,6 +78,8 @@ def test_matches_float64_reference(isa, M, K, ns, prologue, dt):
     assert_close_to_float64(y, h, weights, biases, res)
     # the op: the kernel up to cpu_max_rows rows, else the torch reference; both close to the modules' math
     op = fused_linear(x, weights, biases, prologue, gamma, EPS, res)
+    with torch.no_grad():  # the direct call of the CPU implementation (no dispatcher) gives the same
+        assert torch.equal(fused_linear(x, weights, biases, prologue, gamma, EPS, res), op)
     if M <= cpu_max_rows(dt, dt):
         assert torch.equal(op, y)
     else:
