@@ -137,7 +137,46 @@ def test_split_k(M, kernel, block_n, split_k):
         y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
         _close(y, ops.reference_linear_w8(x, w, bias), 2e-5)
         if kernel == "group_atomic":
-            assert not common._sums[y.device].any()  # the reducing programs left the buffer zeroed
+            assert not common._sums[common.stream_key(y.device)].any()  # the reducing programs left the buffer zeroed
+
+
+@pytest.mark.skipif(not ON_GPU, reason="two CUDA streams running at once need a GPU")
+@pytest.mark.parametrize("kernel", ["group_atomic", "group", "stream"])
+def test_split_k_on_two_streams_at_once(kernel):
+    """Split-K tickets and atomic sums are per stream: two streams launching split-K calls on the same
+    output tiles (same N, so the same ticket indices) at once each get their own right results. Few output
+    tiles and a long K: each call fills a few SMs, so the two streams' kernels share the GPU."""
+    N, K, M = 64, 32768, 1 if kernel == "stream" else 16
+    cfg = {"KERNEL": kernel, "BLOCK_N": 16, "SPLIT_K": 8, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
+    if kernel == "stream":
+        cfg.update(XPACK=1, PDL=1, FULLX=0)
+    else:
+        cfg.update(KERNEL="group", BLOCK_M=16, WA=1, ATOMIC=int(kernel == "group_atomic"))
+    cases = [_case(N, K, "int2", 64, seed=s) for s in (1, 2)]
+    xs = [torch.randn(M, K, generator=torch.Generator().manual_seed(10 + s)) for s in (1, 2)]
+    refs = [ops.reference_linear_w8(x, w) for x, (w, _) in zip(xs, cases)]
+    xd = [x.to(DEVICE) for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for i in range(2):  # compiled first: a compile between the launches below would end their overlap
+        tlin.lowbit_linear_triton(xd[i], cases[i][1], config=cfg)
+    torch.cuda.synchronize()
+    for st in streams:  # hold both queues until every call is enqueued: their kernels then run back to back, at once
+        with torch.cuda.stream(st):
+            torch.cuda._sleep(400_000_000)
+    for _ in range(100):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(tlin.lowbit_linear_triton(xd[i], cases[i][1], config=cfg))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for y in outs[i]:
+            _close(y, refs[i], 2e-5)
+    keys = []
+    for st in streams:
+        with torch.cuda.stream(st):
+            keys.append(common.stream_key(xd[0].device))
+    assert keys[0] != keys[1] and all(k in common._locks for k in keys)  # one ticket buffer per stream
 
 
 @pytest.mark.parametrize("M", [1, 16])

@@ -3,7 +3,7 @@
 Device side (``@triton.jit``): round-half-even and the int8 quantization of an activation, the
 per-row absmax scales, and the split-K epilogue (store, or partials + last-program reduction with
 an atomic ticket). Host side: the M -> path rule, the config fields each path needs, the split-K
-plan and the per-device ticket and atomic-sum buffers it uses, and the dense operands of a call
+plan and the per-stream ticket and atomic-sum buffers it uses, and the dense operands of a call
 (:func:`dense_call`).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton.language as tl
 from ...packing import PackedLowBit
 
 GEMV_MAX_M = 16  # M up to this is the GEMV path (stream at M == 1, group split over K otherwise)
-LOCK_SLOTS = 16384  # split-K tickets (output tiles) per device
+LOCK_SLOTS = 16384  # split-K tickets (output tiles) per stream
 SUMS_MIN = 1 << 20  # fp32 elements of the atomic split-K buffer allocated at first use (M=16 x N=65536)
 # the fields a config of each path must give (a kernel may read more, with defaults)
 CONFIG_FIELDS = {"gemv": ("BLOCK_N", "SPLIT_K", "num_warps", "num_stages"), "gemm": ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")}
@@ -116,26 +116,38 @@ def store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs, mask, split_stride
 
 # ----------------------------------------------------------------------------- split-K buffers
 
-_locks: dict[torch.device, torch.Tensor] = {}
-_sums: dict[torch.device, torch.Tensor] = {}
+_locks: dict[tuple, torch.Tensor] = {}
+_sums: dict[tuple, torch.Tensor] = {}
+
+
+def stream_key(device: torch.device) -> tuple:
+    """``(device, id of its current stream)``: the split-K buffers are per stream, so kernels running on
+    two streams at once never share a ticket or an atomic sum (kernels of one stream run in order)."""
+    if device.type in ("cuda", "xpu"):
+        stream = getattr(torch, device.type).current_stream(device)
+        return device, int(getattr(stream, "stream_id", id(stream)))
+    return device, 0  # the interpreter: one host thread
 
 
 def lock_buffer(device: torch.device) -> torch.Tensor:
-    """The device's split-K tickets (int32, zero when idle: the reducing program re-arms its own)."""
-    if device not in _locks:
-        _locks[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-    return _locks[device]
+    """The current stream's split-K tickets on ``device`` (int32, zero when idle: the reducing program
+    re-arms its own)."""
+    key = stream_key(device)
+    if key not in _locks:
+        _locks[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return _locks[key]
 
 
 def zeroed_sums(device: torch.device, numel: int) -> Optional[torch.Tensor]:
-    """The device's zeroed fp32 buffer that atomic split-K adds partials into (the reducing program
-    zeroes its tile again), grown to ``numel``; ``None`` where it would have to grow during a CUDA graph
-    capture (memory allocated there belongs to the graph)."""
-    buf = _sums.get(device)
+    """The current stream's zeroed fp32 buffer on ``device`` that atomic split-K adds partials into (the
+    reducing program zeroes its tile again), grown to ``numel``; ``None`` where it would have to grow
+    during a CUDA graph capture (memory allocated there belongs to the graph)."""
+    key = stream_key(device)
+    buf = _sums.get(key)
     if buf is None or buf.numel() < numel:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = _sums[device] = torch.zeros(max(numel, SUMS_MIN), dtype=torch.float32, device=device)
+        buf = _sums[key] = torch.zeros(max(numel, SUMS_MIN), dtype=torch.float32, device=device)
     return buf
 
 
