@@ -34,7 +34,7 @@ static inline float prologue_value(const void *x, int dt, int64_t row, int64_t k
 static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M, int64_t K, int64_t ldx,
                       int64_t Kp, int64_t Kb, int pro, const void *gamma, float eps, int isa) {
 #ifdef DENSE_X86
-    const int simd = isa >= AIPC_ISA_AVX512_VNNI;
+    const int simd = isa >= AIPC_ISA_AVX512_VNNI ? 2 : isa >= AIPC_ISA_AVX2 ? 1 : 0; /* avx512, avx2 */
 #else
     const int simd = 0;
     (void)isa;
@@ -45,7 +45,7 @@ static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M,
         if (pro == AIPC_PRO_RMSNORM) {
             float ss = 0.f;
 #ifdef DENSE_X86
-            if (simd) ss = dense_sumsq_avx512(x, dt, row, K);
+            if (simd) ss = simd == 2 ? dense_sumsq_avx512(x, dt, row, K) : dense_sumsq_avx2(x, dt, row, K);
 #endif
             for (int64_t k = 0; k < K && !simd; k++) {
                 const float v = dense_load_f32(x, dt, row + k);
@@ -55,7 +55,8 @@ static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M,
         }
 #ifdef DENSE_X86
         if (simd && pro != AIPC_PRO_NONE) {
-            dense_prologue_avx512(xb ? NULL : xf + m * Kp, xb ? xb + m * Kb : NULL, x, dt, row, K, pro, gamma, inv);
+            (simd == 2 ? dense_prologue_avx512 : dense_prologue_avx2)(xb ? NULL : xf + m * Kp, xb ? xb + m * Kb : NULL,
+                                                                      x, dt, row, K, pro, gamma, inv);
             if (xb)
                 memset(xb + m * Kb + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
             else

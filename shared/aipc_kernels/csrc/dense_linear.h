@@ -74,6 +74,10 @@ void dense_tile_avx2(const dense_args *a, int64_t n0, int nb, float *wtile);
 float dense_sumsq_avx512(const void *x, int dt, int64_t row, int64_t K);
 void dense_prologue_avx512(float *dstf, uint16_t *dstb, const void *x, int dt, int64_t row, int64_t K, int pro,
                            const void *gamma, float inv);
+/* The same with AVX2 (client CPUs without AVX-512). */
+float dense_sumsq_avx2(const void *x, int dt, int64_t row, int64_t K);
+void dense_prologue_avx2(float *dstf, uint16_t *dstb, const void *x, int dt, int64_t row, int64_t K, int pro,
+                         const void *gamma, float inv);
 #endif
 
 #endif /* AIPC_DENSE_LINEAR_H */

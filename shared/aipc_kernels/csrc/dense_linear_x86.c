@@ -328,4 +328,100 @@ T256 void dense_tile_avx2(const dense_args *a, int64_t n0, int nb, float *wtile)
     }
 }
 
+/* ---------------------------------------------------------------- AVX2 prologue (aipc_prologue) */
+
+/* exp(x) in float32 as exp512, 2^n built in the exponent field (x clamped to [-87, 88]: n stays normal). */
+static INLINE T256 __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x); /* max/min return x when it is NaN */
+    x = _mm256_min_ps(_mm256_set1_ps(88.f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static INLINE T256 __m256 round256(__m256 v, const int dt) {
+    if (dt == AIPC_DT_F32) return v;
+    if (dt == AIPC_DT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+    return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)); /* NaN kept as NaN */
+}
+
+T256 float dense_sumsq_avx2(const void *x, int dt, int64_t row, int64_t K) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = load8(x, dt, row + k);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum256(acc);
+    for (; k < K; k++) {
+        const float v = dense_load_f32(x, dt, row + k);
+        ss += v * v;
+    }
+    return ss;
+}
+
+/* prologue of one element in float32 (the tail after the last 8) */
+static INLINE T256 float prologue1(const void *x, const int dt, int64_t row, int64_t k, int64_t K, int pro,
+                                   const void *gamma, float inv) {
+    const float v = dense_load_f32(x, dt, row + k);
+    if (pro == AIPC_PRO_RMSNORM) return dense_round(dense_load_f32(gamma, dt, k) * dense_round(v * inv, dt), dt);
+    float e[8] = {-v};
+    _mm256_storeu_ps(e, exp256(_mm256_loadu_ps(e)));
+    return dense_round(dense_round(v / (1.f + e[0]), dt) * dense_load_f32(x, dt, row + K + k), dt);
+}
+
+static INLINE T256 void prologue256(float *dstf, uint16_t *dstb, const void *x, const int dt, int64_t row, int64_t K,
+                                    int pro, const void *gamma, float inv) {
+    const __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = load8(x, dt, row + k);
+        __m256 out;
+        if (pro == AIPC_PRO_RMSNORM) {
+            out = round256(_mm256_mul_ps(load8(gamma, dt, k), round256(_mm256_mul_ps(v, vinv), dt)), dt);
+        } else { /* AIPC_PRO_SILU_MUL */
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), v));
+            const __m256 act = round256(_mm256_div_ps(v, _mm256_add_ps(one, e)), dt);
+            out = round256(_mm256_mul_ps(act, load8(x, dt, row + K + k)), dt);
+        }
+        if (dstb) {
+            const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(out), 16); /* exact: out is bf16 already */
+            const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+            _mm_storeu_si128((__m128i *)(dstb + k), packed);
+        } else {
+            _mm256_storeu_ps(dstf + k, out);
+        }
+    }
+    for (; k < K; k++) {
+        const float out = prologue1(x, dt, row, k, K, pro, gamma, inv);
+        if (dstb)
+            dstb[k] = f32_to_bf16(out);
+        else
+            dstf[k] = out;
+    }
+}
+
+T256 void dense_prologue_avx2(float *dstf, uint16_t *dstb, const void *x, int dt, int64_t row, int64_t K, int pro,
+                              const void *gamma, float inv) {
+    switch (dt) {
+    case AIPC_DT_F32: prologue256(dstf, dstb, x, AIPC_DT_F32, row, K, pro, gamma, inv); break;
+    case AIPC_DT_BF16: prologue256(dstf, dstb, x, AIPC_DT_BF16, row, K, pro, gamma, inv); break;
+    default: prologue256(dstf, dstb, x, AIPC_DT_F16, row, K, pro, gamma, inv);
+    }
+}
+
 #endif /* DENSE_X86 */
