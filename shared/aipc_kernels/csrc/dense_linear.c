@@ -15,20 +15,6 @@
 
 #include "dense_linear.h"
 
-/* One row of x after the prologue (see aipc_prologue), value k, in float32: rounded to dt where the
- * modules it replaces round (an RMSNorm's normalized row and its product with gamma; SiLU's output and
- * its product with the up half). inv: the row's 1 / sqrt(mean(x^2) + eps) for AIPC_PRO_RMSNORM. */
-static inline float prologue_value(const void *x, int dt, int64_t row, int64_t k, int64_t K, int pro,
-                                   const void *gamma, float inv) {
-    const float v = dense_load_f32(x, dt, row + k);
-    if (pro == AIPC_PRO_RMSNORM) return dense_round(dense_load_f32(gamma, dt, k) * dense_round(v * inv, dt), dt);
-    if (pro == AIPC_PRO_SILU_MUL) {
-        const float act = dense_round(v / (1.f + expf(-v)), dt);
-        return dense_round(act * dense_load_f32(x, dt, row + K + k), dt);
-    }
-    return v;
-}
-
 /* x after the prologue, once: [M][Kp] float32 (xf) or [M][Kb] bf16 (xb), zero padded; the tiles read it
  * from L1/L2 for every weight row. */
 static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M, int64_t K, int64_t ldx,
@@ -41,46 +27,40 @@ static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M,
 #endif
     for (int64_t m = 0; m < M; m++) {
         const int64_t row = m * ldx;
+        float *df = xb ? NULL : xf + m * Kp;
+        uint16_t *db = xb ? xb + m * Kb : NULL;
         float inv = 1.f;
         if (pro == AIPC_PRO_RMSNORM) {
             float ss = 0.f;
 #ifdef DENSE_X86
             if (simd) ss = simd == 2 ? dense_sumsq_avx512(x, dt, row, K) : dense_sumsq_avx2(x, dt, row, K);
 #endif
-            for (int64_t k = 0; k < K && !simd; k++) {
-                const float v = dense_load_f32(x, dt, row + k);
-                ss += v * v;
-            }
+            if (!simd)
+                for (int64_t k = 0; k < K; k++) {
+                    const float v = dense_load_f32(x, dt, row + k);
+                    ss += v * v;
+                }
             inv = 1.f / sqrtf(ss / (float)K + eps);
         }
+        if (pro == AIPC_PRO_NONE && (db || dt == AIPC_DT_F32)) { /* x as it is: bf16 onto bf16, f32 onto f32 */
+            memcpy(db ? (void *)db : (void *)df, (const char *)x + row * (db ? 2 : 4), (size_t)K * (db ? 2 : 4));
 #ifdef DENSE_X86
-        if (simd && pro != AIPC_PRO_NONE) {
-            (simd == 2 ? dense_prologue_avx512 : dense_prologue_avx2)(xb ? NULL : xf + m * Kp, xb ? xb + m * Kb : NULL,
-                                                                      x, dt, row, K, pro, gamma, inv);
-            if (xb)
-                memset(xb + m * Kb + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
-            else
-                for (int64_t k = K; k < Kp; k++) xf[m * Kp + k] = 0.f;
-            continue;
-        }
+        } else if (simd && pro != AIPC_PRO_NONE) {
+            (simd == 2 ? dense_prologue_avx512 : dense_prologue_avx2)(df, db, x, dt, row, K, pro, gamma, inv);
 #endif
-        if (xb) {
-            uint16_t *dst = xb + m * Kb;
-            if (pro == AIPC_PRO_NONE) {
-                memcpy(dst, (const uint16_t *)x + row, (size_t)K * sizeof(uint16_t));
-            } else {
-                for (int64_t k = 0; k < K; k++) dst[k] = f32_to_bf16(prologue_value(x, dt, row, k, K, pro, gamma, inv));
-            }
-            memset(dst + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
         } else {
-            float *dst = xf + m * Kp;
-            if (pro == AIPC_PRO_NONE && dt == AIPC_DT_F32) {
-                memcpy(dst, (const float *)x + row, (size_t)K * sizeof(float));
-            } else {
-                for (int64_t k = 0; k < K; k++) dst[k] = prologue_value(x, dt, row, k, K, pro, gamma, inv);
+            for (int64_t k = 0; k < K; k++) {
+                const float v = dense_prologue_value(x, dt, row, k, K, pro, gamma, inv);
+                if (db)
+                    db[k] = f32_to_bf16(v);
+                else
+                    df[k] = v;
             }
-            for (int64_t k = K; k < Kp; k++) dst[k] = 0.f;
         }
+        if (db)
+            memset(db + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
+        else
+            for (int64_t k = K; k < Kp; k++) df[k] = 0.f;
     }
 }
 

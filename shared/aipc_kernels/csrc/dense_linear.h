@@ -6,6 +6,7 @@
 #ifndef AIPC_DENSE_LINEAR_H
 #define AIPC_DENSE_LINEAR_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "aipc_native.h"
@@ -59,6 +60,19 @@ static inline __attribute__((always_inline)) void dense_store(const dense_args *
         ((uint16_t *)a->y)[i] = f32_to_bf16(v);
     else
         ((uint16_t *)a->y)[i] = f32_to_f16(v);
+}
+
+/* One value of x after the prologue (see aipc_prologue), k-th of the row starting at element `row`, in
+ * float32: rounded to dt where the modules it replaces round (an RMSNorm's normalized row and its product with
+ * gamma; SiLU's output and its product with the up half). inv: the row's 1 / sqrt(mean(x^2) + eps). The
+ * portable prologue, and the AVX2 one's tail. */
+static inline __attribute__((always_inline)) float dense_prologue_value(const void *x, int dt, int64_t row, int64_t k,
+                                                                        int64_t K, int pro, const void *gamma,
+                                                                        float inv) {
+    const float v = dense_load_f32(x, dt, row + k);
+    if (pro == AIPC_PRO_RMSNORM) return dense_round(dense_load_f32(gamma, dt, k) * dense_round(v * inv, dt), dt);
+    if (pro == AIPC_PRO_SILU_MUL) return dense_round(dense_round(v / (1.f + expf(-v)), dt) * dense_load_f32(x, dt, row + K + k), dt);
+    return v;
 }
 
 /* The outputs of weight rows [n0, n0 + nb) for every token; wtile: a per-thread scratch of

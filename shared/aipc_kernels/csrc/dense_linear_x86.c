@@ -374,16 +374,6 @@ T256 float dense_sumsq_avx2(const void *x, int dt, int64_t row, int64_t K) {
     return ss;
 }
 
-/* prologue of one element in float32 (the tail after the last 8) */
-static INLINE T256 float prologue1(const void *x, const int dt, int64_t row, int64_t k, int64_t K, int pro,
-                                   const void *gamma, float inv) {
-    const float v = dense_load_f32(x, dt, row + k);
-    if (pro == AIPC_PRO_RMSNORM) return dense_round(dense_load_f32(gamma, dt, k) * dense_round(v * inv, dt), dt);
-    float e[8] = {-v};
-    _mm256_storeu_ps(e, exp256(_mm256_loadu_ps(e)));
-    return dense_round(dense_round(v / (1.f + e[0]), dt) * dense_load_f32(x, dt, row + K + k), dt);
-}
-
 static INLINE T256 void prologue256(float *dstf, uint16_t *dstb, const void *x, const int dt, int64_t row, int64_t K,
                                     int pro, const void *gamma, float inv) {
     const __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.f);
@@ -407,7 +397,7 @@ static INLINE T256 void prologue256(float *dstf, uint16_t *dstb, const void *x, 
         }
     }
     for (; k < K; k++) {
-        const float out = prologue1(x, dt, row, k, K, pro, gamma, inv);
+        const float out = dense_prologue_value(x, dt, row, k, K, pro, gamma, inv);
         if (dstb)
             dstb[k] = f32_to_bf16(out);
         else
