@@ -17,9 +17,9 @@ from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-tlin, common, registry, stream, tuning = import_kernels(
+tlin, common, registry, stream, tuning, dequant = import_kernels(
     "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.common", "aipc_kernels.triton.lowbit.registry",
-    "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning",
+    "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning", "aipc_kernels.triton.lowbit.dequant",
 )
 
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
@@ -30,6 +30,8 @@ GROUP16_ONE = dict(GROUP16, SPLIT_K=1)  # unsplit (the batch-invariant form)
 # M == 1 weight streaming: the packed-activation pre-pass (+ PDL on sm_90) and the GEMV
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
+# M > 16: the weight dequantized to x's dtype by a Triton pass, then the vendor GEMM
+DEQUANT = {"KERNEL": "dequant", "BLOCK_N": 16, "CHUNKS": 3, "num_warps": 4}
 
 
 @pytest.fixture(autouse=True)
@@ -375,8 +377,9 @@ def test_shipped_configs_are_valid():
         for key, cfg in cfgs.items():
             M = int(key.split(":")[1][1:])
             kernel = registry.kernel_of(cfg)
-            common.check_config(cfg, M)
+            registry.check_kernel_config(cfg, M)
             assert kernel is not stream or M == 1, (device, key, cfg)
+            assert kernel is not dequant or M > tlin.GEMV_MAX_M, (device, key, cfg)
 
 
 @pytest.mark.parametrize("codebook", ["affine", "int2"])
@@ -521,3 +524,70 @@ def test_4bit_every_kernel_and_split(codebook, group):
         for cfg in cfgs:
             y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
             _close(y, ref, 2e-5)
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("N, K, group", [(37, 160, 32), (19, 384, 128), (50, 96, -1), (33, 512, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequant_pass_is_the_canonical_dequantization(codebook, N, K, group, dtype):
+    """Every element of a poisoned output is the canonical weight's ``dequantize()`` rounded to dtype,
+    bit for bit (chunks past the last one, rows past N and the padded k are not written)."""
+    w, p = _case(N, K, codebook, group, seed=N + K)
+    out = torch.full((N, K), float("nan"), dtype=dtype, device=DEVICE)
+    with registry.interpreter_scope():
+        got = dequant.dequantize(p, dtype, dict(DEQUANT, BLOCK_N=32 if N > 40 else 16), out=out)
+    assert got is out
+    assert torch.equal(out.cpu(), w.dequantize().to(dtype))
+
+
+@pytest.mark.parametrize("codebook", ["int2", "affine", "int4", "int8", "e0m4"])
+@pytest.mark.parametrize("dtype, bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float32), (torch.bfloat16, None)])
+@pytest.mark.parametrize("M", [17, 45])
+def test_dequant_path_keeps_the_int8_activation_contract(codebook, dtype, bias_dtype, M):
+    """The dequantize-then-GEMM path gives the op's W*A8 result (int8 activations, per-token scales)
+    within the rounding of x's dtype, with a bias of x's or another dtype; ``act_amax`` is honoured."""
+    N, K = 41, 256
+    w, p = _case(N, K, codebook, 64, seed=M)
+    x = torch.randn(M, K) * torch.linspace(0.1, 3, K)
+    bias = None if bias_dtype is None else torch.randn(N).to(bias_dtype)
+    y = tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, None if bias is None else bias.to(DEVICE), config=DEQUANT)
+    assert y.shape == (M, N) and y.dtype == dtype
+    tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    _close(y, ops.reference_linear_w8(x.to(dtype), w, bias), tol)
+    amax = x.abs().amax(1).float() * 2  # a wider absmax than each row's own: coarser codes
+    y2 = tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=DEQUANT, act_amax=amax.to(DEVICE))
+    grouped = tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=GROUP, act_amax=amax.to(DEVICE))
+    _close(y2, grouped.double().cpu(), tol)
+    assert not torch.allclose(y2.double().cpu(), y.double().cpu() - (0 if bias is None else bias.double()), rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_amax", [False, True])
+def test_fake_quantized_activations_are_the_codes_times_the_scale(dtype, with_amax):
+    """The dequantize path's activations: every element the int8 code times its token's scale (the
+    fused kernels' activation pass) rounded once to x's dtype, on odd K."""
+    from aipc_kernels.triton.lowbit import activation
+
+    M, K = 21, 1000
+    x = (torch.randn(M, K) * torch.linspace(0.1, 4, K)).to(dtype).to(DEVICE)
+    amax = (x.float().abs().amax(1) * 1.5).contiguous() if with_amax else None
+    with registry.interpreter_scope():
+        xd = activation.fake_quantize_rows(x, amax)
+        xq, sx, _ = activation.quantize_rows(x, 1024, sums=False, act_amax=amax)
+    assert xd.shape == (M, K) and xd.dtype == dtype
+    assert torch.equal(xd.cpu(), (xq[:, :K].float() * sx[:, None]).to(dtype).cpu())
+
+
+def test_dequant_path_is_tuned_for_prompts_only_and_never_batch_invariant(monkeypatch):
+    assert registry.kernel_of(DEQUANT) is dequant
+    assert not [c for c in (k for kern in registry.KERNELS.values() for k in kern.space(16)) if c["KERNEL"] == "dequant"]
+    assert [c for c in (k for kern in registry.KERNELS.values() for k in kern.space(17)) if c["KERNEL"] == "dequant"]
+    assert registry.heuristic_config(4096, 4096, 4096, 2, torch.device(DEVICE))["KERNEL"] != "dequant"
+    inv = registry.invariant_config(DEQUANT, 64, 256, 512, 2, torch.device(DEVICE))
+    assert inv["KERNEL"] == "group" and inv["SPLIT_K"] == 1
+    with pytest.raises(ValueError, match="CHUNKS"):
+        registry.check_kernel_config({"KERNEL": "dequant", "BLOCK_N": 16, "num_warps": 4}, 64)
+    w, p = _case(40, 256, "int2", 64, seed=1)
+    with pytest.raises(ValueError, match="out must be"):
+        dequant.dequantize(p, torch.float32, out=torch.empty(40, 255, device=DEVICE))

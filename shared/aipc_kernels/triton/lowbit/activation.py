@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import GEMV_MAX_M, act_scales, quantize
+from .common import GEMV_MAX_M, act_scales, quantize, round_to
 
 
 @triton.jit
@@ -45,25 +45,31 @@ def _codes(xv, inv, HAS_AMAX: tl.constexpr):
 
 @triton.jit
 def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr,
-                      WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr):
+                      WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr,
+                      FAKE: tl.constexpr = False):
     """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
     BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
     past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
     corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
-    the few rows of a decode batch from serialising on a few SMs; ``HAS_AMAX``: absmax read from amax)."""
+    the few rows of a decode batch from serialising on a few SMs; ``HAS_AMAX``: absmax read from amax;
+    ``FAKE``: ``xq_ptr`` is a float [M, K] that receives ``code * scale`` instead of the codes)."""
     m = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = tl.full([1], 0, tl.int64) + m
     inv, sx = _row_scales(x_ptr, amax_ptr, row, row >= 0, K, BLOCK_AMAX, HAS_AMAX)
-    if j == 0:
-        tl.store(sx_ptr + row, sx)
+    if not FAKE:
+        if j == 0:
+            tl.store(sx_ptr + row, sx)
     offs = tl.arange(0, BLOCK_KX)
     offs32 = tl.arange(0, BLOCK_KX // 32)
     for k0 in range(j * SLICE, tl.minimum(j * SLICE + SLICE, Kp), BLOCK_KX):
         k = k0 + offs
         xv = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
         xqf = _codes(xv, inv, HAS_AMAX)
-        tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
+        if FAKE:  # the codes times the scale, rounded once to the output's dtype, [M, K]
+            tl.store(xq_ptr + m * K + k, round_to(xqf * sx, xq_ptr.dtype.element_ty), mask=k < K)
+        else:
+            tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
         if WRITE_SUMS:
             sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
             tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
@@ -114,6 +120,20 @@ def quantize_rows(
         BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam, HAS_AMAX=act_amax is not None, num_warps=nw,
     )  # fmt: skip
     return xq, sx, xsum
+
+
+def fake_quantize_rows(x2: torch.Tensor, act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The activations the W*A8 contract computes with, for a float GEMM: ``x2 [M, K]``'s int8 codes
+    times their per-token scale (:func:`quantize_rows`' codes and scales), rounded once to x2's dtype."""
+    M, K = x2.shape
+    xd = torch.empty_like(x2)
+    bkx = bam = min(triton.next_power_of_2(K), 4096)
+    _quant_act_kernel[(M, 1)](
+        x_ptr=x2, amax_ptr=x2 if act_amax is None else act_amax, xq_ptr=xd, sx_ptr=xd, xsum_ptr=xd, K=K, Kp=K,
+        SLICE=bkx * triton.cdiv(K, bkx), BLOCK_KX=bkx, WRITE_SUMS=False, BLOCK_AMAX=bam,
+        HAS_AMAX=act_amax is not None, FAKE=True, num_warps=8 if bkx >= 2048 else 4,
+    )  # fmt: skip
+    return xd
 
 
 def quantize_row_packed(

@@ -28,12 +28,13 @@ def path(M: int) -> str:
     return "gemv" if M <= GEMV_MAX_M else "gemm"
 
 
-def check_config(cfg: dict, M: int) -> dict:
-    """``cfg`` if it gives every field of M's path, else a ValueError naming the missing ones."""
-    need = CONFIG_FIELDS[path(M)]
+def check_config(cfg: dict, M: int, fields: Optional[tuple[str, ...]] = None) -> dict:
+    """``cfg`` if it gives every field of M's path (or the kernel's own ``fields``), else a ValueError
+    naming the missing ones."""
+    need = fields or CONFIG_FIELDS[path(M)]
     missing = [f for f in need if f not in cfg]
     if missing:
-        raise ValueError(f"config={cfg} lacks {missing} for the {path(M)} kernel; give {need}")
+        raise ValueError(f"config={cfg} lacks {missing} for the {cfg.get('KERNEL', path(M))} kernel; give {need}")
     return cfg
 
 
@@ -44,6 +45,18 @@ def check_config(cfg: dict, M: int) -> dict:
 def rne(v):
     """Round half to even for |v| < 2**22 (torch.round's rounding, no libdevice needed)."""
     return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr):
+    """fp32 ``v`` rounded to nearest-even in ``dtype``; bf16 by its bits (the Triton interpreter's
+    fp32 -> bf16 conversion truncates; finite values only, as dequantized weights are)."""
+    if dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
 
 
 @triton.jit

@@ -1,8 +1,9 @@
 """The shipped kernels by name (a config's ``KERNEL``), and the untuned and batch-invariant choices.
 
 Each kernel module exports ``NAME``, ``space(M)`` (its tuning configs), ``heuristic(M, N, K, bits,
-device)`` and ``launch(x2, weight, bias, y, cfg, act_amax=None)``. Adding a kernel: a module with those four, an
-entry in :data:`KERNELS`, and (if it should run untuned) a branch in :func:`heuristic_config`.
+device)`` and ``launch(x2, weight, bias, y, cfg, act_amax=None)``, and optionally ``FIELDS`` (the config
+fields it needs, default: its path's, :data:`~.common.CONFIG_FIELDS`). Adding a kernel: a module with
+those, an entry in :data:`KERNELS`, and (if it should run untuned) a branch in :func:`heuristic_config`.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from typing import Optional
 import torch
 
 from ...packing import PackedLowBit
-from . import group, stream
+from . import dequant, group, stream
 from .common import check_config
 from .interpret import interpreter_scope
 
-KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group}
+KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant}
 
 
 def kernel_of(cfg: dict) -> ModuleType:
@@ -30,12 +31,19 @@ def kernel_of(cfg: dict) -> ModuleType:
     return KERNELS[name]
 
 
+def check_kernel_config(cfg: dict, M: int) -> ModuleType:
+    """The kernel module of ``cfg`` after checking that ``cfg`` gives the fields it needs at ``M``
+    (a ValueError naming the missing ones otherwise)."""
+    kernel = kernel_of(cfg)
+    check_config(cfg, M, getattr(kernel, "FIELDS", None))
+    return kernel
+
+
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
            act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
     """Runs one configuration on contiguous operands, writing ``y [M, N]`` (``act_amax``: None or dense
     float32 [M], the per-token activation absmax to quantize with)."""
-    kernel = kernel_of(cfg)
-    check_config(cfg, x2.shape[0])
+    kernel = check_kernel_config(cfg, x2.shape[0])
     with interpreter_scope():
         kernel.launch(x2, weight, bias, y, cfg, act_amax)
 

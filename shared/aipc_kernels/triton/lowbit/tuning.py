@@ -109,10 +109,11 @@ def _time(fn, device: torch.device) -> float:
 
 def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor) -> dict:
     """Times every configuration of every registered kernel for this M on these operands; returns the
-    fastest (with its time, ``us``)."""
+    fastest (with its time, ``us``, and each kernel's best time, ``by_kernel``: fused or dequantize-then-GEMM)."""
     M, K = x2.shape
     chunks = weight.qweight.shape[1] * 8 // weight.bits // triton_chunk(weight.bits)
     best, best_t = None, float("inf")
+    by_kernel: dict[str, float] = {}
     for cfg in (c for kernel in KERNELS.values() for c in kernel.space(M)):
         if cfg.get("SPLIT_K", 1) > chunks or cfg["BLOCK_N"] > max(16, 2 * weight.out_features):
             continue
@@ -120,11 +121,13 @@ def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y
             t = _time(lambda: launch(x2, weight, bias, y, cfg), x2.device)
         except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
             continue
+        name = cfg["KERNEL"]
+        by_kernel[name] = min(by_kernel.get(name, float("inf")), round(t * 1e3, 2))
         if t < best_t:
             best, best_t = cfg, t
     if best is None:
         raise RuntimeError(f"lowbit_linear: no Triton configuration ran for {config_key(M, weight.out_features, K, weight.group_size, weight.bits)}")
-    return dict(best, us=round(best_t * 1e3, 2))
+    return dict(best, us=round(best_t * 1e3, 2), by_kernel=by_kernel)
 
 
 def select_config(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor) -> dict:
