@@ -142,6 +142,28 @@ def test_split_k(M, kernel, block_n, split_k):
             assert not common._sums[common.stream_key(y.device)].any()  # the reducing programs left the buffer zeroed
 
 
+@pytest.mark.parametrize("M, block_m", [(40, 16), (33, 32)])
+@pytest.mark.parametrize("wa, atomic", [(1, 0), (0, 0), (1, 1)])
+@pytest.mark.parametrize("codebook, group", [("int2", 64), ("affine", 128), ("int4", -1)])
+def test_gemm_split_k(M, block_m, wa, atomic, codebook, group):
+    """The GEMM path (M > 16) split over K, several token tiles: workspace or atomic partials, weights as
+    A or B, against the float64 int8-activation reference, twice (the tickets re-armed)."""
+    N, K = 45, 1024
+    w, p = _case(N, K, codebook, group, seed=M + wa)
+    x, bias = torch.randn(M, K), torch.randn(N)
+    cfg = dict(GROUP, BLOCK_N=16, BLOCK_M=block_m, WA=wa, SPLIT_K=3, ATOMIC=atomic)
+    for _ in range(2):
+        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ops.reference_linear_w8(x, w, bias), 2e-5)
+
+
+def test_untuned_gemm_splits_only_few_tiles():
+    dev = torch.device(DEVICE)
+    few = registry.heuristic_config(64, 128, 2048, 2, dev)  # one output tile: split (the interpreter counts 4 SMs)
+    many = registry.heuristic_config(512, 14336, 4096, 2, dev)
+    assert few["KERNEL"] == "group" and few["SPLIT_K"] > 1 and many["SPLIT_K"] == 1
+    assert all(c.get("SPLIT_K", 1) == 1 for kern in registry.KERNELS.values() for c in kern.space(513))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="two CUDA streams running at once need a GPU")
 @pytest.mark.parametrize("kernel", ["group_atomic", "group", "stream"])
 def test_split_k_on_two_streams_at_once(kernel):
@@ -583,9 +605,12 @@ def test_dequant_path_is_tuned_for_prompts_only_and_never_batch_invariant(monkey
     assert registry.kernel_of(DEQUANT) is dequant
     assert not [c for c in (k for kern in registry.KERNELS.values() for k in kern.space(16)) if c["KERNEL"] == "dequant"]
     assert [c for c in (k for kern in registry.KERNELS.values() for k in kern.space(17)) if c["KERNEL"] == "dequant"]
-    assert registry.heuristic_config(4096, 4096, 4096, 2, torch.device(DEVICE))["KERNEL"] != "dequant"
-    inv = registry.invariant_config(DEQUANT, 64, 256, 512, 2, torch.device(DEVICE))
-    assert inv["KERNEL"] == "group" and inv["SPLIT_K"] == 1
+    dev = torch.device(DEVICE)
+    assert registry.heuristic_config(dequant.MIN_M, 4096, 4096, 2, dev)["KERNEL"] == "dequant"  # untuned prompts
+    assert registry.heuristic_config(dequant.MIN_M - 1, 4096, 4096, 2, dev)["KERNEL"] == "group"
+    for cfg, M in ((DEQUANT, 64), (registry.heuristic_config(4096, 256, 512, 2, dev), 4096)):
+        inv = registry.invariant_config(cfg, M, 256, 512, 2, dev)
+        assert inv["KERNEL"] == "group" and inv["SPLIT_K"] == 1
     with pytest.raises(ValueError, match="CHUNKS"):
         registry.check_kernel_config({"KERNEL": "dequant", "BLOCK_N": 16, "num_warps": 4}, 64)
     w, p = _case(40, 256, "int2", 64, seed=1)

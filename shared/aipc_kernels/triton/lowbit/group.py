@@ -14,10 +14,12 @@ is one int32 dot over the whole K range (past 2**22, converted by an exact I2F),
 integer of the native kernels (``affine4``: ``u = dot - z * (group sum of the int8 activations)``
 in fp32 before the scale, exact for integer zeros like the native float epilogue).
 
-Config: ``BLOCK_N``, ``num_warps``, ``num_stages`` and the path's fields (M > 16: ``BLOCK_M``; M <= 16:
-``SPLIT_K``, BLOCK_M defaulting to 16), ``WA`` (0/1: weights as the dot's A operand), ``GROUP_M``
+Config: ``BLOCK_N``, ``num_warps``, ``num_stages`` and the path's fields (M > 16: ``BLOCK_M``, ``SPLIT_K``
+optional; M <= 16: ``SPLIT_K``, BLOCK_M defaulting to 16), ``WA`` (0/1: weights as the dot's A operand), ``GROUP_M``
 (default 8: tiles of GROUP_M row blocks share their weight columns in L2), ``ATOMIC`` (0/1: split-K
-partials added by fp32 atomics instead of a workspace; see :func:`~.common.split_plan`).
+partials added by fp32 atomics instead of a workspace; see :func:`~.common.split_plan`), ``PDL`` (0/1,
+default 1: on sm_90+ the kernel launches as a programmatic dependent of the activation pass, its launch
+and first scale loads overlapping the pass).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_rows
-from .common import GEMV_MAX_M, path, sm_count, split_plan, store_or_reduce
+from .common import GEMV_MAX_M, path, pdl_ok, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED
 
 NAME = "group"
@@ -39,6 +41,13 @@ _GEMM_TILES = [(128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (256,
                (128, 64, 8, 3, 1), (128, 64, 4, 3, 0)]
 GEMM_SPACE = [
     {"BLOCK_N": bn, "BLOCK_M": bm, "num_warps": nw, "num_stages": ns, "KERNEL": NAME, "WA": wa} for bn, bm, nw, ns, wa in _GEMM_TILES
+]
+# 16 < M <= SPLIT_GEMM_MAX_M: GEMM tiles split over K too (1B qkv/o at M=64 has 16 output tiles of 128 x 64)
+SPLIT_GEMM_MAX_M = 512
+GEMM_SPLIT_SPACE = [
+    {"BLOCK_N": bn, "BLOCK_M": bm, "num_warps": 4, "num_stages": 3, "KERNEL": NAME, "WA": 1, "SPLIT_K": sk}
+    for bn, bm in ((128, 64), (64, 64), (128, 32))
+    for sk in (2, 4, 8)
 ]
 # 1 < M <= 16: 16 token columns, split over K; the same tiles again with atomic split-K at ATOMIC_SPLITS
 GEMV_SPACE = [
@@ -71,7 +80,7 @@ def _group_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WA: tl.constexpr, HW_ASM: tl.constexpr,
     ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
-    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_M] output tile (weights as the dot's A operand with ``WA``, else
     [BLOCK_M, BLOCK_N]): the int32 accumulator starts at 0x4B400000, so its bits read as fp32 are
@@ -81,7 +90,9 @@ def _group_kernel(
     chunk c + 1 are loaded during chunk c. 4 and 8 bits: ``CPG`` chunks per group, the dot (and the
     activation sums, stored zeros) carried over them (``ROW_DOT``, one group per row: over the
     program's whole K range, from 0, converted once at the end); stored zeros of 4-bit codes are
-    taken off the converted dot before the scale (``ZFIRST``, the native kernels' ``u``)."""
+    taken off the converted dot before the scale (``ZFIRST``, the native kernels' ``u``). ``PDL``: a
+    programmatic dependent launch after the activation pass; nothing the pass writes (nor the split-K
+    buffers) is touched before ``gdc_wait``."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     RP: tl.constexpr = P if WHOLE_ROW or G >= KC else G // 32  # planes per rescale (the whole row: per chunk)
@@ -139,6 +150,8 @@ def _group_kernel(
         sc_nxt = tl.load(s_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
         if HAS_ZEROS:
             z_nxt = tl.load(z_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
+    if PDL:  # launched before the activation pass ended: the weights' first scales above, then wait
+        tl.extra.cuda.gdc_wait()
     if HAS_ZEROS:
         xs_nxt = tl.load(xs_tile + c_begin * P)
     d = d0
@@ -277,7 +290,7 @@ def _plane_asm(bits: int, q: int, ca: int, cb: int) -> str:
 def space(M: int) -> list[dict]:
     """The configs the tuner times for ``M`` tokens (none at M == 1: the stream kernel's)."""
     if path(M) == "gemm":
-        return list(GEMM_SPACE)
+        return GEMM_SPACE + (GEMM_SPLIT_SPACE if M <= SPLIT_GEMM_MAX_M else [])
     if M == 1:
         return []
     tiles = {(c["BLOCK_N"], c["num_warps"], c["num_stages"]): c for c in GEMV_SPACE}
@@ -285,11 +298,15 @@ def space(M: int) -> list[dict]:
 
 
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
-    """The untuned default. M > 16: the H200 GEMM tile; M <= 16: 16 token columns, split over K
-    (at most 16) until the device has two programs per SM (the H200 winners: 128 rows, split 4-8)."""
-    if path(M) == "gemm":
-        return {"KERNEL": NAME, "BLOCK_N": 128, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "WA": 1}
+    """The untuned default. M > 16: the H200 GEMM tile, split over K (at most 8, M <= 512) until the
+    device has a program per SM; M <= 16: 16 token columns, split over K (at most 16) until the device
+    has two programs per SM (the H200 winners: 128 rows, split 4-8)."""
     chunks = -(-K // triton_chunk(bits))
+    if path(M) == "gemm":
+        tiles, split = -(-M // 64) * -(-N // 128), 1
+        while M <= SPLIT_GEMM_MAX_M and split < 8 and tiles * split < sm_count(device) and chunks >= 2 * split:
+            split *= 2
+        return {"KERNEL": NAME, "BLOCK_N": 128, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "WA": 1, "SPLIT_K": split}
     bn = 128 if N >= 2048 else 64
     tiles = -(-N // bn)
     split = 1
@@ -307,7 +324,8 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     cb = get_codebook(weight.codebook)
     Kp = weight.qweight.shape[1] * (8 // cb.bits)
     whole = weight.group_size == K
-    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None, act_amax=act_amax)
+    pdl = bool(cfg.get("PDL", 1)) and pdl_ok(x2.device)
+    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None, act_amax=act_amax, pdl=pdl)
     bn, bm = cfg["BLOCK_N"], cfg.get("BLOCK_M", GEMV_MAX_M)  # M > 16: check_config asked for BLOCK_M
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     chunk = triton_chunk(cb.bits)
@@ -326,5 +344,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
         HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
-        SPLIT_K=split, ATOMIC=atomic, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
+        SPLIT_K=split, ATOMIC=atomic, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

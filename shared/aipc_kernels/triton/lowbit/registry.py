@@ -49,8 +49,11 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
 
 
 def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
-    """The untuned default: ``stream`` at M == 1, ``group`` otherwise (each module's own rule)."""
-    return (stream if M == 1 else group).heuristic(M, N, K, bits, device)
+    """The untuned default: ``stream`` at M == 1, ``dequant`` from M = ``dequant.MIN_M``, ``group``
+    otherwise (each module's own rule)."""
+    if M == 1:
+        return stream.heuristic(M, N, K, bits, device)
+    return dequant.heuristic(M, N, K, bits, device) or group.heuristic(M, N, K, bits, device)
 
 
 def batch_invariant() -> bool:
@@ -68,5 +71,5 @@ def invariant_config(cfg: dict, M: int, N: int, K: int, bits: int, device: torch
     bias``; and every M uses the same row-wise activation pass. A tuned group tile is kept, another
     kernel's config becomes the heuristic's group tile (M = 1 takes the M <= 16 one)."""
     if cfg.get("KERNEL") != group.NAME:
-        cfg = heuristic_config(max(M, 2), N, K, bits, device)
+        cfg = group.heuristic(max(M, 2), N, K, bits, device)
     return dict({k: v for k, v in cfg.items() if k != "ATOMIC"}, SPLIT_K=1)

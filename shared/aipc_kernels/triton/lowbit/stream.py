@@ -30,7 +30,7 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_row_packed
-from .common import sm_count, split_plan, store_or_reduce
+from .common import pdl_ok, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED
 
 NAME = "stream"
@@ -204,11 +204,6 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return {"KERNEL": NAME, "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
 
 
-def _pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): compiled CUDA on sm_90+ only."""
-    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
            act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
     """The pre-pass (absmax from ``act_amax`` when given) and the GEMV for ``x2 [1, K]``, writing ``y [1, N]``."""
@@ -225,7 +220,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     whole, chunk = weight.group_size == K, triton_chunk(cb.bits)
     cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
-    pdl = bool(cfg.get("PDL", 0)) and _pdl_ok(x2.device)
+    pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
     xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
     _stream_kernel[(tiles, split)](
         xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
