@@ -18,8 +18,10 @@ Config: ``BLOCK_N``, ``num_warps``, ``num_stages`` and the path's fields (M > 16
 optional; M <= 16: ``SPLIT_K``, BLOCK_M defaulting to 16), ``WA`` (0/1: weights as the dot's A operand), ``GROUP_M``
 (default 8: tiles of GROUP_M row blocks share their weight columns in L2), ``ATOMIC`` (0/1: split-K
 partials added by fp32 atomics instead of a workspace; see :func:`~.common.split_plan`), ``PDL`` (0/1,
-default 1: on sm_90+ the kernel launches as a programmatic dependent of the activation pass, its launch
-and first scale loads overlapping the pass).
+default 0: on sm_90+ the kernel launches as a programmatic dependent of the activation pass, its launch
+and first scale loads overlapping the pass; an A/B on an H100 measured 0.93-1.08x the time without it
+on the 8B shapes at M=16/64, bench/results/triton_pdl_ab_h100.md: the H100 configs, tuned and
+benchmarked with it, keep it).
 """
 from __future__ import annotations
 
@@ -324,7 +326,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     cb = get_codebook(weight.codebook)
     Kp = weight.qweight.shape[1] * (8 // cb.bits)
     whole = weight.group_size == K
-    pdl = bool(cfg.get("PDL", 1)) and pdl_ok(x2.device)
+    pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
     xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None, act_amax=act_amax, pdl=pdl)
     bn, bm = cfg["BLOCK_N"], cfg.get("BLOCK_M", GEMV_MAX_M)  # M > 16: check_config asked for BLOCK_M
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
