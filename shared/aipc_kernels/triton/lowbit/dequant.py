@@ -3,8 +3,8 @@ vendor GEMM (``torch.mm``/``addmm``: cuBLAS on CUDA, oneDNN on XPU).
 
 The op's contract is kept: the activations are the same int8 codes and per-token scales as the
 fused kernels', handed to the GEMM as ``codes * scale`` rounded once to x's dtype
-(:func:`~.activation.fake_quantize_rows`); the weight is ``scale * (cmul * c - zero)`` computed in fp32 and rounded once to
-x's dtype (bit for bit :meth:`LowBitWeight.dequantize` then ``.to(dtype)``). So against the fused
+(:func:`~.activation.fake_quantize_rows`); the weight is ``scale * (cmul * c - zero)`` computed in fp32
+and rounded once to x's dtype (bit for bit :meth:`LowBitWeight.dequantize` then ``.to(dtype)``). So against the fused
 kernels' exact int32 dots it adds two roundings to x's dtype per product, below the output's own
 rounding for bf16/fp16 (fp32: the GEMM's precision, TF32 where the user allowed it).
 
@@ -112,6 +112,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         torch.mm(xd, wd.t(), out=y)
     else:  # the GEMM adds the bias to its fp32 sums (a bias of another dtype is first rounded to y's)
         torch.addmm(bias.to(y.dtype), xd, wd.t(), out=y)
+
 
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> Optional[dict]:
     """The untuned config from M = :data:`MIN_M` on, else None."""
