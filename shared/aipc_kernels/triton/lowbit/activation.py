@@ -108,7 +108,7 @@ def quantize_rows(
     """``(xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32] or None)`` of ``x2 [M, K]``; ``sums``:
     write the 32-k code sums (only affine code books' zero-point correction reads them); ``act_amax``:
     None or the dense float32 [M] absmax of each row to scale by; ``pdl``: launched as the primary of a
-    programmatic dependent launch (sm_90+, :func:`~.common.pdl_ok`)."""
+    programmatic dependent launch (sm_90+, :func:`~.interpret.pdl_ok`)."""
     M, K = x2.shape
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)

@@ -185,13 +185,6 @@ def split_plan(chunks: int, split: int, tiles: int, M: int, N: int, dummy: torch
     return split, per_split, ws, lock_buffer(dummy.device), False
 
 
-def pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): compiled CUDA on sm_90+ only."""
-    from .interpret import INTERPRETED  # interpret imports this module
-
-    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors (CUDA) or sub-slices (XPU) of ``device``; 4 in the interpreter."""
     if device.type == "cuda":

@@ -34,8 +34,8 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_rows
-from .common import GEMV_MAX_M, path, pdl_ok, sm_count, split_plan, store_or_reduce
-from .interpret import INTERPRETED
+from .common import GEMV_MAX_M, path, sm_count, split_plan, store_or_reduce
+from .interpret import INTERPRETED, pdl_ok
 
 NAME = "group"
 # M > 16: (BLOCK_N, BLOCK_M, num_warps, num_stages, WA)

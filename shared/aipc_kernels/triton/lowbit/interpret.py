@@ -6,7 +6,8 @@ while this package is imported, so our kernels are interpreted functions, but tr
 when triton itself was first imported, usually without the variable; inside an interpreted kernel
 such a helper raises ("cannot call @triton.jit'd outside of the scope of a kernel"). While our
 kernels run, :func:`interpreter_scope` interprets every ``JITFunction`` call and sets the variable.
-Compiled (GPU) runs never enter it.
+Compiled (GPU) runs never enter it. :func:`pdl_ok`: whether a launch may be a programmatic dependent
+one (compiled sm_90+ only, so never here).
 """
 from __future__ import annotations
 
@@ -14,10 +15,17 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from .common import rne
 
 # every kernel of the package is decorated in the same import as this one
 INTERPRETED = type(rne).__name__ == "InterpretedFunction"
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): compiled CUDA on sm_90+ only (never interpreted)."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @contextmanager

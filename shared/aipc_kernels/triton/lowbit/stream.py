@@ -30,8 +30,8 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_row_packed
-from .common import pdl_ok, sm_count, split_plan, store_or_reduce
-from .interpret import INTERPRETED
+from .common import sm_count, split_plan, store_or_reduce
+from .interpret import INTERPRETED, pdl_ok
 
 NAME = "stream"
 # the tuning space: every tile whose step holds 1-64 int32 words per thread, split-K only with >= 16 rows
