@@ -164,6 +164,15 @@ def zeroed_sums(device: torch.device, numel: int) -> Optional[torch.Tensor]:
     return buf
 
 
+def k_splits(tiles: int, chunks: int, most: int, programs: int) -> int:
+    """The untuned split-K: doubled from 1 while below ``most``, the ``tiles`` output tiles times the
+    split give fewer than ``programs`` programs and every split keeps at least two of the ``chunks``."""
+    split = 1
+    while split < most and tiles * split < programs and chunks >= 2 * split:
+        split *= 2
+    return split
+
+
 def split_plan(chunks: int, split: int, tiles: int, M: int, N: int, dummy: torch.Tensor, atomic: bool = False):
     """``(splits, chunks per split, partials workspace, tickets, atomic)`` for ``split`` requested
     K-splits of ``chunks`` chunks over ``tiles`` output tiles: no empty splits, no split when the tiles

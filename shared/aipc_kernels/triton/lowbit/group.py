@@ -34,7 +34,7 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_rows
-from .common import GEMV_MAX_M, path, sm_count, split_plan, store_or_reduce
+from .common import GEMV_MAX_M, k_splits, path, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, pdl_ok
 
 NAME = "group"
@@ -305,15 +305,10 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     has two programs per SM (the H200 winners: 128 rows, split 4-8)."""
     chunks = -(-K // triton_chunk(bits))
     if path(M) == "gemm":
-        tiles, split = -(-M // 64) * -(-N // 128), 1
-        while M <= SPLIT_GEMM_MAX_M and split < 8 and tiles * split < sm_count(device) and chunks >= 2 * split:
-            split *= 2
+        split = k_splits(-(-M // 64) * -(-N // 128), chunks, 8, sm_count(device)) if M <= SPLIT_GEMM_MAX_M else 1
         return {"KERNEL": NAME, "BLOCK_N": 128, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "WA": 1, "SPLIT_K": split}
     bn = 128 if N >= 2048 else 64
-    tiles = -(-N // bn)
-    split = 1
-    while split < 16 and tiles * split < 2 * sm_count(device) and chunks >= 2 * split:
-        split *= 2
+    split = k_splits(-(-N // bn), chunks, 16, 2 * sm_count(device))
     return {"KERNEL": NAME, "BLOCK_N": bn, "BLOCK_M": GEMV_MAX_M, "WA": 1, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 

@@ -30,7 +30,7 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_row_packed
-from .common import sm_count, split_plan, store_or_reduce
+from .common import k_splits, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, pdl_ok
 
 NAME = "stream"
@@ -198,9 +198,7 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     while fewer than two programs per SM would run."""
     chunks = -(-K // triton_chunk(bits))
     bn, bc = 8, min(32, max(1, chunks))
-    split = 1
-    while split < 4 and -(-N // bn) * split < 2 * sm_count(device) and chunks >= 2 * split * bc:
-        split *= 2
+    split = k_splits(-(-N // bn), chunks // bc, 4, 2 * sm_count(device))  # every split keeps two steps of bc chunks
     return {"KERNEL": NAME, "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
 
 
