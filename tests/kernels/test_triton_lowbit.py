@@ -17,10 +17,9 @@ from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-tlin, common, registry, stream, tuning, dequant, fold, activation = import_kernels(
+tlin, common, registry, stream, tuning, dequant = import_kernels(
     "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.common", "aipc_kernels.triton.lowbit.registry",
     "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning", "aipc_kernels.triton.lowbit.dequant",
-    "aipc_kernels.triton.lowbit.fold", "aipc_kernels.triton.lowbit.activation",
 )
 
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
@@ -33,10 +32,6 @@ STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, 
 STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
 # M > 16: the weight dequantized to x's dtype by a Triton pass, then the vendor GEMM
 DEQUANT = {"KERNEL": "dequant", "BLOCK_N": 16, "CHUNKS": 3, "num_warps": 4}
-# 16-bit matrix units, each group's scale folded into the weight operand: GEMM tiles (A or B) and split-K
-FOLD = {"KERNEL": "fold", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2, "WA": 1}
-FOLD_B = dict(FOLD, BLOCK_N=16, WA=0)
-FOLD16 = dict(FOLD, BLOCK_M=16, SPLIT_K=2)
 
 
 @pytest.fixture(autouse=True)
@@ -621,86 +616,3 @@ def test_dequant_path_is_tuned_for_prompts_only_and_never_batch_invariant(monkey
     w, p = _case(40, 256, "int2", 64, seed=1)
     with pytest.raises(ValueError, match="out must be"):
         dequant.dequantize(p, torch.float32, out=torch.empty(40, 255, device=DEVICE))
-
-
-def _fold_reference(x, w, bias, dtype, act_amax=None):
-    """What the fold kernel computes, in float64: the op's int8 codes times the weight rounded to
-    ``dtype`` (the canonical dequantization), each token's scale, the bias."""
-    K = x.shape[1]
-    with registry.interpreter_scope():
-        xq, sx, _ = activation.quantize_rows(x.to(DEVICE), K, sums=False, act_amax=act_amax)
-    wd = w.dequantize().to(dtype).double()
-    y = (xq.cpu().double() @ wd.T) * sx.cpu().double()[:, None]
-    return y if bias is None else y + bias.double()
-
-
-@pytest.mark.parametrize("codebook", ["int2", "sym", "ternary", "binary", "affine", "int4", "affine4", "int8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M, cfg", [(37, FOLD), (20, FOLD_B), (9, FOLD16), (40, dict(FOLD, SPLIT_K=3))])
-def test_fold_is_the_int8_codes_times_the_weight_in_x_dtype(codebook, dtype, M, cfg):
-    """Every output of a poisoned buffer is sum(code * dequantize().to(dtype)) * scale + bias rounded once
-    (fp32 sums: the output's rounding is the only error) when the scales are of x's dtype, and within
-    the op's W*A8 contract of the float64 reference for scales of the other dtype too, on odd N, a K of a padded last chunk, groups
-    of 32 / 64 / the whole row; and within the op's W*A8 contract of the float64 reference."""
-    N, K = 43, 320 if codebook != "int8" else 288
-    group = {"int2": 64, "sym": 32, "ternary": -1, "binary": -1, "affine": 32, "int4": 64, "affine4": 32, "int8": 32}[codebook]
-    tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
-    for scale_dtype in (torch.bfloat16, torch.float16):
-        w, p = _case(N, K, codebook, group, seed=M + len(codebook), scale_dtype=scale_dtype)
-        x = (torch.randn(M, K) * torch.linspace(0.2, 3, K)).to(dtype)
-        bias = torch.randn(N).to(dtype)
-        out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
-        y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, out=out)
-        assert y.data_ptr() == out.data_ptr() and y.dtype == dtype and torch.isfinite(y).all()
-        _close(y, ops.reference_linear_w8(x, w, bias), tol)
-        if scale_dtype == dtype:  # scales of x's dtype: the weight is exactly dequantize() in it, y rounded once
-            ref = _fold_reference(x, w, bias, dtype)
-            err = (y.double().cpu() - ref).abs()
-            ulp = torch.finfo(dtype).eps * (1 if dtype == torch.bfloat16 and not ON_GPU else 0.5)  # the interpreter truncates to bf16
-            assert (err <= ulp * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
-
-
-def test_fold_honours_act_amax_and_runs_group_for_fp32():
-    """``act_amax`` gives the codes of the wider absmax; fp32 activations run the ``group`` kernel with
-    the same tile (bit for bit), so fp32 keeps the exact integer contract."""
-    N, K, M = 40, 256, 24
-    w, p = _case(N, K, "int2", 64, seed=3)
-    x = torch.randn(M, K)
-    amax = (x.abs().amax(1) * 2).float()
-    for dtype in (torch.bfloat16, torch.float16):
-        y = tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=FOLD, act_amax=amax.to(DEVICE))
-        _close(y, _fold_reference(x.to(dtype), w, None, dtype, amax.to(DEVICE)), torch.finfo(dtype).eps)
-    y32 = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=FOLD)
-    g32 = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=dict(FOLD, KERNEL="group"))
-    assert torch.equal(y32, g32)
-    _close(y32, ops.reference_linear_w8(x, w, None), 2e-5)
-
-
-def test_fold_is_tuned_for_m_above_1_and_never_untuned_or_batch_invariant():
-    assert registry.kernel_of(FOLD) is fold
-    spaces = {M: [c for kern in registry.KERNELS.values() for c in kern.space(M) if c["KERNEL"] == "fold"] for M in (1, 16, 64, 1024)}
-    assert not spaces[1] and spaces[16] and spaces[64] and spaces[1024]
-    assert all(c["BLOCK_M"] == tlin.GEMV_MAX_M for c in spaces[16]) and all("SPLIT_K" not in c for c in spaces[1024])
-    dev = torch.device(DEVICE)
-    for M in (2, 16, 64, 1024, 4096):
-        assert registry.heuristic_config(M, 4096, 4096, 2, dev)["KERNEL"] != "fold"
-        inv = registry.invariant_config(dict(FOLD, SPLIT_K=2), M, 256, 512, 2, dev)
-        assert inv["KERNEL"] == "group" and inv["SPLIT_K"] == 1
-    with pytest.raises(ValueError, match="BLOCK_M"):
-        registry.check_kernel_config({"KERNEL": "fold", "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 64)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fold_ptx_constants_are_exact(dtype):
-    """The PTX path's constants: 1.0 and -(power of two + the code book's integer zero) in both
-    halves, for every code book it serves; a zero that the dtype cannot hold is refused."""
-    from aipc_kernels.formats import get_codebook
-
-    for name in ("int2", "sym", "ternary", "int4"):
-        ca, cb, _ = fold.group.int_codebook(get_codebook(name))
-        asm = fold.plane_asm(get_codebook(name).bits, 1, ca, cb, dtype)
-        base = 128.0 if dtype == torch.bfloat16 else 1024.0
-        off = torch.tensor([-(base + cb)], dtype=dtype).view(torch.int16).item() & 0xFFFF
-        assert f"{off * 0x10001:#010x}" in asm and ("bf16x2" in asm) == (dtype == torch.bfloat16)
-    with pytest.raises(ValueError, match="not exact"):
-        fold.plane_asm(2, 0, 1, 129, torch.bfloat16)  # 257 needs 9 significant bits

@@ -40,7 +40,7 @@ from ...formats import get_codebook
 from ...lowbit_contract import check_operands_a16
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from . import tuning
-from .common import GEMV_MAX_M, dense_call, float_dot, path, sm_count, split_plan, store_or_reduce
+from .common import GEMV_MAX_M, dense_call, path, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, interpreter_scope
 
 NAME = "a16"
@@ -90,6 +90,19 @@ def _values(wb, q: tl.constexpr, E0M4: tl.constexpr, DT: tl.constexpr, INTERP: t
         return ((wb >> (4 * q)) & 0xF).to(tl.float32).to(DT)
     else:
         return ((wb >> (4 * q)) & 0xF).to(DT)
+
+
+@triton.jit
+def _dot(a, b, d, DT: tl.constexpr, INTERP: tl.constexpr):
+    """``d + a @ b`` in fp32: bf16/fp16 operands on the matrix units, fp32 ones without tf32 rounding.
+    The interpreter multiplies bf16 operands as their raw bits: there they go through fp32 (exact,
+    the same products)."""
+    if DT == tl.float32:
+        return tl.dot(a, b, d, input_precision="ieee")
+    elif INTERP and DT == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), d, input_precision="ieee")
+    else:
+        return tl.dot(a, b, d)
 
 
 @triton.jit
@@ -147,9 +160,9 @@ def _a16_kernel(
                 k0 = c * 64 + q * 32
                 xt = tl.load(x_rows + k0, mask=(k0 + j < K)[None, :], other=0.0)  # [BLOCK_M, 32]
                 if WA:
-                    d = float_dot(v, tl.trans(xt), d, DT, INTERP)
+                    d = _dot(v, tl.trans(xt), d, DT, INTERP)
                 else:
-                    d = float_dot(xt, tl.trans(v), d, DT, INTERP)
+                    d = _dot(xt, tl.trans(v), d, DT, INTERP)
                 xs += xt.to(tl.float32)
                 if WHOLE_ROW:
                     flush = False

@@ -73,7 +73,7 @@ def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, B
         if FAKE:  # the codes times the scale, rounded once to the output's dtype, [M, K]
             tl.store(xq_ptr + m * K + k, round_to(xqf * sx, xq_ptr.dtype.element_ty), mask=k < K)
         else:
-            tl.store(xq_ptr + m * Kp + k, xqf.to(xq_ptr.dtype.element_ty), mask=k < Kp)
+            tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
         if WRITE_SUMS:
             sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
             tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
@@ -103,16 +103,14 @@ def _quant_act_pack_kernel(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: 
 
 
 def quantize_rows(
-    x2: torch.Tensor, Kp: int, sums: bool, act_amax: Optional[torch.Tensor] = None, pdl: bool = False,
-    codes_dtype: torch.dtype = torch.int8,
+    x2: torch.Tensor, Kp: int, sums: bool, act_amax: Optional[torch.Tensor] = None, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32] or None)`` of ``x2 [M, K]``; ``sums``:
     write the 32-k code sums (only affine code books' zero-point correction reads them); ``act_amax``:
     None or the dense float32 [M] absmax of each row to scale by; ``pdl``: launched as the primary of a
-    programmatic dependent launch (sm_90+, :func:`~.interpret.pdl_ok`); ``codes_dtype``: the codes'
-    dtype (int8, or fp16/bf16 holding the same integers exactly, for float matrix units)."""
+    programmatic dependent launch (sm_90+, :func:`~.interpret.pdl_ok`)."""
     M, K = x2.shape
-    xq = torch.empty(M, Kp, dtype=codes_dtype, device=x2.device)
+    xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
     xsum = torch.empty(M, Kp // 32, dtype=torch.int32, device=x2.device) if sums else None
     if M <= GEMV_MAX_M:  # few rows: 1024-k slices, each program's absmax in one load of the whole row

@@ -60,19 +60,6 @@ def round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def float_dot(a, b, d, DT: tl.constexpr, INTERP: tl.constexpr):
-    """``d + a @ b`` in fp32: bf16/fp16 operands on the matrix units, fp32 ones without tf32 rounding.
-    The interpreter multiplies bf16 operands as their raw bits: there they go through fp32 (exact,
-    the same products)."""
-    if DT == tl.float32:
-        return tl.dot(a, b, d, input_precision="ieee")
-    elif INTERP and DT == tl.bfloat16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), d, input_precision="ieee")
-    else:
-        return tl.dot(a, b, d)
-
-
-@triton.jit
 def quantize(xv, inv):
     """int8 code (as fp32) of ``xv``: rne(fp32(xv * inv)). The product goes through an fma with 0 so
     the compiler cannot contract it into the rounding add (that would skip the product's rounding)."""
