@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
-from .activation import pack_row, quantize_row_packed
+from .activation import quantize_row_packed
 from .common import k_splits, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, pdl_ok
 
@@ -42,13 +42,6 @@ SPACE = [
     for bc in (4, 8, 16, 32)
     for nw in (2, 4, 8)
     if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
-]
-
-# one launch (no pre-pass): FUSED programs per SM, each quantizing x itself, then looping over the tiles
-FUSED_SPACE = [
-    {"KERNEL": NAME, "BLOCK_N": bn, "SPLIT_K": 1, "num_warps": nw, "num_stages": 1, "BLOCK_C": bc, "FUSED": f}
-    for bn, bc, nw in ((8, 16, 4), (8, 32, 8), (16, 8, 4), (16, 16, 8), (8, 16, 8), (32, 8, 8))
-    for f in (1, 2, 4)
 ]
 
 
@@ -87,47 +80,7 @@ def _stream_kernel(
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
 ):
-    """The GEMV after the pre-pass: program (n, k) computes tile n's split k (:func:`_stream_tile`)."""
-    _stream_tile(xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, NG, KW, CHUNKS_PER_SPLIT,
-                 tl.program_id(0), tl.program_id(1), BITS, CMUL, ZERO, G, WHOLE_ROW, HAS_ZEROS, HAS_BIAS, HW_DP4A, PDL,
-                 BLOCK_N, BLOCK_C, SPLIT_K, FULLX)  # fmt: skip
-
-
-@triton.jit
-def _stream_fused_kernel(
-    x_ptr, amax_ptr, scr_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-    K, Kp, N, NG, KW, CHUNKS_PER_SPLIT, TILES, SCR,
-    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_KX: tl.constexpr, HAS_AMAX: tl.constexpr,
-):
-    """One launch, no pre-pass (``FUSED``): a persistent grid of a few programs per SM, each first writing
-    the pre-pass's codes, sums and scale of x into its own ``SCR`` bytes of scratch (``xq [Kp]`` int8,
-    ``xs [Kp/32]`` int32, ``sx``), then, after a CTA barrier, computing tiles ``pid, pid + programs, ...``
-    of the (tile, split) grid from that copy, L1-resident."""
-    pid = tl.program_id(0)
-    xq = scr_ptr + pid.to(tl.int64) * SCR
-    xs = (xq + Kp).to(tl.pointer_type(tl.int32))
-    sx = (xq + Kp + Kp // 8).to(tl.pointer_type(tl.float32))
-    pack_row(x_ptr, amax_ptr, xq, xs, sx, K, Kp, BLOCK_Q, BLOCK_KX, HAS_AMAX)
-    tl.debug_barrier()  # the scratch written by every thread of the CTA, read by all below
-    xw = xq.to(tl.pointer_type(tl.int32))
-    for t in range(pid, TILES * SPLIT_K, tl.num_programs(0)):
-        _stream_tile(xw, xs, sx, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, NG, KW, CHUNKS_PER_SPLIT,
-                     t % TILES, t // TILES, BITS, CMUL, ZERO, G, WHOLE_ROW, HAS_ZEROS, HAS_BIAS, HW_DP4A, False,
-                     BLOCK_N, BLOCK_C, SPLIT_K, FULLX)  # fmt: skip
-
-
-@triton.jit
-def _stream_tile(
-    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-    N, NG, KW, CHUNKS_PER_SPLIT, pid_n, pid_k,
-    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
-):
-    """Tile ``pid_n`` (BLOCK_N rows) over split ``pid_k`` of K; per step it holds [BLOCK_N, BLOCK_C chunks,
+    """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
     one, the first tile before waiting for the pre-pass (``PDL``), so the weight stream never waits on
     the activations. A plane's 4 codes of a word meet the 4 int8 activations of the same k, read as
@@ -148,6 +101,8 @@ def _stream_tile(
     ROW_DOT: tl.constexpr = WHOLE_ROW and BITS >= 4
     CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1
     tl.static_assert(BLOCK_C % CPG == 0 and (not SIGNED or not HAS_ZEROS))
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     oc = tl.arange(0, BLOCK_C)
@@ -235,7 +190,7 @@ def _stream_tile(
 
 def space(M: int) -> list[dict]:
     """The configs the tuner times for ``M`` tokens (M == 1 only)."""
-    return SPACE + FUSED_SPACE if M == 1 else []
+    return list(SPACE) if M == 1 else []
 
 
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
@@ -263,27 +218,16 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     whole, chunk = weight.group_size == K, triton_chunk(cb.bits)
     cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
-    common = dict(
-        w_ptr=weight.qweight.view(torch.int32), s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
+    pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
+    xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
+    _stream_kernel[(tiles, split)](
+        xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
+        s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
         b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
         N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
         WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
-        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED,
+        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
         BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    if cfg.get("FUSED", 0):  # one launch: FUSED programs per SM, each quantizing x into its own scratch
-        programs = min(tiles * split, int(cfg["FUSED"]) * sm_count(x2.device))
-        scr = -(-(Kp + Kp // 8 + 4) // 128) * 128  # xq int8 [Kp], xs int32 [Kp/32], sx; 128-byte aligned
-        scratch = torch.empty(programs * scr, dtype=torch.int8, device=x2.device)
-        _stream_fused_kernel[(programs,)](
-            x_ptr=x2, amax_ptr=x2 if act_amax is None else act_amax, scr_ptr=scratch, K=K, Kp=Kp, TILES=tiles, SCR=scr,
-            BLOCK_Q=1024, BLOCK_KX=min(triton.next_power_of_2(K), 16384), HAS_AMAX=act_amax is not None, **common,
-        )  # fmt: skip
-        return
-    pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
-    xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
-    _stream_kernel[(tiles, split)](
-        xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, PDL=pdl, **common, **({"launch_pdl": True} if pdl else {})
-    )
