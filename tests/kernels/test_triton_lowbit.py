@@ -30,8 +30,6 @@ GROUP16_ONE = dict(GROUP16, SPLIT_K=1)  # unsplit (the batch-invariant form)
 # M == 1 weight streaming: the packed-activation pre-pass (+ PDL on sm_90) and the GEMV
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
-# the pre-pass's programs first in the GEMV's own grid (one launch)
-STREAM_INLAUNCH = dict({k: v for k, v in STREAM.items() if k != "PDL"}, INLAUNCH=1)
 # M > 16: the weight dequantized to x's dtype by a Triton pass, then the vendor GEMM
 DEQUANT = {"KERNEL": "dequant", "BLOCK_N": 16, "CHUNKS": 3, "num_warps": 4}
 
@@ -96,7 +94,7 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     ref = ops.reference_linear_w8(x, w, bias)
     _close(y, ref, 2e-5)
     if M == 1:  # the stream GEMV, activation words broadcast over the rows or in the weights' layout
-        for cfg in (STREAM, STREAM_FULLX, STREAM_INLAUNCH, dict(STREAM_INLAUNCH, FULLX=1, SPLIT_K=2)):
+        for cfg in (STREAM, STREAM_FULLX):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     if M <= tlin.GEMV_MAX_M:  # and the group kernel unsplit (the batch-invariant form)
         _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=GROUP16_ONE), ref, 2e-5)
@@ -167,17 +165,15 @@ def test_untuned_gemm_splits_only_few_tiles():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="two CUDA streams running at once need a GPU")
-@pytest.mark.parametrize("kernel", ["group_atomic", "group", "stream", "stream_inlaunch"])
+@pytest.mark.parametrize("kernel", ["group_atomic", "group", "stream"])
 def test_split_k_on_two_streams_at_once(kernel):
-    """Split-K tickets, atomic sums and the in-launch pre-pass's counters are per stream: two streams launching split-K calls on the same
+    """Split-K tickets and atomic sums are per stream: two streams launching split-K calls on the same
     output tiles (same N, so the same ticket indices) at once each get their own right results. Few output
     tiles and a long K: each call fills a few SMs, so the two streams' kernels share the GPU."""
-    N, K, M = 64, 32768, 1 if kernel.startswith("stream") else 16
+    N, K, M = 64, 32768, 1 if kernel == "stream" else 16
     cfg = {"KERNEL": kernel, "BLOCK_N": 16, "SPLIT_K": 8, "num_warps": 4, "num_stages": 2, "BLOCK_C": 1}
     if kernel == "stream":
         cfg.update(XPACK=1, PDL=1, FULLX=0)
-    elif kernel == "stream_inlaunch":  # and the in-launch pre-pass's counters, per stream too
-        cfg.update(KERNEL="stream", INLAUNCH=1)
     else:
         cfg.update(KERNEL="group", BLOCK_M=16, WA=1, ATOMIC=int(kernel == "group_atomic"))
     cases = [_case(N, K, "int2", 64, seed=s) for s in (1, 2)]
@@ -244,7 +240,6 @@ def test_large_k_every_path(codebook, group):
     stream = dict(STREAM, BLOCK_N=16, BLOCK_C=8)
     per_m = {
         1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
-            dict(STREAM_INLAUNCH, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(STREAM_INLAUNCH, BLOCK_N=16, BLOCK_C=8, SPLIT_K=2),
             dict(GROUP16_ONE, BLOCK_N=128, num_stages=3)],
         16: [dict(GROUP16, BLOCK_N=128, SPLIT_K=8, num_stages=3), dict(GROUP16, BLOCK_N=256, SPLIT_K=16, num_warps=8, num_stages=3),
              dict(GROUP16, BLOCK_N=64, SPLIT_K=8, num_warps=2, num_stages=3, ATOMIC=1)],
@@ -277,7 +272,7 @@ def test_every_output_written_and_nothing_past_it(M):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
         if M == 1:
-            cfg = {torch.float32: STREAM, torch.bfloat16: STREAM_FULLX, torch.float16: STREAM_INLAUNCH}[dtype]
+            cfg = STREAM if dtype == torch.float32 else STREAM_FULLX
         else:
             cfg = gemv[dtype] if M <= tlin.GEMV_MAX_M else (GROUP_B if dtype == torch.float32 else GROUP)
         tlin.lowbit_linear_triton(x.to(dtype).to(DEVICE), p, config=cfg, out=buf[: M * N])
@@ -486,7 +481,7 @@ def test_wide_codes_groups_over_chunks_cancel_exactly(codebook, group):
     split_ok = group != -1
     stream = dict(STREAM, BLOCK_C=2 if bits == 8 else 1)  # raised to a whole group of chunks for 64/128 (4 bits: 128)
     per_m = {
-        1: [stream, dict(stream, FULLX=1, BLOCK_C=8), dict(stream, SPLIT_K=3), dict(STREAM_INLAUNCH, BLOCK_C=stream["BLOCK_C"]), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
+        1: [stream, dict(stream, FULLX=1, BLOCK_C=8), dict(stream, SPLIT_K=3), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
         5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1)],
         17: [GROUP, GROUP_B],
     }
@@ -507,8 +502,8 @@ def test_wide_codes_groups_over_chunks_cancel_exactly(codebook, group):
         assert (y - ref).abs().max() < 1e-6 * size.max(), M
 
 
-@pytest.mark.parametrize("M, K, cfg", [(1, 256, STREAM), (1, 256, STREAM_FULLX), (1, 2592, STREAM_INLAUNCH), (5, 2592, GROUP16), (40, 256, GROUP)],
-                         ids=["stream", "stream_fullx", "stream_inlaunch", "group16_slices", "group"])  # fmt: skip
+@pytest.mark.parametrize("M, K, cfg", [(1, 256, STREAM), (1, 256, STREAM_FULLX), (5, 2592, GROUP16), (40, 256, GROUP)],
+                         ids=["stream", "stream_fullx", "group16_slices", "group"])  # fmt: skip
 @pytest.mark.parametrize("codebook", ["ternary", "affine"])
 def test_act_amax_every_activation_pass(M, K, cfg, codebook):
     """``act_amax``: each token quantized with a given absmax (above its own, below it: codes clamped, zero:
@@ -541,8 +536,7 @@ def test_4bit_every_kernel_and_split(codebook, group):
     w, p = _case(N, K, codebook, group, seed=K + group)
     bias = torch.randn(N)
     per_m = {
-        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), dict(STREAM_INLAUNCH, SPLIT_K=3),
-            GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
+        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
         5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1), dict(GROUP16, SPLIT_K=8)],
         17: [GROUP, GROUP_B],
     }

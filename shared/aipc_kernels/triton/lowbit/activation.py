@@ -89,31 +89,16 @@ def _quant_act_pack_kernel(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: 
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    quantize_slice(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, tl.program_id(0), K, Kp, BLOCK_Q, BLOCK_KX, HAS_AMAX)
-
-
-@triton.jit
-def quantize_slice(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, j, K, Kp, BLOCK_Q: tl.constexpr, BLOCK_KX: tl.constexpr,
-                   HAS_AMAX: tl.constexpr):  # fmt: skip
-    """Slice ``j`` of the M == 1 pre-pass (a program of :func:`quantize_row_packed`, or of a kernel that
-    runs the pre-pass in its own launch): the row's absmax (one whole-row load, L2), the int8 codes
-    ``xq[j * BLOCK_Q :][:BLOCK_Q]`` and their 32-k sums; slice 0 also writes the scale."""
+    pid = tl.program_id(0)
     row = tl.full([1], 0, tl.int32)
     inv, sx = _row_scales(x_ptr, amax_ptr, row, row == 0, K, BLOCK_KX, HAS_AMAX)
-    if j == 0:
+    if pid == 0:
         tl.store(sx_ptr + row, sx)
-    _pack_slice(x_ptr, xq_ptr, xs_ptr, j * BLOCK_Q, inv, K, Kp, BLOCK_Q, HAS_AMAX)
-
-
-@triton.jit
-def _pack_slice(x_ptr, xq_ptr, xs_ptr, k0, inv, K, Kp, BLOCK_Q: tl.constexpr, HAS_AMAX: tl.constexpr):
-    """The int8 codes ``xq[k0 : k0 + BLOCK_Q]`` (zero past K, nothing past Kp) of the one row ``x`` and
-    their 32-k sums ``xs``, with ``inv`` = 127 / absmax."""
-    k = k0 + tl.arange(0, BLOCK_Q)
+    k = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
     xqf = _codes(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), inv, HAS_AMAX)
     tl.store(xq_ptr + k, xqf.to(tl.int8), mask=k < Kp)
     sums = tl.sum(tl.reshape(xqf, [BLOCK_Q // 32, 32]), axis=1).to(tl.int32)
-    kk = k0 // 32 + tl.arange(0, BLOCK_Q // 32)
+    kk = pid * (BLOCK_Q // 32) + tl.arange(0, BLOCK_Q // 32)
     tl.store(xs_ptr + kk, sums, mask=kk < Kp // 32)
 
 

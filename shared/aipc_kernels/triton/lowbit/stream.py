@@ -29,8 +29,8 @@ import triton.language as tl
 
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
-from .activation import quantize_row_packed, quantize_slice
-from .common import LOCK_SLOTS, fence_gpu, k_splits, lock_buffer, sm_count, split_plan, store_or_reduce
+from .activation import quantize_row_packed
+from .common import k_splits, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, pdl_ok
 
 NAME = "stream"
@@ -43,9 +43,6 @@ SPACE = [
     for nw in (2, 4, 8)
     if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
 ]
-# the pre-pass in the GEMV's own launch (no second kernel, no launch gap), split-K off
-INLAUNCH_SPACE = [dict({k: v for k, v in c.items() if k != "PDL"}, INLAUNCH=1) for c in SPACE if c["SPLIT_K"] == 1]
-INLAUNCH_FLAG = LOCK_SLOTS - 2  # lock[FLAG]: quantizing programs done, lock[FLAG + 1]: GEMV programs done
 
 
 @triton.jit
@@ -77,53 +74,15 @@ def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, F
 
 @triton.jit
 def _stream_kernel(
-    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, x_ptr, amax_ptr,
-    N, NG, KW, CHUNKS_PER_SPLIT, K, Kp, QP, FLAG,
-    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
-    INLAUNCH: tl.constexpr, BLOCK_KX: tl.constexpr, HAS_AMAX: tl.constexpr,
-):
-    """Program (n, k) computes tile n's split k (:func:`_stream_tile`) after the pre-pass. ``INLAUNCH``:
-    the pre-pass is in this launch: programs n < ``QP`` of split 0 (the first the GPU schedules) each
-    quantize a 1024-k slice of x into ``xw``/``xs`` (program 0 the scale), fence, and count themselves
-    in ``lock[FLAG]``; the other programs compute tile n - QP, waiting for the count to reach QP after
-    issuing their first weight tile; the last of them re-arms ``lock[FLAG]`` and ``lock[FLAG + 1]``."""
-    pid0 = tl.program_id(0)
-    if INLAUNCH:
-        if pid0 < QP:
-            if tl.program_id(1) == 0:
-                quantize_slice(x_ptr, amax_ptr, xw_ptr.to(tl.pointer_type(tl.int8)), xs_ptr, sx_ptr, pid0, K, Kp,
-                               1024, BLOCK_KX, HAS_AMAX)  # fmt: skip
-                token = fence_gpu(pid0) if HW_DP4A else pid0  # every thread's codes visible device-wide
-                tl.debug_barrier()
-                tl.atomic_add(lock_ptr + FLAG + token * 0, 1, sem="release")
-        else:
-            _stream_tile(xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, NG, KW,
-                         CHUNKS_PER_SPLIT, pid0 - QP, tl.program_id(1), BITS, CMUL, ZERO, G, WHOLE_ROW, HAS_ZEROS,
-                         HAS_BIAS, HW_DP4A, False, BLOCK_N, BLOCK_C, SPLIT_K, FULLX, True, QP, FLAG)  # fmt: skip
-            done = tl.atomic_add(lock_ptr + FLAG + 1, 1, sem="acq_rel")
-            if done == (tl.num_programs(0) - QP) * tl.num_programs(1) - 1:  # every program is past the wait
-                tl.atomic_xchg(lock_ptr + FLAG, 0)
-                tl.atomic_xchg(lock_ptr + FLAG + 1, 0)
-    else:
-        _stream_tile(xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, NG, KW,
-                     CHUNKS_PER_SPLIT, pid0, tl.program_id(1), BITS, CMUL, ZERO, G, WHOLE_ROW, HAS_ZEROS, HAS_BIAS,
-                     HW_DP4A, PDL, BLOCK_N, BLOCK_C, SPLIT_K, FULLX, False, QP, FLAG)  # fmt: skip
-
-
-@triton.jit
-def _stream_tile(
     xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-    N, NG, KW, CHUNKS_PER_SPLIT, pid_n, pid_k,
+    N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
-    INLAUNCH: tl.constexpr, QP, FLAG,
 ):
-    """Tile ``pid_n`` (BLOCK_N rows) over split ``pid_k`` of K; per step it holds [BLOCK_N, BLOCK_C chunks,
+    """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
-    one, the first tile before waiting for the pre-pass (``PDL``, ``INLAUNCH``), so the weight stream never waits on
+    one, the first tile before waiting for the pre-pass (``PDL``), so the weight stream never waits on
     the activations. A plane's 4 codes of a word meet the 4 int8 activations of the same k, read as
     one int32 word of ``xw`` (``xs``: their 32-k sums, ``sx``: the scale), in one ``dp4a`` (exact int32).
     8 bits and ``int4`` (``SIGNED``: signed levels, no zero term; ``int4``'s dot is 16 u), 4 and 8 bits:
@@ -142,6 +101,8 @@ def _stream_tile(
     ROW_DOT: tl.constexpr = WHOLE_ROW and BITS >= 4
     CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1
     tl.static_assert(BLOCK_C % CPG == 0 and (not SIGNED or not HAS_ZEROS))
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     oc = tl.arange(0, BLOCK_C)
@@ -153,10 +114,6 @@ def _stream_tile(
     wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if INLAUNCH:  # until the QP quantizing programs of this launch have counted themselves
-        while tl.load(lock_ptr + FLAG, volatile=True) < QP:
-            pass
-        tl.atomic_add(lock_ptr + FLAG, 0, sem="acquire")  # their codes are visible to this program's loads
     sx = tl.load(sx_ptr)
 
     acc = tl.zeros([BLOCK_N, BLOCK_C // CPG], dtype=tl.float32)
@@ -233,7 +190,7 @@ def _stream_tile(
 
 def space(M: int) -> list[dict]:
     """The configs the tuner times for ``M`` tokens (M == 1 only)."""
-    return SPACE + INLAUNCH_SPACE if M == 1 else []
+    return list(SPACE) if M == 1 else []
 
 
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
@@ -261,30 +218,16 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     whole, chunk = weight.group_size == K, triton_chunk(cb.bits)
     cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
-    common = dict(
-        w_ptr=weight.qweight.view(torch.int32), s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
-        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws,
-        N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
-        BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
-        WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
-        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED,
-        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    if cfg.get("INLAUNCH", 0) and tiles <= INLAUNCH_FLAG:  # the pre-pass's programs first in the same grid
-        qp = triton.cdiv(Kp, 1024)
-        xq = torch.empty(Kp, dtype=torch.int8, device=x2.device)
-        xs = torch.empty(Kp // 32, dtype=torch.int32, device=x2.device)
-        sx = torch.empty(1, dtype=torch.float32, device=x2.device)
-        _stream_kernel[(qp + tiles, split)](
-            xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, lock_ptr=lock_buffer(x2.device), x_ptr=x2,
-            amax_ptr=x2 if act_amax is None else act_amax, K=K, Kp=Kp, QP=qp, FLAG=INLAUNCH_FLAG, PDL=False,
-            INLAUNCH=True, BLOCK_KX=min(triton.next_power_of_2(K), 16384), HAS_AMAX=act_amax is not None, **common,
-        )  # fmt: skip
-        return
     pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
     xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
     _stream_kernel[(tiles, split)](
-        xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, lock_ptr=locks, x_ptr=x2, amax_ptr=x2, K=K, Kp=Kp, QP=0, FLAG=0,
-        PDL=pdl, INLAUNCH=False, BLOCK_KX=32, HAS_AMAX=False, **common, **({"launch_pdl": True} if pdl else {}),
+        xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
+        s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
+        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+        N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
+        BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
+        WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
+        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -121,7 +121,7 @@ def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y
             t = _time(lambda: launch(x2, weight, bias, y, cfg), x2.device)
         except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
             continue
-        name = cfg["KERNEL"] + ("-inlaunch" if cfg.get("INLAUNCH") else "")  # stream's one-launch form apart
+        name = cfg["KERNEL"]
         by_kernel[name] = min(by_kernel.get(name, float("inf")), round(t * 1e3, 2))
         if t < best_t:
             best, best_t = cfg, t
