@@ -40,7 +40,7 @@ from ...formats import get_codebook
 from ...lowbit_contract import check_operands_a16
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from . import tuning
-from .common import GEMV_MAX_M, dense_call, path, sm_count, split_plan, store_or_reduce
+from .common import GEMV_MAX_M, dense_call, k_splits, path, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, interpreter_scope
 
 NAME = "a16"
@@ -215,10 +215,7 @@ def heuristic(M: int, N: int, K: int, device: torch.device) -> dict:
     if path(M) == "gemm":
         return {"KERNEL": NAME, "BLOCK_N": 128, "BLOCK_M": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "WA": 1}
     bn = 128 if N >= 2048 else 64
-    tiles, steps = -(-N // bn), -(-K // 128)
-    split = 1
-    while split < 8 and tiles * split < 2 * sm_count(device) and steps >= 2 * split:
-        split *= 2
+    split = k_splits(-(-N // bn), -(-K // 128), 8, 2 * sm_count(device))
     return {"KERNEL": NAME, "BLOCK_N": bn, "BLOCK_M": GEMV_MAX_M, "SPLIT_K": split, "num_warps": 4, "num_stages": 3, "WA": 1}
 
 
