@@ -30,9 +30,6 @@ GROUP16_ONE = dict(GROUP16, SPLIT_K=1)  # unsplit (the batch-invariant form)
 # M == 1 weight streaming: the packed-activation pre-pass (+ PDL on sm_90) and the GEMV
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
-STREAM_SPRE = dict(STREAM_FULLX, SPRE=1)  # the group scales loaded a step ahead, with the weights
-# M == 1, the lean GEMV: per-thread partials scaled in the thread, one reduction at the end
-STREAM_LEAN = {"KERNEL": "lean", "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 # M > 16: the weight dequantized to x's dtype by a Triton pass, then the vendor GEMM
 DEQUANT = {"KERNEL": "dequant", "BLOCK_N": 16, "CHUNKS": 3, "num_warps": 4}
 
@@ -97,7 +94,7 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     ref = ops.reference_linear_w8(x, w, bias)
     _close(y, ref, 2e-5)
     if M == 1:  # the stream GEMV, activation words broadcast over the rows or in the weights' layout
-        for cfg in (STREAM, STREAM_FULLX, STREAM_SPRE, dict(STREAM, SPRE=1, SPLIT_K=2, BLOCK_C=1), STREAM_LEAN, dict(STREAM_LEAN, SPLIT_K=2, BLOCK_C=1)):
+        for cfg in (STREAM, STREAM_FULLX):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     if M <= tlin.GEMV_MAX_M:  # and the group kernel unsplit (the batch-invariant form)
         _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=GROUP16_ONE), ref, 2e-5)
@@ -243,7 +240,6 @@ def test_large_k_every_path(codebook, group):
     stream = dict(STREAM, BLOCK_N=16, BLOCK_C=8)
     per_m = {
         1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
-            dict(STREAM_LEAN, BLOCK_N=64, BLOCK_C=8), dict(stream, SPRE=1), dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8, SPRE=1), dict(STREAM_LEAN, BLOCK_N=32, BLOCK_C=16, num_warps=8, SPLIT_K=2),
             dict(GROUP16_ONE, BLOCK_N=128, num_stages=3)],
         16: [dict(GROUP16, BLOCK_N=128, SPLIT_K=8, num_stages=3), dict(GROUP16, BLOCK_N=256, SPLIT_K=16, num_warps=8, num_stages=3),
              dict(GROUP16, BLOCK_N=64, SPLIT_K=8, num_warps=2, num_stages=3, ATOMIC=1)],
@@ -255,23 +251,6 @@ def test_large_k_every_path(codebook, group):
         for cfg in cfgs + [None]:
             for _ in range(2):  # split-K tickets re-armed
                 _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg), ref, 2e-5)
-
-
-@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
-@pytest.mark.parametrize("group", [32, 64, 128, -1], ids=["g32", "g64", "g128", "row"])
-def test_stream_lean_every_codebook_and_group(codebook, group):
-    """The LEAN GEMV (each thread's group partials scaled in the thread, a raw-code ``dp4a.u32.s32``
-    and the zero point on the activation sums, one formula for every code book and group): whole tiles
-    (no masks, ``EVEN``; the last step's prefetch clamped), ragged rows and K, and K splits, against the
-    float64 int8-activation reference."""
-    cases = [(48, 1024, dict(STREAM_LEAN, BLOCK_N=16, BLOCK_C=2)), (48, 1024, dict(STREAM_LEAN, BLOCK_N=8, BLOCK_C=1, SPLIT_K=2)),
-             (37, 384, STREAM_LEAN), (37, 384, dict(STREAM_LEAN, SPLIT_K=3, BLOCK_C=1)),
-             (48, 1024, dict(STREAM_SPRE, BLOCK_N=16, BLOCK_C=2)), (37, 384, dict(STREAM, SPRE=1, SPLIT_K=3, BLOCK_C=1))]
-    for N, K, cfg in cases:
-        w, p = _case(N, K, codebook, group, seed=N + K + group)
-        x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)) * 2
-        bias = torch.randn(N)
-        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ops.reference_linear_w8(x, w, bias), 2e-5)
 
 
 @pytest.mark.parametrize("kernel", ["group", "group_b"])
@@ -557,8 +536,7 @@ def test_4bit_every_kernel_and_split(codebook, group):
     w, p = _case(N, K, codebook, group, seed=K + group)
     bias = torch.randn(N)
     per_m = {
-        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), GROUP16_ONE, dict(GROUP16, SPLIT_K=3),
-            STREAM_LEAN, dict(STREAM_LEAN, SPLIT_K=3, BLOCK_C=1), dict(STREAM_SPRE, BLOCK_C=4), dict(STREAM, SPRE=1, SPLIT_K=3)],
+        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
         5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1), dict(GROUP16, SPLIT_K=8)],
         17: [GROUP, GROUP_B],
     }

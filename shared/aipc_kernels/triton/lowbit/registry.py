@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 
 from ...packing import PackedLowBit
-from . import dequant, group, lean, stream
+from . import dequant, group, stream
 from .common import check_config
 from .interpret import interpreter_scope
 
-KERNELS: dict[str, ModuleType] = {stream.NAME: stream, lean.NAME: lean, group.NAME: group, dequant.NAME: dequant}
+KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant}
 
 
 def kernel_of(cfg: dict) -> ModuleType:

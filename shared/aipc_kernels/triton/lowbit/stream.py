@@ -21,13 +21,13 @@ pre-pass is the only mode; the fused-quantization variant was removed, see docs/
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ...formats import Codebook, get_codebook
+from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_row_packed
 from .common import k_splits, sm_count, split_plan, store_or_reduce
@@ -73,29 +73,12 @@ def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, F
 
 
 @triton.jit
-def _step_scales(s_ptr, z_ptr, c0, og, ogi, offs_n, n_mask, c_end, N, NG, KC: tl.constexpr, GE: tl.constexpr,
-                 G: tl.constexpr, CPG: tl.constexpr, WHOLE_ROW: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """The group scales (and zeros, else the scales again) of the step from chunk ``c0``:
-    ``[BLOCK_N, BLOCK_C // CPG group columns, GPC group slots of a chunk]``, in their stored dtype."""
-    gc = c0 + og * CPG
-    if WHOLE_ROW:
-        g = (gc[None, :, None] + ogi[None, None, :]) * 0
-    else:
-        g = (gc[None, :, None] * KC + ogi[None, None, :] * GE) // G
-    m = n_mask[:, None, None] & (gc < c_end)[None, :, None] & (g < NG)
-    off = g * N + offs_n[:, None, None]
-    sv = tl.load(s_ptr + off, mask=m, other=0.0)
-    zv = tl.load(z_ptr + off, mask=m, other=0.0) if HAS_ZEROS else sv
-    return sv, zv
-
-
-@triton.jit
 def _stream_kernel(
     xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr, SPRE: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
 ):
     """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
@@ -129,10 +112,6 @@ def _stream_kernel(
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * KW + ow[None, None, :]
     c = c_begin + oc
     wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
-    og = tl.arange(0, BLOCK_C // CPG)
-    ogi = tl.arange(0, GPC)
-    if SPRE and not ROW_DOT:  # the step's group scales (and zeros) loaded with its weights, a step ahead
-        sv, zv = _step_scales(s_ptr, z_ptr, c_begin, og, ogi, offs_n, n_mask, c_end, N, NG, KC, GE, G, CPG, WHOLE_ROW, HAS_ZEROS)
     if PDL:
         tl.extra.cuda.gdc_wait()
     sx = tl.load(sx_ptr)
@@ -140,13 +119,12 @@ def _stream_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_C // CPG], dtype=tl.float32)
     dacc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.int32)  # ROW_DOT
     xacc = tl.zeros([BLOCK_C], dtype=tl.float32)  # ROW_DOT with zeros: the activation sums
+    og = tl.arange(0, BLOCK_C // CPG)
     for c0 in range(c_begin, c_end, BLOCK_C):
         c = c0 + oc
         c_mask = c < c_end
         cn = c + BLOCK_C
         wn = tl.load(w_rows + cn[None, :, None] * 8, mask=n_mask[:, None, None] & (cn < c_end)[None, :, None], other=0)
-        if SPRE and not ROW_DOT:
-            sn, zn = _step_scales(s_ptr, z_ptr, c0 + BLOCK_C, og, ogi, offs_n, n_mask, c_end, N, NG, KC, GE, G, CPG, WHOLE_ROW, HAS_ZEROS)
         for gi in tl.static_range(GPC):
             d = tl.zeros([BLOCK_N, BLOCK_C, 8], dtype=tl.int32)
             xs = tl.zeros([BLOCK_C, 8], dtype=tl.float32)
@@ -188,26 +166,16 @@ def _stream_kernel(
                     g = gc * 0
                 else:
                     g = (gc * KC + gi * GE) // G
-                if SPRE:
-                    pick = (ogi == gi).to(tl.float32)[None, None, :]
-                    sc = tl.sum(sv.to(tl.float32) * pick, axis=2)
-                else:
-                    gmask = n_mask[:, None] & ((gc < c_end) & (g < NG))[None, :]
-                    sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                gmask = n_mask[:, None] & ((gc < c_end) & (g < NG))[None, :]
+                sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
                 if HAS_ZEROS:
-                    if SPRE:
-                        zp = tl.sum(zv.to(tl.float32) * pick, axis=2)
-                    else:
-                        zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                    zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
                     acc += sc * (CMUL * dot - zp * gx[None, :])
                 elif SIGNED:
                     acc += sc * (CMUL * dot)
                 else:
                     acc += sc * (CMUL * dot - ZERO * gx[None, :])
         wv = wn
-        if SPRE and not ROW_DOT:
-            sv = sn
-            zv = zn
     if ROW_DOT:  # the exact int32 dot of the whole range (|dot| < 2**31), converted once
         sc_row = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         u = tl.sum(dacc, axis=1).to(tl.float32)
@@ -234,59 +202,32 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return {"KERNEL": NAME, "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
 
 
-class GemvPlan(NamedTuple):
-    """What an M == 1 GEMV launch needs beside its config: the code book, padded K, tiles, the K split
-    (workspace and tickets) and the pre-pass's outputs (int8 codes, 32-k sums, scale)."""
-
-    cb: Codebook
-    K: int
-    Kp: int
-    tiles: int
-    whole: bool
-    cpg: int  # chunks per group (8 bits)
-    split: int
-    chunks_per_split: int
-    ws: torch.Tensor
-    locks: torch.Tensor
-    pdl: bool
-    xq: torch.Tensor
-    xs: torch.Tensor
-    sx: torch.Tensor
-
-
-def plan(x2: torch.Tensor, weight: PackedLowBit, y: torch.Tensor, cfg: dict, act_amax: Optional[torch.Tensor]) -> GemvPlan:
-    """Checks M == 1, splits K (whole groups of 8-bit codes) and runs the activation pre-pass."""
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
+           act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """The pre-pass (absmax from ``act_amax`` when given) and the GEMV for ``x2 [1, K]``, writing ``y [1, N]``."""
     M, K = x2.shape
     if M != 1:
-        raise ValueError(f"config {cfg}: the {cfg.get('KERNEL')} GEMV kernel takes M == 1 only (M={M})")
+        raise ValueError(f"config {cfg}: the stream GEMV kernel takes M == 1 only (M={M})")
+    if not cfg.get("XPACK", 1):
+        raise ValueError(f"config {cfg}: XPACK=0 (quantization fused into the stream GEMV) was removed; drop XPACK")
     N = weight.out_features
     cb = get_codebook(weight.codebook)
     Kp = weight.qweight.shape[1] * (8 // cb.bits)
-    tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    bn = cfg["BLOCK_N"]
+    tiles = triton.cdiv(N, bn)
     whole, chunk = weight.group_size == K, triton_chunk(cb.bits)
     cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
     pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
     xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
-    return GemvPlan(cb, K, Kp, tiles, whole, cpg, split, per_split * cpg, ws, locks, pdl, xq, xs, sx)
-
-
-def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
-           act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
-    """The pre-pass (absmax from ``act_amax`` when given) and the GEMV for ``x2 [1, K]``, writing ``y [1, N]``."""
-    if not cfg.get("XPACK", 1):
-        raise ValueError(f"config {cfg}: XPACK=0 (quantization fused into the stream GEMV) was removed; drop XPACK")
-    g = plan(x2, weight, y, cfg, act_amax)
-    _stream_kernel[(g.tiles, g.split)](
-        xw_ptr=g.xq.view(torch.int32), xs_ptr=g.xs, sx_ptr=g.sx, w_ptr=weight.qweight.view(torch.int32),
+    _stream_kernel[(tiles, split)](
+        xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
-        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=g.ws, lock_ptr=g.locks,
-        N=weight.out_features, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=g.chunks_per_split,
-        BITS=g.cb.bits, CMUL=float(g.cb.cmul), ZERO=float(g.cb.zero or 0.0), G=g.K if g.whole else weight.group_size,
-        WHOLE_ROW=g.whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
-        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=g.pdl,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_C=max(cfg.get("BLOCK_C", 8), g.cpg), SPLIT_K=g.split, FULLX=bool(cfg.get("FULLX", 0)),
-        SPRE=bool(cfg.get("SPRE", 0)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if g.pdl else {}),
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+        N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
+        BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
+        WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
+        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
