@@ -1,30 +1,160 @@
-"""Kernel by kernel GPU time of ``aipc::lowbit_linear`` at M=1 and M=16 on the Llama-3-8B shapes (torch.profiler,
-50 calls, no CUDA graph), with whatever configs the tuning cache / shipped json give:
+"""Where the time of ``aipc::lowbit_linear`` goes at small M on the GPU, each part timed as
+``bench/gemv_gpu.py`` times its rows (CUDA-graph replay over weight copies >= 4x L2, so the weights
+stream from HBM as in a forward pass), beside the read-only floor of the same bytes:
 
-    python bench/kernel_times_gpu.py
+    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--out bench/results] [--name N]
 
-Prints one line per shape and M: each kernel's mean device time. Where the op's time goes (activation pass
-vs the GEMV/GEMM) when the bench's row is over the read-only floor."""
+Rows per shape and M (int2 code book, group 64, fp16 scales, bf16 activations, ``bench/gemv_gpu.py``'s
+weights):
+- ``op``: the op with the config it selects (shipped or tuned), programmatic dependent launch (PDL) as
+  that config says;
+- ``op_nopdl``: the same config with PDL off (the two kernels serialised);
+- ``act``: the activation pass alone (M = 1: the packed pre-pass; M > 1: the row pass);
+- ``kernel``: the GEMV/GEMM alone, on activation codes computed once before the graph (PDL off);
+- ``kernel_l2``: the same on one weight copy replayed, L2-warm: what the op's tuner times;
+- ``read``: ``bench/gemv_gpu.py``'s ``read`` row (the fastest read-only kernel over the same bytes).
+``--sweep``: ``kernel`` and ``kernel_l2`` for every config the tuner times at this M (its kernels'
+spaces), the five fastest by each timing.
+
+(Before issue 20's decomposition this script timed the kernels with torch.profiler, L2-warm and without
+a graph; those numbers made the M = 1 GEMV look within 1.2x of a bare read. It is not, from HBM.)
+"""
+from __future__ import annotations
+
 import sys
+import time
+
 import torch
-from torch.profiler import profile, ProfilerActivity
-sys.path[:0] = ["shared", "bench"]
-from aipc_kernels.ops import lowbit_linear
-from aipc_kernels.packing import pack_for_triton
-from aipc_kernels.quantizers import quantize_rtn
+
+import gemv_gpu as gb  # bench/ is on sys.path when run as a script
+from aipc_kernels.triton.lowbit import group, registry, stream
+from aipc_kernels.triton.lowbit import linear as tlin
+from aipc_kernels.triton.lowbit.activation import quantize_row_packed, quantize_rows
+from aipc_kernels.triton.lowbit.tuning import select_config
+from harness import BenchParser, bench_lock, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES
 
-for sname in ("8B q/o 4096x4096", "8B gate/up 14336x4096", "8B down 4096x14336", "8B kv 1024x4096"):
+PARTS = ("op", "op_nopdl", "act", "kernel", "kernel_l2", "read")
+
+
+class _FixedActivations:
+    """While active, the kernels' activation passes return codes computed once (the kernel timed alone)."""
+
+    def __init__(self, x2: torch.Tensor, Kp: int):
+        self.one = quantize_row_packed(x2, Kp, False) if x2.shape[0] == 1 else None
+        self.rows = quantize_rows(x2, Kp, sums=False)
+
+    def __enter__(self):
+        self.saved = (stream.quantize_row_packed, group.quantize_rows)
+        stream.quantize_row_packed = lambda *a, **k: self.one
+        group.quantize_rows = lambda *a, **k: self.rows
+
+    def __exit__(self, *exc):
+        stream.quantize_row_packed, group.quantize_rows = self.saved
+
+
+def _us(calls: list) -> float:
+    return gb.time_rotating(calls) * 1e6
+
+
+def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool) -> dict:
+    """The ``parts`` of one shape at one M (and the sweep's five fastest by each timing)."""
     N, K = SHAPES[sname]
-    p = pack_for_triton(quantize_rtn(torch.randn(N, K, device="cuda") * 0.02, "int2", 64))
-    for M in (1, 16):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            lowbit_linear(x, p)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(50):
-                lowbit_linear(x, p)
-            torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / e.count, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-        print(f"{sname} M={M}: " + "; ".join(f"{k[:40]} {t:.2f}us x{c}" for k, t, c in rows), flush=True)
+    W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    state: dict = {}
+    calls, _, copies = gb.row_ours(W, x, l2, state)
+    ws = [f.__defaults__[0] for f in calls]  # row_ours' weight copies
+    Kp = ws[0].qweight.shape[1] * 4
+    y = torch.empty(M, N, device="cuda", dtype=x.dtype)
+    cfg = select_config(x, ws[0], None, y)
+    nopdl = dict(cfg, PDL=0)
+
+    def run(c, w):
+        return tlin.lowbit_linear_triton(x, w, config=c)
+
+    e = {"shape": sname, "N": N, "K": K, "M": M, "copies": copies, "config": {k: v for k, v in cfg.items() if k not in ("us", "by_kernel")}}
+    if "op" in parts:
+        e["op"] = _us([lambda w=w: run(cfg, w) for w in ws])
+    if "op_nopdl" in parts:
+        e["op_nopdl"] = _us([lambda w=w: run(nopdl, w) for w in ws])
+    if "act" in parts:
+        act = (lambda: quantize_row_packed(x, Kp, False)) if M == 1 else (lambda: quantize_rows(x, Kp, sums=False))
+        e["act"] = _us([act for _ in ws])
+    with _FixedActivations(x, Kp):
+        if "kernel" in parts:
+            e["kernel"] = _us([lambda w=w: run(nopdl, w) for w in ws])
+        if "kernel_l2" in parts:
+            e["kernel_l2"] = _us([lambda: run(nopdl, ws[0]) for _ in ws])
+        if sweep:
+            chunks = Kp // 128
+            rows = []
+            for c in (c for k in registry.KERNELS.values() for c in k.space(M)):
+                if c.get("SPLIT_K", 1) > chunks or c["BLOCK_N"] > max(16, 2 * N):
+                    continue
+                c = dict(c, PDL=0)
+                try:
+                    rows.append((_us([lambda w=w, c=c: run(c, w) for w in ws]), _us([lambda c=c: run(c, ws[0]) for _ in ws]), c))
+                except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
+                    continue
+            e["sweep_rotating"] = [dict(us=a, us_l2=b, config=c) for a, b, c in sorted(rows, key=lambda r: r[0])[:5]]
+            e["sweep_l2"] = [dict(us=a, us_l2=b, config=c) for a, b, c in sorted(rows, key=lambda r: r[1])[:5]]
+            e["sweep_configs"] = len(rows)
+    if "read" in parts:
+        read_calls, _, _ = gb.row_read(W, x, l2, state)
+        e["read"] = _us(read_calls)
+        e["read_config"] = state.get("read_config")
+    return e
+
+
+def _f(e: dict, key: str) -> str:
+    return f"{e[key]:.2f}" if key in e else ""
+
+
+def _ratio(e: dict, key: str) -> str:
+    return f"{e[key] / e['read']:.2f}" if key in e and "read" in e else ""
+
+
+def _cfg(c: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in c.items() if k not in ("XPACK", "num_stages", "PDL"))
+
+
+def main() -> int:
+    ap = BenchParser("kernel_times_gpu", __doc__, PARTS)
+    ap.add_argument("--m", default="1,16")
+    ap.add_argument("--shapes", default="8B*", help="comma list of shapes, names or patterns such as '8B*'")
+    ap.add_argument("--sweep", action="store_true", help="time every config of the M's kernels, rotating and L2-warm")
+    args = ap.parse_args()
+    Ms = [int(m) for m in args.m.split(",")]
+    shapes = select(args.shapes, list(SHAPES), "--shapes")
+    with bench_lock(enabled=not args.no_lock):
+        torch.manual_seed(0)
+        info = machine_info(**gpu_info())
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        results = []
+        for sname in shapes:
+            for M in Ms:
+                t0 = time.time()
+                e = measure(sname, M, l2, args.rows, args.sweep)
+                results.append(e)
+                print(f"[parts] {sname} M={M}: " + " ".join(f"{p} {_f(e, p)}" for p in args.rows) + f" ({time.time() - t0:.0f} s)", flush=True)
+        md = ["us per call, each part a CUDA-graph replay over weight copies >= 4x L2 (median of 5 replays); "
+              "x_read = part / read. op = the selected config as the bench runs it; kernel = the GEMV/GEMM alone.", "",
+              "| shape | M | config | op | op_nopdl | act | kernel | kernel_l2 | read | op x_read | kernel x_read |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for e in results:
+            md.append(f"| {e['shape']} | {e['M']} | {_cfg(e['config'])} | " + " | ".join(_f(e, p) for p in PARTS)
+                      + f" | {_ratio(e, 'op')} | {_ratio(e, 'kernel')} |")
+        if args.sweep:
+            md += ["", "Sweep (the kernel alone, PDL off): the five fastest configs streaming from HBM (rotating) and L2-warm (one copy).", "",
+                   "| shape | M | by | us rotating | us L2-warm | config |", "|---|---|---|---|---|---|"]
+            for e in results:
+                for by in ("rotating", "l2"):
+                    for r in e[f"sweep_{by}"]:
+                        md.append(f"| {e['shape']} | {e['M']} | {by} | {r['us']:.2f} | {r['us_l2']:.2f} | {_cfg(r['config'])} |")
+        write_results(args.out, args.name, "Where the op's time goes at small M (aipc::lowbit_linear, Triton)", info, results, "\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
