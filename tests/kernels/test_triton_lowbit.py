@@ -30,7 +30,6 @@ GROUP16_ONE = dict(GROUP16, SPLIT_K=1)  # unsplit (the batch-invariant form)
 # M == 1 weight streaming: the packed-activation pre-pass (+ PDL on sm_90) and the GEMV
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
-STREAM_PIPE = dict(STREAM, PIPE=3)  # the tiles streamed through shared memory by Triton's pipeliner
 # M > 16: the weight dequantized to x's dtype by a Triton pass, then the vendor GEMM
 DEQUANT = {"KERNEL": "dequant", "BLOCK_N": 16, "CHUNKS": 3, "num_warps": 4}
 
@@ -95,7 +94,7 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     ref = ops.reference_linear_w8(x, w, bias)
     _close(y, ref, 2e-5)
     if M == 1:  # the stream GEMV, activation words broadcast over the rows or in the weights' layout
-        for cfg in (STREAM, STREAM_FULLX, STREAM_PIPE, dict(STREAM_FULLX, PIPE=2, BLOCK_C=1)):
+        for cfg in (STREAM, STREAM_FULLX):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     if M <= tlin.GEMV_MAX_M:  # and the group kernel unsplit (the batch-invariant form)
         _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=GROUP16_ONE), ref, 2e-5)
@@ -241,7 +240,6 @@ def test_large_k_every_path(codebook, group):
     stream = dict(STREAM, BLOCK_N=16, BLOCK_C=8)
     per_m = {
         1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
-            dict(stream, PIPE=3), dict(stream, PIPE=2, BLOCK_N=8, num_warps=2, BLOCK_C=4),
             dict(GROUP16_ONE, BLOCK_N=128, num_stages=3)],
         16: [dict(GROUP16, BLOCK_N=128, SPLIT_K=8, num_stages=3), dict(GROUP16, BLOCK_N=256, SPLIT_K=16, num_warps=8, num_stages=3),
              dict(GROUP16, BLOCK_N=64, SPLIT_K=8, num_warps=2, num_stages=3, ATOMIC=1)],
@@ -538,8 +536,7 @@ def test_4bit_every_kernel_and_split(codebook, group):
     w, p = _case(N, K, codebook, group, seed=K + group)
     bias = torch.randn(N)
     per_m = {
-        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), GROUP16_ONE, dict(GROUP16, SPLIT_K=3),
-            dict(STREAM_PIPE, BLOCK_C=1), dict(STREAM_PIPE, SPLIT_K=3)],
+        1: [STREAM, dict(STREAM_FULLX, BLOCK_C=4), dict(STREAM, SPLIT_K=3), dict(STREAM_FULLX, SPLIT_K=2, BLOCK_C=1), GROUP16_ONE, dict(GROUP16, SPLIT_K=3)],
         5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1), dict(GROUP16, SPLIT_K=8)],
         17: [GROUP, GROUP_B],
     }

@@ -43,9 +43,6 @@ SPACE = [
     for nw in (2, 4, 8)
     if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
 ]
-# and unsplit tiles streamed through shared memory by Triton's pipeliner (PIPE stages) instead of the
-# register prefetch
-SPACE += [dict(c, PIPE=p) for c in SPACE if c["SPLIT_K"] == 1 and c["BLOCK_C"] < 32 for p in (2, 3)]
 
 
 @triton.jit
@@ -81,7 +78,7 @@ def _stream_kernel(
     N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr, PIPE: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
 ):
     """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
@@ -114,8 +111,7 @@ def _stream_kernel(
     c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * KW + ow[None, None, :]
     c = c_begin + oc
-    if not PIPE:
-        wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
+    wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     sx = tl.load(sx_ptr)
@@ -124,14 +120,11 @@ def _stream_kernel(
     dacc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.int32)  # ROW_DOT
     xacc = tl.zeros([BLOCK_C], dtype=tl.float32)  # ROW_DOT with zeros: the activation sums
     og = tl.arange(0, BLOCK_C // CPG)
-    for c0 in tl.range(c_begin, c_end, BLOCK_C, num_stages=PIPE if PIPE else 1):
+    for c0 in range(c_begin, c_end, BLOCK_C):
         c = c0 + oc
         c_mask = c < c_end
-        if PIPE:  # Triton's pipeliner streams the tiles PIPE - 1 steps ahead (async copies to shared memory)
-            wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & c_mask[None, :, None], other=0)
-        else:
-            cn = c + BLOCK_C
-            wn = tl.load(w_rows + cn[None, :, None] * 8, mask=n_mask[:, None, None] & (cn < c_end)[None, :, None], other=0)
+        cn = c + BLOCK_C
+        wn = tl.load(w_rows + cn[None, :, None] * 8, mask=n_mask[:, None, None] & (cn < c_end)[None, :, None], other=0)
         for gi in tl.static_range(GPC):
             d = tl.zeros([BLOCK_N, BLOCK_C, 8], dtype=tl.int32)
             xs = tl.zeros([BLOCK_C, 8], dtype=tl.float32)
@@ -182,8 +175,7 @@ def _stream_kernel(
                     acc += sc * (CMUL * dot)
                 else:
                     acc += sc * (CMUL * dot - ZERO * gx[None, :])
-        if not PIPE:
-            wv = wn
+        wv = wn
     if ROW_DOT:  # the exact int32 dot of the whole range (|dot| < 2**31), converted once
         sc_row = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         u = tl.sum(dacc, axis=1).to(tl.float32)
@@ -236,6 +228,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
         WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
-        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)), PIPE=cfg.get("PIPE", 0),
+        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
