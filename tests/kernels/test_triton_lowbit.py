@@ -30,6 +30,7 @@ GROUP16_ONE = dict(GROUP16, SPLIT_K=1)  # unsplit (the batch-invariant form)
 # M == 1 weight streaming: the packed-activation pre-pass (+ PDL on sm_90) and the GEMV
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
 STREAM_FULLX = dict(STREAM, FULLX=1)  # activation words loaded in the weights' layout
+STREAM_RB = dict(STREAM, RB=3)  # activations stationary: 3 row blocks per program, the K range in one step
 # M > 16: the weight dequantized to x's dtype by a Triton pass, then the vendor GEMM
 DEQUANT = {"KERNEL": "dequant", "BLOCK_N": 16, "CHUNKS": 3, "num_warps": 4}
 
@@ -94,7 +95,8 @@ def test_matches_exact_integer_math(codebook, M, N, K, group):
     ref = ops.reference_linear_w8(x, w, bias)
     _close(y, ref, 2e-5)
     if M == 1:  # the stream GEMV, activation words broadcast over the rows or in the weights' layout
-        for cfg in (STREAM, STREAM_FULLX):
+        rows = [STREAM_RB, dict(STREAM_RB, SPLIT_K=2, RB=2)] if CODEBOOKS[codebook].bits > 1 else []  # group 32: within a chunk
+        for cfg in (STREAM, STREAM_FULLX, *rows):
             _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
     if M <= tlin.GEMV_MAX_M:  # and the group kernel unsplit (the batch-invariant form)
         _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=GROUP16_ONE), ref, 2e-5)
@@ -240,6 +242,7 @@ def test_large_k_every_path(codebook, group):
     stream = dict(STREAM, BLOCK_N=16, BLOCK_C=8)
     per_m = {
         1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
+            dict(STREAM_RB, RB=4, SPLIT_K=4, num_warps=8), dict(STREAM_RB, BLOCK_N=16, RB=2, SPLIT_K=2),
             dict(GROUP16_ONE, BLOCK_N=128, num_stages=3)],
         16: [dict(GROUP16, BLOCK_N=128, SPLIT_K=8, num_stages=3), dict(GROUP16, BLOCK_N=256, SPLIT_K=16, num_warps=8, num_stages=3),
              dict(GROUP16, BLOCK_N=64, SPLIT_K=8, num_warps=2, num_stages=3, ATOMIC=1)],
@@ -251,6 +254,25 @@ def test_large_k_every_path(codebook, group):
         for cfg in cfgs + [None]:
             for _ in range(2):  # split-K tickets re-armed
                 _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg), ref, 2e-5)
+
+
+@pytest.mark.parametrize("codebook", ["int2", "sym", "affine", "ternary"])
+@pytest.mark.parametrize("group", [32, 64, 128, -1], ids=["g32", "g64", "g128", "row"])
+def test_stream_activations_stationary(codebook, group):
+    """``RB`` > 1 (the activation words of every plane loaded once per program and kept while it walks
+    its row blocks, the next block's weights loaded during this one's math): ragged last block, blocks
+    past N, K splits, against the float64 int8-activation reference; bad code books refused."""
+    N, K = 45, 512
+    w, p = _case(N, K, codebook, group, seed=N + group)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(group)) * 2
+    bias = torch.randn(N)
+    ref = ops.reference_linear_w8(x, w, bias)
+    for cfg in (STREAM_RB, dict(STREAM_RB, RB=8, BLOCK_N=16), dict(STREAM_RB, SPLIT_K=3, RB=2), dict(STREAM_RB, SPLIT_K=2, RB=4, BLOCK_N=16)):
+        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg), ref, 2e-5)
+    if codebook == "int2":
+        _, p1 = _case(N, K, "binary", 32, seed=1)
+        with pytest.raises(ValueError, match="RB > 1"):
+            tlin.lowbit_linear_triton(x.to(DEVICE), p1, config=STREAM_RB)
 
 
 @pytest.mark.parametrize("kernel", ["group", "group_b"])
@@ -540,6 +562,8 @@ def test_4bit_every_kernel_and_split(codebook, group):
         5: [GROUP16_ONE, dict(GROUP16, SPLIT_K=3, ATOMIC=1), dict(GROUP16, SPLIT_K=8)],
         17: [GROUP, GROUP_B],
     }
+    if group in (32, 64):  # activations stationary (groups within the 64-k chunk)
+        per_m[1] += [STREAM_RB, dict(STREAM_RB, SPLIT_K=3, RB=2)]
     for M, cfgs in per_m.items():
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
         ref = ops.reference_linear_w8(x, w, bias)

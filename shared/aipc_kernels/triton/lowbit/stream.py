@@ -17,7 +17,9 @@ takes the raw codes and ``u = dot - z * (group sum of the int8 activations)`` pe
 Config: ``BLOCK_N``, ``SPLIT_K``, ``num_warps``, ``num_stages`` (the GEMV path's fields), ``BLOCK_C``
 (default 8), ``PDL`` (0/1, default 0), ``FULLX`` (0/1: activation words loaded in the weights' own
 [BLOCK_N, BLOCK_C, 8] layout instead of one tile broadcast over the rows), ``XPACK`` (1 if given: the
-pre-pass is the only mode; the fused-quantization variant was removed, see docs/triton.md).
+pre-pass is the only mode; the fused-quantization variant was removed, see docs/triton.md), ``RB`` (row
+blocks per program, default 1; > 1: ``_stream_rows_kernel``, activations stationary, BLOCK_C set to cover
+the split's chunks in one step).
 """
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ SPACE = [
     for bc in (4, 8, 16, 32)
     for nw in (2, 4, 8)
     if 32 * nw <= bn * bc * 8 <= 64 * 32 * nw and (sk == 1 or bn >= 16)
+]
+# activations stationary (``RB`` row blocks per program, its whole K range in one step)
+SPACE += [
+    {"KERNEL": NAME, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": 1, "RB": rb, "XPACK": 1, "PDL": 1}
+    for bn in (8, 16)
+    for sk in (1, 2, 4)
+    for rb in (2, 4, 8)
+    for nw in (4, 8)
 ]
 
 
@@ -188,6 +198,108 @@ def _stream_kernel(
     store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
 
+@triton.jit
+def _pick(q: tl.constexpr, v0, v1, v2, v3):
+    """``v<q>`` for a compile-time plane index ``q`` (0-3)."""
+    if q == 0:
+        return v0
+    elif q == 1:
+        return v1
+    elif q == 2:
+        return v2
+    else:
+        return v3
+
+
+@triton.jit
+def _stream_rows_kernel(
+    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    N, NG, KW, CHUNKS_PER_SPLIT,
+    BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, RB: tl.constexpr,
+):
+    """``RB`` > 1: the GEMV with the activations stationary. A program owns RB blocks of BLOCK_N rows
+    and one K range (a split), all of it in one step (BLOCK_C chunks cover it): the activation words of
+    every plane (and their 32-k sums) are loaded once, in the weights' own [BLOCK_N, BLOCK_C, 8] layout,
+    and stay in registers while the program walks its row blocks, each block's weights loaded while the
+    one before is computed (the first before the PDL wait). Per block the same math as ``_stream_kernel``
+    (one ``dp4a`` per plane and word, one rescale per row and group) and its own store or split-K
+    reduction. 1-4 planes (2-8 bits) with groups within a chunk or whole rows of 2-bit codes."""
+    P: tl.constexpr = 8 // BITS
+    KC: tl.constexpr = 32 * P
+    GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
+    GPC: tl.constexpr = KC // GE
+    PPG: tl.constexpr = P // GPC
+    MASK: tl.constexpr = (1 << BITS) - 1
+    PMASK: tl.constexpr = MASK | (MASK << 8) | (MASK << 16) | (MASK << 24)
+    SIGNED: tl.constexpr = BITS == 8 or (BITS == 4 and not HAS_ZEROS)
+    SHIFT: tl.constexpr = 4 if BITS == 4 and SIGNED else 0
+    FLIP: tl.constexpr = -0x7F7F7F80
+    tl.static_assert(P <= 4 and (G <= KC or WHOLE_ROW) and not (WHOLE_ROW and BITS >= 4))
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    orow = tl.arange(0, BLOCK_N)
+    oc = tl.arange(0, BLOCK_C)
+    ow = tl.arange(0, 8)
+    c_begin = pid_k * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
+    c = c_begin + oc
+    c_mask = c < c_end
+    words = c[None, :, None] * 8 + ow[None, None, :]
+    offs_n = pid_n * RB * BLOCK_N + orow
+    wv = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * KW + words, mask=(offs_n < N)[:, None, None] & c_mask[None, :, None], other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    sx = tl.load(sx_ptr)
+    xoff = c[None, :, None] * (P * 8) + ow[None, None, :] + (orow * 0)[:, None, None]
+    xm = c_mask[None, :, None]
+    x0 = tl.load(xw_ptr + xoff, mask=xm, other=0)
+    x1 = tl.load(xw_ptr + xoff + 8, mask=xm, other=0) if P > 1 else x0
+    x2 = tl.load(xw_ptr + xoff + 16, mask=xm, other=0) if P > 2 else x0
+    x3 = tl.load(xw_ptr + xoff + 24, mask=xm, other=0) if P > 3 else x0
+    s0 = tl.load(xs_ptr + c * P, mask=c_mask, other=0).to(tl.float32)
+    s1 = tl.load(xs_ptr + c * P + 1, mask=c_mask, other=0).to(tl.float32) if P > 1 else s0
+    s2 = tl.load(xs_ptr + c * P + 2, mask=c_mask, other=0).to(tl.float32) if P > 2 else s0
+    s3 = tl.load(xs_ptr + c * P + 3, mask=c_mask, other=0).to(tl.float32) if P > 3 else s0
+    for rb in range(RB):
+        tile = pid_n * RB + rb
+        offs_n = tile * BLOCK_N + orow
+        n_mask = offs_n < N
+        nn = offs_n + BLOCK_N
+        wn = tl.load(w_ptr + nn[:, None, None].to(tl.int64) * KW + words,
+                     mask=((nn < N) & (rb + 1 < RB))[:, None, None] & c_mask[None, :, None], other=0)
+        acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+        for gi in tl.static_range(GPC):
+            d = tl.zeros([BLOCK_N, BLOCK_C, 8], dtype=tl.int32)
+            xs = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for qq in tl.static_range(PPG):
+                d = _dp4a(_plane_words(wv, gi * PPG + qq, BITS, PMASK, FLIP, SIGNED), _pick(gi * PPG + qq, x0, x1, x2, x3), d, HW_DP4A)
+                if not SIGNED:
+                    xs += _pick(gi * PPG + qq, s0, s1, s2, s3)
+            dot = tl.sum(d, axis=2)
+            if SHIFT:
+                dot = dot >> SHIFT
+            dot = dot.to(tl.float32)
+            if WHOLE_ROW:
+                g = c * 0
+            else:
+                g = (c * KC + gi * GE) // G
+            gmask = n_mask[:, None] & (c_mask & (g < NG))[None, :]
+            sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+                acc += sc * (CMUL * dot - zp * xs[None, :])
+            elif SIGNED:
+                acc += sc * (CMUL * dot)
+            else:
+                acc += sc * (CMUL * dot - ZERO * xs[None, :])
+        res = tl.sum(acc, axis=1) * sx
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+        store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, tile, SPLIT_K, HAS_BIAS)
+        wv = wn
+
+
 def space(M: int) -> list[dict]:
     """The configs the tuner times for ``M`` tokens (M == 1 only)."""
     return list(SPACE) if M == 1 else []
@@ -219,15 +331,22 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     cpg = weight.group_size // chunk if not whole and weight.group_size > chunk else 1  # 8 bits: chunks per group
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
     pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
+    rb = cfg.get("RB", 1)
+    if rb > 1 and (cb.bits == 1 or cpg > 1 or (whole and cb.bits >= 4)):
+        raise ValueError(f"config {cfg}: RB > 1 (activations stationary) takes 2-8 bit codes with groups within a "
+                         f"{chunk}-k chunk (or whole rows of 2-bit codes); drop RB for {cb.bits}-bit codes, group {weight.group_size}")
     xq, xs, sx = quantize_row_packed(x2, Kp, pdl, act_amax)
-    _stream_kernel[(tiles, split)](
+    args = dict(
         xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
         b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
         N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
         WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
-        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl,
-        BLOCK_N=bn, BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), SPLIT_K=split, FULLX=bool(cfg.get("FULLX", 0)),
+        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl, BLOCK_N=bn, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
+    if rb > 1:  # one step covers the split's chunks
+        _stream_rows_kernel[(triton.cdiv(tiles, rb), split)](BLOCK_C=triton.next_power_of_2(per_split * cpg), RB=rb, **args)
+    else:
+        _stream_kernel[(tiles, split)](BLOCK_C=max(cfg.get("BLOCK_C", 8), cpg), FULLX=bool(cfg.get("FULLX", 0)), **args)
