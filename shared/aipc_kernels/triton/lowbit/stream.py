@@ -83,6 +83,22 @@ def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, F
 
 
 @triton.jit
+def _group_term(dot, gx, g, gmask, offs_n, s_ptr, z_ptr, N, CMUL: tl.constexpr, ZERO: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, SIGNED: tl.constexpr):
+    """One group's fp32 contribution ``s * (cmul * dot - z * xsum)`` to the rows ``offs_n``: ``dot``
+    [rows, groups] (fp32 of the exact int32 dots), ``gx`` [groups] the int8 activation sums, ``g`` the
+    groups' indices into the [K/G, N] scales (and zeros; a fixed ``ZERO`` otherwise, none for signed codes)."""
+    sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
+        return sc * (CMUL * dot - zp * gx[None, :])
+    elif SIGNED:
+        return sc * (CMUL * dot)
+    else:
+        return sc * (CMUL * dot - ZERO * gx[None, :])
+
+
+@triton.jit
 def _stream_kernel(
     xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     N, NG, KW, CHUNKS_PER_SPLIT,
@@ -177,14 +193,7 @@ def _stream_kernel(
                 else:
                     g = (gc * KC + gi * GE) // G
                 gmask = n_mask[:, None] & ((gc < c_end) & (g < NG))[None, :]
-                sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
-                    acc += sc * (CMUL * dot - zp * gx[None, :])
-                elif SIGNED:
-                    acc += sc * (CMUL * dot)
-                else:
-                    acc += sc * (CMUL * dot - ZERO * gx[None, :])
+                acc += _group_term(dot, gx, g, gmask, offs_n, s_ptr, z_ptr, N, CMUL, ZERO, HAS_ZEROS, SIGNED)
         wv = wn
     if ROW_DOT:  # the exact int32 dot of the whole range (|dot| < 2**31), converted once
         sc_row = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -286,14 +295,7 @@ def _stream_rows_kernel(
             else:
                 g = (c * KC + gi * GE) // G
             gmask = n_mask[:, None] & (c_mask & (g < NG))[None, :]
-            sc = tl.load(s_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zp = tl.load(z_ptr + g[None, :] * N + offs_n[:, None], mask=gmask, other=0.0).to(tl.float32)
-                acc += sc * (CMUL * dot - zp * xs[None, :])
-            elif SIGNED:
-                acc += sc * (CMUL * dot)
-            else:
-                acc += sc * (CMUL * dot - ZERO * xs[None, :])
+            acc += _group_term(dot, xs, g, gmask, offs_n, s_ptr, z_ptr, N, CMUL, ZERO, HAS_ZEROS, SIGNED)
         res = tl.sum(acc, axis=1) * sx
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
         store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, tile, SPLIT_K, HAS_BIAS)

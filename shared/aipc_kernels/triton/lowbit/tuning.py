@@ -107,16 +107,21 @@ def _time(fn, device: torch.device) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
+def candidates(M: int, weight: PackedLowBit) -> list[dict]:
+    """The configs :func:`tune` times for ``M`` tokens on ``weight``: every registered kernel's space,
+    less K splits longer than the weight's chunks and row tiles far wider than N."""
+    chunks = weight.qweight.shape[1] * 8 // weight.bits // triton_chunk(weight.bits)
+    return [c for kernel in KERNELS.values() for c in kernel.space(M)
+            if c.get("SPLIT_K", 1) <= chunks and c["BLOCK_N"] <= max(16, 2 * weight.out_features)]
+
+
 def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor) -> dict:
     """Times every configuration of every registered kernel for this M on these operands; returns the
     fastest (with its time, ``us``, and each kernel's best time, ``by_kernel``: fused or dequantize-then-GEMM)."""
     M, K = x2.shape
-    chunks = weight.qweight.shape[1] * 8 // weight.bits // triton_chunk(weight.bits)
     best, best_t = None, float("inf")
     by_kernel: dict[str, float] = {}
-    for cfg in (c for kernel in KERNELS.values() for c in kernel.space(M)):
-        if cfg.get("SPLIT_K", 1) > chunks or cfg["BLOCK_N"] > max(16, 2 * weight.out_features):
-            continue
+    for cfg in candidates(M, weight):
         try:
             t = _time(lambda: launch(x2, weight, bias, y, cfg), x2.device)
         except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
