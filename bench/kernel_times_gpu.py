@@ -2,7 +2,7 @@
 ``bench/gemv_gpu.py`` times its rows (CUDA-graph replay over weight copies >= 4x L2, so the weights
 stream from HBM as in a forward pass), beside the read-only floor of the same bytes:
 
-    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--out bench/results] [--name N]
+    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--vary L2P=0,1] [--out bench/results] [--name N]
 
 Rows per shape and M (int2 code book, group 64, fp16 scales, bf16 activations, ``bench/gemv_gpu.py``'s
 weights):
@@ -14,7 +14,8 @@ weights):
 - ``kernel_l2``: the same on one weight copy replayed, L2-warm: what the op's tuner times;
 - ``read``: ``bench/gemv_gpu.py``'s ``read`` row (the fastest read-only kernel over the same bytes).
 ``--sweep``: ``kernel`` and ``kernel_l2`` for every config the tuner times at this M (its kernels'
-spaces), the five fastest by each timing.
+spaces), the five fastest by each timing. ``--vary KEY=V1,V2``: ``op``, ``kernel`` and ``kernel_l2`` again for
+the selected config with each value of the field (and every sweep config with each value).
 
 (Before issue 20's decomposition this script timed the kernels with torch.profiler, L2-warm and without
 a graph; those numbers made the M = 1 GEMV look within 1.2x of a bare read. It is not, from HBM.)
@@ -58,8 +59,9 @@ def _us(calls: list) -> float:
     return gb.time_rotating(calls) * 1e6
 
 
-def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool) -> dict:
-    """The ``parts`` of one shape at one M (and the sweep's five fastest by each timing)."""
+def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool, vary: tuple[str, list[int]] | None = None) -> dict:
+    """The ``parts`` of one shape at one M (the selected config with each ``vary`` value, the sweep's five
+    fastest by each timing)."""
     N, K = SHAPES[sname]
     W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -82,14 +84,21 @@ def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool) -> dict:
     if "act" in parts:
         act = (lambda: quantize_row_packed(x, Kp, False)) if M == 1 else (lambda: quantize_rows(x, Kp, sums=False))
         e["act"] = _us([act for _ in ws])
+    variants = [dict(cfg, **{vary[0]: v}) for v in vary[1]] if vary else []
+    e["variants"] = [dict(config={k: v for k, v in c.items() if k not in NOT_LAUNCH}, op=_us([lambda w=w, c=c: run(c, w) for w in ws]))
+                     for c in variants]
     with _FixedActivations(x, Kp):
+        for r, c in zip(e["variants"], variants):
+            c = dict(c, PDL=0)
+            r["kernel"] = _us([lambda w=w, c=c: run(c, w) for w in ws])
+            r["kernel_l2"] = _us([lambda c=c: run(c, ws[0]) for _ in ws])
         if "kernel" in parts:
             e["kernel"] = _us([lambda w=w: run(nopdl, w) for w in ws])
         if "kernel_l2" in parts:
             e["kernel_l2"] = _us([lambda: run(nopdl, ws[0]) for _ in ws])
         if sweep:
             rows = []
-            for c in candidates(M, ws[0]):
+            for c in [dict(c, **{vary[0]: v}) for c in candidates(M, ws[0]) for v in vary[1]] if vary else candidates(M, ws[0]):
                 c = dict(c, PDL=0)
                 try:
                     rows.append((_us([lambda w=w, c=c: run(c, w) for w in ws]), _us([lambda c=c: run(c, ws[0]) for _ in ws]), c))
@@ -122,7 +131,15 @@ def main() -> int:
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--shapes", default="8B*", help="comma list of shapes, names or patterns such as '8B*'")
     ap.add_argument("--sweep", action="store_true", help="time every config of the M's kernels, rotating and L2-warm")
+    ap.add_argument("--vary", default="", help="KEY=V1,V2: the selected (and every swept) config with each value of an integer field")
     args = ap.parse_args()
+    vary = None
+    if args.vary:
+        key, _, vals = args.vary.partition("=")
+        try:
+            vary = (key, [int(v) for v in vals.split(",")])
+        except ValueError:
+            ap.error(f"--vary {args.vary!r}: give KEY=V1,V2 with integer values, e.g. --vary L2P=0,1")
     Ms = [int(m) for m in args.m.split(",")]
     shapes = select(args.shapes, list(SHAPES), "--shapes")
     with bench_lock(enabled=not args.no_lock):
@@ -133,7 +150,7 @@ def main() -> int:
         for sname in shapes:
             for M in Ms:
                 t0 = time.time()
-                e = measure(sname, M, l2, args.rows, args.sweep)
+                e = measure(sname, M, l2, args.rows, args.sweep, vary)
                 results.append(e)
                 print(f"[parts] {sname} M={M}: " + " ".join(f"{p} {_f(e, p)}" for p in args.rows) + f" ({time.time() - t0:.0f} s)", flush=True)
         md = ["us per call, each part a CUDA-graph replay over weight copies >= 4x L2 (median of 5 replays); "
@@ -143,6 +160,14 @@ def main() -> int:
         for e in results:
             md.append(f"| {e['shape']} | {e['M']} | {_cfg(e['config'])} | " + " | ".join(_f(e, p) for p in PARTS)
                       + f" | {_ratio(e, 'op')} | {_ratio(e, 'kernel')} |")
+        if vary:
+            md += ["", f"The selected config with each value of {vary[0]} (op with the config's PDL; kernel and kernel_l2 alone, PDL off).", "",
+                   "| shape | M | config | op | kernel | kernel_l2 | op x_read | kernel x_read |", "|---|---|---|---|---|---|---|---|"]
+            for e in results:
+                for r in e["variants"]:
+                    rr = dict(r, read=e.get("read"))
+                    md.append(f"| {e['shape']} | {e['M']} | {_cfg(r['config'])} | {_f(r, 'op')} | {_f(r, 'kernel')} | {_f(r, 'kernel_l2')} | "
+                              + (f"{_ratio(rr, 'op')} | {_ratio(rr, 'kernel')} |" if rr["read"] else " | |"))
         if args.sweep:
             md += ["", "Sweep (the kernel alone, PDL off): the five fastest configs streaming from HBM (rotating) and L2-warm (one copy).", "",
                    "| shape | M | by | us rotating | us L2-warm | config |", "|---|---|---|---|---|---|"]
