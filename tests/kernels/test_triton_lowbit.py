@@ -243,7 +243,6 @@ def test_large_k_every_path(codebook, group):
     per_m = {
         1: [dict(stream, BLOCK_N=8, BLOCK_C=32, num_warps=8), dict(stream, SPLIT_K=4), dict(stream, FULLX=1), dict(stream, FULLX=1, BLOCK_N=16, BLOCK_C=32, num_warps=2, SPLIT_K=2),
             dict(STREAM_RB, RB=4, SPLIT_K=4, num_warps=8), dict(STREAM_RB, BLOCK_N=16, RB=2, SPLIT_K=2),
-            dict(stream, L2P=1), dict(stream, SPLIT_K=4, L2P=1), dict(STREAM_RB, RB=4, num_warps=8, L2P=1),
             dict(GROUP16_ONE, BLOCK_N=128, num_stages=3)],
         16: [dict(GROUP16, BLOCK_N=128, SPLIT_K=8, num_stages=3), dict(GROUP16, BLOCK_N=256, SPLIT_K=16, num_warps=8, num_stages=3),
              dict(GROUP16, BLOCK_N=64, SPLIT_K=8, num_warps=2, num_stages=3, ATOMIC=1)],
@@ -274,28 +273,6 @@ def test_stream_activations_stationary(codebook, group):
         _, p1 = _case(N, K, "binary", 32, seed=1)
         with pytest.raises(ValueError, match="RB > 1"):
             tlin.lowbit_linear_triton(x.to(DEVICE), p1, config=STREAM_RB)
-
-
-@pytest.mark.parametrize("codebook, group", [("int2", 64), ("affine4", 128), ("int8", -1)])
-def test_stream_l2_prefetch(codebook, group):
-    """``L2P`` (each program first asks the L2 for its weight range, one bulk request unsplit, one per row
-    split; compiled sm_90+ only, ignored elsewhere) changes no bit of the output: both stream kernels,
-    ragged last tiles, splits, the reference; a program with more rows than threads refused."""
-    N, K = 45, 1024
-    w, p = _case(N, K, codebook, group, seed=7)
-    x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)) * 2
-    ref = ops.reference_linear_w8(x, w)
-    cfgs = [dict(STREAM, BLOCK_N=16), dict(STREAM, BLOCK_N=16, SPLIT_K=3), dict(STREAM, BLOCK_N=32, num_warps=2, SPLIT_K=2)]
-    if codebook == "int2":  # RB: groups within a 128-k chunk
-        cfgs += [dict(STREAM_RB, RB=4), dict(STREAM_RB, RB=2, SPLIT_K=2, BLOCK_N=16)]
-    for cfg in cfgs:
-        y0 = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=cfg)
-        y1 = tlin.lowbit_linear_triton(x.to(DEVICE), p, config=dict(cfg, L2P=1))
-        _close(y1, ref, 2e-5)
-        assert torch.equal(y0, y1), cfg
-    if codebook == "int2" and ON_GPU and torch.cuda.get_device_capability()[0] >= 9:
-        with pytest.raises(ValueError, match="L2P needs a thread per row"):
-            tlin.lowbit_linear_triton(x.to(DEVICE), p, config=dict(STREAM_RB, RB=8, BLOCK_N=32, num_warps=4, L2P=1))
 
 
 @pytest.mark.parametrize("kernel", ["group", "group_b"])

@@ -88,20 +88,6 @@ def fence_gpu(v):
 
 
 @triton.jit
-def prefetch_l2(first_row, row_bytes, seg_bytes, rows):
-    """Asks the L2 for ``rows`` row segments of ``seg_bytes`` bytes each (16-byte aligned, a multiple of
-    16), the first at pointer ``first_row``, the next ones every ``row_bytes`` bytes: one bulk prefetch
-    (``cp.async.bulk.prefetch.L2``, sm_90+ PTX) per row, issued by the program's threads 0..rows-1
-    (``rows`` at most its thread count). No effect on results: the loads that follow find the bytes in
-    the L2 or already on their way, so a program's later steps do not wait on HBM one by one."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .u32 t; .reg .u64 a; .reg .pred p; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
-        "mad.wide.u32 a, t, $2, $1; @p cp.async.bulk.prefetch.L2.global [a], $4; mov.u32 $0, 0; }",
-        "=r,l,r,r,r", [first_row.to(tl.int64), row_bytes, rows, seg_bytes], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
 def store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, offs, mask, split_stride, pid_k, lock_idx,
                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr = False,
                     FENCE: tl.constexpr = False):

@@ -32,7 +32,7 @@ import triton.language as tl
 from ...formats import get_codebook
 from ...packing import PackedLowBit, triton_chunk
 from .activation import quantize_row_packed
-from .common import k_splits, prefetch_l2, sm_count, split_plan, store_or_reduce
+from .common import k_splits, sm_count, split_plan, store_or_reduce
 from .interpret import INTERPRETED, pdl_ok
 
 NAME = "stream"
@@ -83,16 +83,6 @@ def _plane_words(wv, q: tl.constexpr, BITS: tl.constexpr, PMASK: tl.constexpr, F
 
 
 @triton.jit
-def _prefetch_tile(first, KW, chunks, rows, SPLIT_K: tl.constexpr):
-    """L2 bulk prefetch of a program's weights: ``rows`` rows of ``KW`` words from ``first``, ``chunks``
-    32-byte chunks of each (a split's range); unsplit, the rows are one contiguous range, one request."""
-    if SPLIT_K == 1:
-        prefetch_l2(first, 0, rows * KW * 4, 1)
-    else:
-        prefetch_l2(first, KW * 4, chunks * 32, tl.where(chunks > 0, rows, 0))
-
-
-@triton.jit
 def _group_term(dot, gx, g, gmask, offs_n, s_ptr, z_ptr, N, CMUL: tl.constexpr, ZERO: tl.constexpr,
                 HAS_ZEROS: tl.constexpr, SIGNED: tl.constexpr):
     """One group's fp32 contribution ``s * (cmul * dot - z * xsum)`` to the rows ``offs_n``: ``dot``
@@ -114,7 +104,7 @@ def _stream_kernel(
     N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr, L2P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
 ):
     """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
@@ -123,8 +113,7 @@ def _stream_kernel(
     one int32 word of ``xw`` (``xs``: their 32-k sums, ``sx``: the scale), in one ``dp4a`` (exact int32).
     8 bits and ``int4`` (``SIGNED``: signed levels, no zero term; ``int4``'s dot is 16 u), 4 and 8 bits:
     ``CPG`` chunks per group, BLOCK_C a multiple of it and every split's start a group's (the host
-    sees to both); one group per row (``ROW_DOT``): int32 (and the activation sums) over the whole range.
-    ``L2P``: the program first asks the L2 for its whole weight range (:func:`~.common.prefetch_l2`)."""
+    sees to both); one group per row (``ROW_DOT``): int32 (and the activation sums) over the whole range."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
@@ -146,9 +135,6 @@ def _stream_kernel(
     ow = tl.arange(0, 8)
     c_begin = pid_k * CHUNKS_PER_SPLIT
     c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
-    if L2P:
-        _prefetch_tile(w_ptr + pid_n.to(tl.int64) * BLOCK_N * KW + c_begin * 8, KW, c_end - c_begin,
-                       tl.minimum(N - pid_n * BLOCK_N, BLOCK_N), SPLIT_K)
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * KW + ow[None, None, :]
     c = c_begin + oc
     wv = tl.load(w_rows + c[None, :, None] * 8, mask=n_mask[:, None, None] & (c < c_end)[None, :, None], other=0)
@@ -240,7 +226,7 @@ def _stream_rows_kernel(
     N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, RB: tl.constexpr, L2P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, RB: tl.constexpr,
 ):
     """``RB`` > 1: the GEMV with the activations stationary. A program owns RB blocks of BLOCK_N rows
     and one K range (a split), all of it in one step (BLOCK_C chunks cover it): the activation words of
@@ -248,8 +234,7 @@ def _stream_rows_kernel(
     and stay in registers while the program walks its row blocks, each block's weights loaded while the
     one before is computed (the first before the PDL wait). Per block the same math as ``_stream_kernel``
     (one ``dp4a`` per plane and word, one rescale per row and group) and its own store or split-K
-    reduction. 1-4 planes (2-8 bits) with groups within a chunk or whole rows of 2-bit codes. ``L2P``:
-    the program first asks the L2 for the weights of all its row blocks (:func:`~.common.prefetch_l2`)."""
+    reduction. 1-4 planes (2-8 bits) with groups within a chunk or whole rows of 2-bit codes."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     GE: tl.constexpr = KC if WHOLE_ROW else (G if G < KC else KC)
@@ -270,9 +255,6 @@ def _stream_rows_kernel(
     c_end = tl.minimum(c_begin + CHUNKS_PER_SPLIT, KW // 8)
     c = c_begin + oc
     c_mask = c < c_end
-    if L2P:
-        _prefetch_tile(w_ptr + pid_n.to(tl.int64) * (RB * BLOCK_N) * KW + c_begin * 8, KW, c_end - c_begin,
-                       tl.minimum(N - pid_n * (RB * BLOCK_N), RB * BLOCK_N), SPLIT_K)
     words = c[None, :, None] * 8 + ow[None, None, :]
     offs_n = pid_n * RB * BLOCK_N + orow
     wv = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * KW + words, mask=(offs_n < N)[:, None, None] & c_mask[None, :, None], other=0)
@@ -352,11 +334,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     split, per_split, ws, locks, _ = split_plan(Kp // chunk // cpg, cfg["SPLIT_K"], tiles, M, N, y)
     pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
     rb = cfg.get("RB", 1)
-    # the L2 bulk prefetch: compiled sm_90+ (pdl_ok's condition), rows 16-byte aligned, a thread per row
-    l2p = bool(cfg.get("L2P", 0)) and pdl_ok(x2.device) and weight.qweight.data_ptr() % 16 == 0 and weight.qweight.stride(0) % 16 == 0
-    if l2p and rb * bn > 32 * cfg["num_warps"]:
-        raise ValueError(f"config {cfg}: L2P needs a thread per row of the program ({rb * bn} rows, "
-                         f"{32 * cfg['num_warps']} threads); raise num_warps or drop L2P")
     if rb > 1 and (cb.bits == 1 or cpg > 1 or (whole and cb.bits >= 4)):
         raise ValueError(f"config {cfg}: RB > 1 (activations stationary) takes 2-8 bit codes with groups within a "
                          f"{chunk}-k chunk (or whole rows of 2-bit codes); drop RB for {cb.bits}-bit codes, group {weight.group_size}")
@@ -368,7 +345,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
         WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
-        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl, L2P=l2p, BLOCK_N=bn, SPLIT_K=split,
+        HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl, BLOCK_N=bn, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if rb > 1:  # one step covers the split's chunks
