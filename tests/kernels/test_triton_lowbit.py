@@ -275,6 +275,62 @@ def test_stream_activations_stationary(codebook, group):
             tlin.lowbit_linear_triton(x.to(DEVICE), p1, config=STREAM_RB)
 
 
+CUDA_STREAM = {"KERNEL": "cuda_stream", "BLOCK_N": 8, "SPLIT_K": 1, "RW": 8, "D": 4, "num_warps": 4, "num_stages": 1, "BPS": 1}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuda_stream is CUDA C compiled by NVRTC: a GPU only")
+@pytest.mark.parametrize("codebook", ["int2", "sym", "affine", "ternary"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cuda_stream(codebook, group):
+    """The CUDA C M == 1 kernel (its own activation pass, row groups of R rows): every row tile and grid
+    size, ragged N, K padded past the last group, bias, x's dtypes (bf16 with fp16 scales, fp16, fp32 with
+    bf16 scales), an x not 16-byte aligned, a given absmax; against the float64 int8-activation reference."""
+    K = 896 if group == 128 else 960  # padded to 1024: groups past the weight's last one are skipped
+    N = 45
+    for dtype, sdtype in ((torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)):
+        w, p = _case(N, K, codebook, group, seed=group, scale_dtype=sdtype)
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(1)) * 2
+        bias = torch.randn(N)
+        xd, bd = x.to(DEVICE, dtype), bias.to(DEVICE, dtype)
+        ref = ops.reference_linear_w8(xd.double().cpu().float(), w, bd.double().cpu().float())
+        tol = 2e-5 if dtype == torch.float32 else 8e-3
+        for cfg in (CUDA_STREAM, dict(CUDA_STREAM, RW=4, D=8, num_warps=8, BPS=2), dict(CUDA_STREAM, RW=16, D=2, BLOCK_N=16), dict(CUDA_STREAM, RW=1, D=1, BLOCK_N=1)):
+            _close(tlin.lowbit_linear_triton(xd, p, bd, config=cfg), ref, tol)
+        odd = torch.empty(1, K + 1, device=DEVICE, dtype=dtype)[:, 1:]  # 2 or 4 bytes past an aligned start
+        odd.copy_(xd)
+        _close(tlin.lowbit_linear_triton(odd, p, bd, config=CUDA_STREAM), ref, tol)
+    amax = torch.tensor([x.abs().max().item() * 0.5])  # below the row's own: codes clamped to +-127
+    ref = ops.reference_linear_w8(x, w, act_amax=amax)
+    _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, act_amax=amax.to(DEVICE), config=CUDA_STREAM), ref, 2e-5)
+
+
+def test_cuda_stream_config_not_usable_falls_back(tmp_path, monkeypatch):
+    """A cached (or shipped) ``cuda_stream`` config where the kernel cannot run (no compiled CUDA, or a torch
+    without NVRTC's entry): the op takes the heuristic's config instead of failing."""
+    monkeypatch.setattr(tuning, "_mem_cache", {})
+    name = tlin.device_name(torch.device(DEVICE))
+    key = tlin.config_key(1, 40, 256, 64, 2)
+    tuning.save_config(name, key, CUDA_STREAM)
+    monkeypatch.setattr(tlin.KERNELS["cuda_stream"], "available", lambda device: False)
+    w, p = _case(40, 256, "int2", 64, seed=1)
+    x = torch.randn(1, 256, device=DEVICE)
+    assert tlin.select_config(x, p, None, torch.empty(1, 40, device=DEVICE)) == tlin.heuristic_config(1, 40, 256, 2, x.device)
+    _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)
+
+
+def test_cuda_stream_refusals():
+    """What cuda_stream cannot run is refused with the fix (the Triton ``stream`` kernel), before any
+    launch: 4-bit codes, whole-row groups, M > 1 (and, without compiled CUDA, everything)."""
+    x = torch.randn(1, 256)
+    for codebook, group in (("int4", 64), ("int2", -1)):
+        _, p = _case(8, 256, codebook, group, seed=0)
+        with pytest.raises(ValueError, match="cuda_stream.*KERNEL='stream'"):
+            tlin.lowbit_linear_triton(x.to(DEVICE), p, config=CUDA_STREAM)
+    _, p = _case(8, 256, "int2", 64, seed=0)
+    with pytest.raises(ValueError, match="M == 1 only"):
+        tlin.lowbit_linear_triton(torch.randn(2, 256).to(DEVICE), p, config=CUDA_STREAM)
+
+
 @pytest.mark.parametrize("kernel", ["group", "group_b"])
 @pytest.mark.parametrize("block_n, block_m", [(16, 16), (32, 64), (64, 32)])
 def test_gemm_tiles(block_n, block_m, kernel):
@@ -423,6 +479,7 @@ def test_shipped_configs_are_valid():
             kernel = registry.kernel_of(cfg)
             registry.check_kernel_config(cfg, M)
             assert kernel is not stream or M == 1, (device, key, cfg)
+            assert kernel.NAME != "cuda_stream" or M == 1, (device, key, cfg)
             assert kernel is not dequant or M > tlin.GEMV_MAX_M, (device, key, cfg)
 
 

@@ -2,7 +2,7 @@
 
 Each kernel module exports ``NAME``, ``space(M)`` (its tuning configs), ``heuristic(M, N, K, bits,
 device)`` and ``launch(x2, weight, bias, y, cfg, act_amax=None)``, and optionally ``FIELDS`` (the config
-fields it needs, default: its path's, :data:`~.common.CONFIG_FIELDS`). Adding a kernel: a module with
+fields it needs, default: its path's, :data:`~.common.CONFIG_FIELDS`) and ``usable(device)`` (default: always). Adding a kernel: a module with
 those, an entry in :data:`KERNELS`, and (if it should run untuned) a branch in :func:`heuristic_config`.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 
 from ...packing import PackedLowBit
-from . import dequant, group, stream
+from . import cuda_stream, dequant, group, stream
 from .common import check_config
 from .interpret import interpreter_scope
 
-KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant}
+KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant, cuda_stream.NAME: cuda_stream}
 
 
 def kernel_of(cfg: dict) -> ModuleType:
@@ -46,6 +46,13 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     kernel = check_kernel_config(cfg, x2.shape[0])
     with interpreter_scope():
         kernel.launch(x2, weight, bias, y, cfg, act_amax)
+
+
+def usable(cfg: dict, device: torch.device) -> bool:
+    """Whether ``cfg``'s kernel can run on ``device`` (a kernel module's optional ``usable(device)``;
+    an unknown kernel is not: a cache written by another version)."""
+    kernel = KERNELS.get(cfg.get("KERNEL"))
+    return kernel is not None and getattr(kernel, "usable", lambda d: True)(device)
 
 
 def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:

@@ -21,7 +21,7 @@ import triton
 
 from ...packing import PackedLowBit, triton_chunk
 from .common import GEMV_MAX_M, path
-from .registry import KERNELS, heuristic_config, launch
+from .registry import KERNELS, heuristic_config, launch, usable
 
 SHIPPED_CONFIGS = Path(__file__).with_name("lowbit_linear_configs.json")
 _mem_cache: dict[str, dict[str, dict]] = {}
@@ -142,7 +142,7 @@ def select_config(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.T
     name = device_name(dev)
     key = config_key(M, weight.out_features, K, weight.group_size, weight.bits)
     cfgs = cached_configs(name)
-    if key in cfgs:
+    if key in cfgs and usable(cfgs[key], dev):
         return cfgs[key]
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not autotune_enabled(dev) or capturing:
