@@ -1,11 +1,9 @@
 // cuda_stream: the M == 1 W2A8 GEMV of aipc::lowbit_linear in CUDA C (NVIDIA only), compiled at first
 // use by NVRTC (torch.cuda._compile_kernel) with the macros below; see cuda_stream.py.
 //
-// Each block issues its first weight loads, then gets the activation row's int8 codes into shared memory:
-// PRE = 0, one launch: it quantizes the row itself (absmax -> 127 / absmax, round half even: the
-// pre-pass's codes bit for bit); PRE = 1: it waits for the Triton pre-pass it was launched after by
-// programmatic dependent launch (griddepcontrol.wait) and copies its codes; then the 16-k code sums of the
-// zero term, then its warps stream blocks of RW rows: lane l owns
+// One launch does the whole op. Each block issues its first weight loads, then quantizes the activation
+// row into shared memory itself (absmax -> 127 / absmax, round half even: the pre-pass's codes bit for
+// bit, and the 16-k code sums of the zero term), then its warps stream blocks of RW rows: lane l owns
 // row l % RW and every J-th 16-byte unit of it (J = 32 / RW; a unit is 4 words of a 32-byte triton_k32
 // chunk), so one warp load reads RW rows x J consecutive units and one group's scales of the RW rows are
 // one contiguous load. Loads run D units ahead of the math; per unit and plane one dp4a.u32.s32 of the
@@ -14,7 +12,7 @@
 //
 // Macros: IN_KIND / SCALE_KIND (x, y and bias / scales and zeros: 0 fp32, 1 fp16, 2 bf16), G (32, 64,
 // 128), RW (rows per warp: 1, 2, 4, 8, 16 or 32), D (units in flight per lane), U (16-byte units per row: Kp / 64),
-// NWARPS, XV (x vectors of 8 per thread: ceil(Kp / 8 / (32 NWARPS))), PRE, HAS_ZEROS, HAS_BIAS, HAS_AMAX, VEC
+// NWARPS, XV (x vectors of 8 per thread: ceil(Kp / 8 / (32 NWARPS))), HAS_ZEROS, HAS_BIAS, HAS_AMAX, VEC
 // (x 16-byte aligned, K % 8 == 0), CMUL, ZERO (float literals). No CUDA header is included (NVRTC needs
 // no toolkit): 16-bit floats are stored as unsigned short, converted by PTX.
 
@@ -95,21 +93,10 @@ __device__ __forceinline__ Step load_step(const int4* __restrict__ wq, const sca
   return st;
 }
 
-// the 16-k code sums of the codes xq [U * 64], by unit u = 2 c + h and plane q: xs[4 u + q]
-__device__ __forceinline__ void sums16(const signed char* xq, int* xs, int tid) {
-  for (int m = tid; m < U * 4; m += NWARPS * 32) {  // m = 16-k run: k = 16 m
-    int t = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) t = __dp4a(reinterpret_cast<const int*>(xq)[m * 4 + e], 0x01010101, t);
-    const int k = m * 16;
-    xs[((k >> 7) * 2 + ((k >> 4) & 1)) * 4 + ((k >> 5) & 3)] = t;
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) lowbit_gemv_w2(
     const in_t* __restrict__ x, const float* __restrict__ amax_in, const int4* __restrict__ wq,
     const scale_t* __restrict__ sc, const scale_t* __restrict__ zp, const in_t* __restrict__ bias,
-    in_t* __restrict__ y, const int4* __restrict__ xq_pre, const float* __restrict__ sx_pre, int N, int K, int NG) {
+    in_t* __restrict__ y, int N, int K, int NG) {
   __shared__ int4 xw4[U * 4];   // int8 codes, k = 128 c + 32 q + 16 h + e at byte 16 (8 c + 2 q + h) + e
   __shared__ int4 xsu[U];       // per unit u = 2 c + h: the 4 planes' 16-code sums
   __shared__ float red[NWARPS];
@@ -128,14 +115,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) lowbit_gemv_w2(
 #pragma unroll
   for (int d = 0; d < D; ++d) cur[d] = load_step(wq, sc, zp, d, T, wb, wstride, r, j, N, NG);
 
+  // ---- the activation pass (every block, x from L2): absmax, codes, 16-k sums
   constexpr int NT = NWARPS * 32;
-#if PRE  // ---- the pre-pass's codes and scale, once it has finished
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  for (int m = tid; m < U * 4; m += NT) xw4[m] = xq_pre[m];
-  const float sx = sx_pre[0];
-  __syncthreads();
-  sums16(xq, xs, tid);
-#else  // ---- the activation pass (every block, x from L2): absmax, codes, 16-k sums
 #if VEC
   constexpr int HV = (int)sizeof(in_t) / 2;  // 16-byte loads per 8 elements: 1 (16-bit) or 2 (fp32)
   int4 raw[XV][HV];                          // kept raw (4 registers per 8 bf16) for the second pass
@@ -191,8 +172,13 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) lowbit_gemv_w2(
 #else
   for (int k = tid; k < U * 64; k += NT) xq[k] = (signed char)(k < K ? quant(in_f(x[k]), inv) : 0);
   __syncthreads();
-  sums16(xq, xs, tid);
-#endif
+  for (int m = tid; m < U * 4; m += NT) {  // m = 16-k run: k = 16 m
+    int t = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t = __dp4a(reinterpret_cast<const int*>(xq)[m * 4 + e], 0x01010101, t);
+    const int k = m * 16;
+    xs[((k >> 7) * 2 + ((k >> 4) & 1)) * 4 + ((k >> 5) & 3)] = t;
+  }
 #endif
   __syncthreads();
 
