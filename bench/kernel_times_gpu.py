@@ -97,8 +97,11 @@ def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool, vary: tu
         if "kernel_l2" in parts:
             e["kernel_l2"] = _us([lambda: run(nopdl, ws[0]) for _ in ws])
         if sweep:
+            swept = candidates(M, ws[0])
+            if vary:
+                swept = [dict(c, **{vary[0]: v}) for c in swept for v in vary[1]]
             rows = []
-            for c in [dict(c, **{vary[0]: v}) for c in candidates(M, ws[0]) for v in vary[1]] if vary else candidates(M, ws[0]):
+            for c in swept:
                 c = dict(c, PDL=0)
                 try:
                     rows.append((_us([lambda w=w, c=c: run(c, w) for w in ws]), _us([lambda c=c: run(c, ws[0]) for _ in ws]), c))
