@@ -17,9 +17,10 @@ from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-tlin, common, registry, stream, tuning, dequant = import_kernels(
+tlin, common, registry, stream, tuning, dequant, cuda_mma = import_kernels(
     "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.common", "aipc_kernels.triton.lowbit.registry",
     "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning", "aipc_kernels.triton.lowbit.dequant",
+    "aipc_kernels.triton.lowbit.cuda_mma",
 )
 
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
@@ -331,6 +332,81 @@ def test_cuda_stream_refusals():
         tlin.lowbit_linear_triton(torch.randn(2, 256).to(DEVICE), p, config=CUDA_STREAM)
 
 
+CUDA_MMA = {"KERNEL": "cuda_mma", "AS": 0, "BLOCK_N": 32, "NT": 4, "SPLIT_K": 1, "D": 2, "num_warps": 4, "num_stages": 1}
+CUDA_MMA_AS = dict(CUDA_MMA, AS=1, BLOCK_N=64, NT=2)  # the warps split the rows, the token codes in a shared ring
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuda_mma is CUDA C compiled by NVRTC: a GPU only")
+@pytest.mark.parametrize("codebook", ["int2", "sym", "affine", "ternary"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cuda_mma(codebook, group):
+    """The CUDA C tensor-core kernel (1 < M <= 64): one to four 16-token tiles, row tiles past a ragged N,
+    K padded past the last group, splits (partials and ticket), one to sixteen warps sharing a block's chunks
+    (AS=0) or its rows (AS=1, the token codes through a shared ring),
+    bias, x's dtypes (bf16 with fp16 scales, fp16, fp32 with bf16 scales), a given absmax; against the
+    float64 int8-activation reference. Each case takes one M and one dtype in turn (every variant is an
+    NVRTC compile)."""
+    K = 896 if group == 128 else 960  # padded to 1024: groups past the weight's last one are skipped
+    N = 200  # 6 row blocks of 32 and one of 8 rows
+    case = ["int2", "sym", "affine", "ternary"].index(codebook) * 3 + [32, 64, 128].index(group)
+    M = (2, 16, 17, 64)[case % 4]
+    dtype, sdtype = ((torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))[case % 3]
+    cfgs = (CUDA_MMA, dict(CUDA_MMA, SPLIT_K=3, D=1), dict(CUDA_MMA, BLOCK_N=16, NT=2, num_warps=16, SPLIT_K=8),
+            dict(CUDA_MMA, BLOCK_N=64, NT=8, num_warps=1, D=4), CUDA_MMA_AS, dict(CUDA_MMA_AS, NT=1, num_warps=8, D=4, SPLIT_K=3),
+            dict(CUDA_MMA_AS, NT=4, BLOCK_N=128, D=1, SPLIT_K=2))  # fmt: skip
+    w, p = _case(N, K, codebook, group, seed=group + M, scale_dtype=sdtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
+    bias = torch.randn(N)
+    xd, bd = x.to(DEVICE, dtype), bias.to(DEVICE, dtype)
+    ref = ops.reference_linear_w8(xd.cpu().float(), w, bd.cpu().float())
+    tol = 2e-5 if dtype == torch.float32 else 8e-3
+    for cfg in cfgs:
+        if cfg["NT"] * -(-M // 16) > 8 or cuda_mma.shared_bytes(cfg, -(-M // 16)) > cuda_mma.MAX_SHARED:
+            continue  # a lane's accumulators (NT * ceil(M / 16) <= 8 in the tuning space), 48 KiB of shared memory
+        y = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
+        _close(tlin.lowbit_linear_triton(xd, p, bd, config=cfg, out=y), ref, tol)
+    _close(tlin.lowbit_linear_triton(xd, p, config=CUDA_MMA), ops.reference_linear_w8(xd.cpu().float(), w), tol)
+    if case < 2:
+        amax = x.abs().amax(dim=1) * 0.5  # below the rows' own: codes clamped to +-127
+        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, act_amax=amax.to(DEVICE), config=dict(CUDA_MMA, SPLIT_K=2)),
+               ops.reference_linear_w8(x, w, act_amax=amax), 2e-5)  # fmt: skip
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuda_mma is CUDA C compiled by NVRTC: a GPU only")
+def test_cuda_mma_cuda_graph_and_repeat():
+    """Split-K tickets re-armed: the same call replayed in a CUDA graph and repeated gives the same bits."""
+    w, p = _case(4096, 4096, "int2", 64, seed=5, scale_dtype=torch.bfloat16)
+    x = torch.randn(16, 4096, device=DEVICE, dtype=torch.bfloat16)
+    ref = ops.reference_linear_w8(x.cpu().float(), w)
+    for cfg in (dict(CUDA_MMA, SPLIT_K=8), dict(CUDA_MMA_AS, SPLIT_K=4)):
+        first = tlin.lowbit_linear_triton(x, p, config=cfg)
+        _close(first, ref, 8e-3)
+        out = torch.empty_like(first)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tlin.lowbit_linear_triton(x, p, config=cfg, out=out)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, first)
+            assert torch.equal(tlin.lowbit_linear_triton(x, p, config=cfg), first)
+
+
+def test_cuda_mma_refusals():
+    """What cuda_mma cannot run is refused with the fix (the Triton ``group`` kernel), before any launch:
+    4-bit codes, whole-row groups, N % 8 != 0, M == 1 and M > 64 (and, without compiled CUDA, everything)."""
+    x = torch.randn(4, 256)
+    for codebook, group, n in (("int4", 64, 8), ("int2", -1, 8), ("int2", 64, 12)):
+        _, p = _case(n, 256, codebook, group, seed=0)
+        with pytest.raises(ValueError, match="cuda_mma.*KERNEL='group'"):
+            tlin.lowbit_linear_triton(x.to(DEVICE), p, config=CUDA_MMA)
+    _, p = _case(8, 256, "int2", 64, seed=0)
+    for m in (1, 65):
+        with pytest.raises(ValueError, match="1 < M <= 64"):
+            tlin.lowbit_linear_triton(torch.randn(m, 256).to(DEVICE), p, config=CUDA_MMA)
+
+
 @pytest.mark.parametrize("kernel", ["group", "group_b"])
 @pytest.mark.parametrize("block_n, block_m", [(16, 16), (32, 64), (64, 32)])
 def test_gemm_tiles(block_n, block_m, kernel):
@@ -480,6 +556,7 @@ def test_shipped_configs_are_valid():
             registry.check_kernel_config(cfg, M)
             assert kernel is not stream or M == 1, (device, key, cfg)
             assert kernel.NAME != "cuda_stream" or M == 1, (device, key, cfg)
+            assert kernel.NAME != "cuda_mma" or 1 < M <= 64, (device, key, cfg)
             assert kernel is not dequant or M > tlin.GEMV_MAX_M, (device, key, cfg)
 
 

@@ -46,14 +46,16 @@ def _codes(xv, inv, HAS_AMAX: tl.constexpr):
 @triton.jit
 def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr,
                       WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr,
-                      FAKE: tl.constexpr = False, PDL: tl.constexpr = False):
+                      FAKE: tl.constexpr = False, PDL: tl.constexpr = False, PERM: tl.constexpr = False):
     """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
     BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
     past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
     corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
     the few rows of a decode batch from serialising on a few SMs; ``HAS_AMAX``: absmax read from amax;
     ``FAKE``: ``xq_ptr`` is a float [M, K] that receives ``code * scale`` instead of the codes; ``PDL``:
-    the GEMM that follows may launch at once, this grid waits for its own predecessor before reading x)."""
+    the GEMM that follows may launch at once, this grid waits for its own predecessor before reading x;
+    ``PERM``: in each 128 k, code k = 32 q + 8 t + i is stored at 32 t + 8 q + i, the bytes a
+    ``cuda_mma`` lane reads for its 4 planes made contiguous)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -72,6 +74,9 @@ def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, B
         xqf = _codes(xv, inv, HAS_AMAX)
         if FAKE:  # the codes times the scale, rounded once to the output's dtype, [M, K]
             tl.store(xq_ptr + m * K + k, round_to(xqf * sx, xq_ptr.dtype.element_ty), mask=k < K)
+        elif PERM:
+            kq = (k & ~127) | (((k >> 3) & 3) << 5) | (((k >> 5) & 3) << 3) | (k & 7)
+            tl.store(xq_ptr + m * Kp + kq, xqf.to(tl.int8), mask=k < Kp)
         else:
             tl.store(xq_ptr + m * Kp + k, xqf.to(tl.int8), mask=k < Kp)
         if WRITE_SUMS:
@@ -103,12 +108,13 @@ def _quant_act_pack_kernel(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: 
 
 
 def quantize_rows(
-    x2: torch.Tensor, Kp: int, sums: bool, act_amax: Optional[torch.Tensor] = None, pdl: bool = False
+    x2: torch.Tensor, Kp: int, sums: bool, act_amax: Optional[torch.Tensor] = None, pdl: bool = False, perm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(xq int8 [M, Kp], sx fp32 [M], xsum int32 [M, Kp/32] or None)`` of ``x2 [M, K]``; ``sums``:
     write the 32-k code sums (only affine code books' zero-point correction reads them); ``act_amax``:
     None or the dense float32 [M] absmax of each row to scale by; ``pdl``: launched as the primary of a
-    programmatic dependent launch (sm_90+, :func:`~.interpret.pdl_ok`)."""
+    programmatic dependent launch (sm_90+, :func:`~.interpret.pdl_ok`); ``perm``: the codes in
+    ``cuda_mma``'s order (each 128 k: the two 2-bit fields of k's bits 3-6 swapped; Kp % 128 == 0)."""
     M, K = x2.shape
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
@@ -122,8 +128,8 @@ def quantize_rows(
     _quant_act_kernel[(M, slices)](
         x_ptr=x2, amax_ptr=sx if act_amax is None else act_amax, xq_ptr=xq, sx_ptr=sx,
         xsum_ptr=sx if xsum is None else xsum, K=K, Kp=Kp, SLICE=bkx * triton.cdiv(Kp, bkx * slices),
-        BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam, HAS_AMAX=act_amax is not None, PDL=pdl, num_warps=nw,
-        **({"launch_pdl": True} if pdl else {}),
+        BLOCK_KX=bkx, WRITE_SUMS=sums, BLOCK_AMAX=bam, HAS_AMAX=act_amax is not None, PDL=pdl, PERM=perm,
+        num_warps=nw, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return xq, sx, xsum
 

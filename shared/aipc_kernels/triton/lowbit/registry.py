@@ -14,11 +14,12 @@ from typing import Optional
 import torch
 
 from ...packing import PackedLowBit
-from . import cuda_stream, dequant, group, stream
+from . import cuda_mma, cuda_stream, dequant, group, stream
 from .common import check_config
 from .interpret import interpreter_scope
 
-KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant, cuda_stream.NAME: cuda_stream}
+KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant, cuda_stream.NAME: cuda_stream,
+                                 cuda_mma.NAME: cuda_mma}
 
 
 def kernel_of(cfg: dict) -> ModuleType:

@@ -1,0 +1,154 @@
+"""``cuda_mma``: the 1 < M <= 64 W2A8 linear on the int8 tensor cores in CUDA C (NVIDIA sm_80+), beside
+the portable Triton ``group``.
+
+Issue 20 allows a vendor kernel behind the same op. After the Triton activation pass
+(:func:`~.activation.quantize_rows`: int8 codes in this kernel's order, per-token scales, 32-k sums),
+each block streams NT
+tiles of 8 weight rows over its chunk range, its NW warps taking the chunks in turn, D chunks of loads
+ahead of the math: per bit-plane one ``mma.sync.m16n8k32`` of the masked codes (u8) against the
+activation codes (s8) per 16 tokens, no shared memory on the way (``cuda_mma.cu`` says how). 2-bit code
+books with groups of 32, 64 or 128 (fixed or stored zeros), N % 8 == 0; anything else raises a ValueError
+naming the Triton ``group`` kernel. Compiled at first use by NVRTC through ``torch.cuda._compile_kernel``
+(no CUDA toolkit needed, one compile per variant and process); never runs in the Triton interpreter:
+its tests need a GPU.
+
+Config: ``NT`` (8-row tiles per block; ``BLOCK_N`` = 8 NT), ``num_warps`` (the block's warps, each a
+share of its chunks), ``D`` (chunks in flight per warp), ``SPLIT_K`` (chunk ranges over the grid's y,
+their partials added in split order by the last block of each row block). The 16-token tiles per block
+follow from M (up to 4).
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ...formats import get_codebook
+from ...packing import PackedLowBit
+from .activation import quantize_rows
+from .common import LOCK_SLOTS, lock_buffer
+from .interpret import INTERPRETED
+
+NAME = "cuda_mma"
+SOURCE = Path(__file__).with_name("cuda_mma.cu")
+MAX_M = 64  # four 16-token tiles per block
+MAX_SHARED = 48 * 1024  # static shared memory of a block
+FIELDS = ("BLOCK_N", "SPLIT_K", "num_warps", "D")
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_compiled: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def _space(mt: int) -> list[dict]:
+    """The configs for MT 16-token tiles: at most 8 (token tile x row tile) accumulators per lane, one row
+    tile only with several token tiles, within 48 KiB of shared memory (:func:`shared_bytes`)."""
+    split_k = [  # AS=0: the warps split the block's chunks
+        {"KERNEL": NAME, "AS": 0, "BLOCK_N": 8 * nt, "NT": nt, "SPLIT_K": sk, "D": d, "num_warps": nw, "num_stages": 1}
+        for nt in (1, 2, 4, 8)
+        for nw in (4, 8, 16)
+        for d in (1, 2, 4)
+        for sk in (1, 2, 4, 8)
+    ]
+    split_n = [  # AS=1: the warps split the block's rows, the token codes shared
+        {"KERNEL": NAME, "AS": 1, "BLOCK_N": 8 * nt * nw, "NT": nt, "SPLIT_K": sk, "D": d, "num_warps": nw, "num_stages": 1}
+        for nt in (1, 2, 4)
+        for nw in (4, 8)
+        for d in (1, 2, 4)
+        for sk in (1, 2, 4, 8)
+    ]
+    return [c for c in split_k + split_n
+            if mt * c["NT"] <= 8 and (c["NT"] > 1 or mt > 1) and shared_bytes(c, mt) <= MAX_SHARED]
+
+
+def shared_bytes(cfg: dict, mt: int) -> int:
+    """Static shared memory of ``cfg`` with ``mt`` 16-token tiles: the warps' sums (AS=0) or the ring of
+    D + 1 stages of token codes and sums (AS=1)."""
+    if cfg.get("AS", 0):
+        return (cfg.get("D", 1) + 1) * mt * 16 * 160
+    return cfg["num_warps"] * mt * cfg["NT"] * 4 * 32 * 4
+
+
+def available(device: torch.device) -> bool:
+    """Compiled CUDA (not the interpreter) on sm_80+ (int8 ``mma.sync.m16n8k32``) with torch's NVRTC entry."""
+    return (device.type == "cuda" and not INTERPRETED and torch.version.cuda is not None
+            and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(device) >= (8, 0))  # fmt: skip
+
+
+def usable(device: torch.device) -> bool:
+    """Whether a cached or shipped config of this kernel may run on ``device`` (else the heuristic's)."""
+    return available(device)
+
+
+def space(M: int) -> list[dict]:
+    """The configs the tuner times for ``M`` tokens: 1 < M <= 64 on CUDA sm_80+ (the tuner skips the ones a weight refuses)."""
+    if not 1 < M <= MAX_M or not torch.cuda.is_available() or not available(torch.device("cuda")):
+        return []
+    return _space(-(-M // 16))
+
+
+def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> Optional[dict]:
+    """No untuned default: the Triton ``group`` kernel serves untuned problems."""
+    return None
+
+
+def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
+    """A ValueError naming the fix when this kernel cannot run ``weight`` (or ``cfg``)."""
+    cb = get_codebook(weight.codebook)
+    M, K = x2.shape
+    G, N = weight.group_size, weight.out_features
+    if not 1 < M <= MAX_M:
+        raise ValueError(f"config {cfg}: the cuda_mma kernel takes 1 < M <= {MAX_M} (M={M}); use KERNEL='group'")
+    if not available(x2.device):
+        raise ValueError(f"config {cfg}: cuda_mma needs compiled CUDA on sm_80+ with torch.cuda._compile_kernel; use KERNEL='group'")
+    if cb.bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
+        raise ValueError(f"config {cfg}: cuda_mma takes 2-bit codes in groups of 32, 64 or 128 and N % 8 == 0 "
+                         f"({weight.codebook}, {cb.bits} bits, group {G}, N={N}); use KERNEL='group'")
+    if (weight.qweight.data_ptr() % 16 or x2.dtype not in _KINDS or weight.scales.dtype not in _KINDS
+            or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
+        raise ValueError(f"config {cfg}: cuda_mma needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
+                         f"and scales; use KERNEL='group'")
+    nt, nw, split_n = cfg.get("NT", 1), cfg["num_warps"], cfg.get("AS", 0)
+    if (nt not in (1, 2, 4, 8) or cfg["BLOCK_N"] != 8 * nt * (nw if split_n else 1) or cfg.get("D", 1) not in (1, 2, 4)
+            or nw not in (1, 2, 4, 8, 16) or split_n not in (0, 1)):
+        raise ValueError(f"config {cfg}: cuda_mma takes NT in (1, 2, 4, 8), D in (1, 2, 4), num_warps in (1, 2, 4, 8, 16), "
+                         f"AS in (0, 1) and BLOCK_N = 8 NT (AS=1: 8 NT num_warps)")
+    if shared_bytes(cfg, -(-M // 16)) > MAX_SHARED:
+        raise ValueError(f"config {cfg}: cuda_mma at M={M} needs {shared_bytes(cfg, -(-M // 16))} bytes of shared memory, "
+                         f"more than {MAX_SHARED}: fewer warps, NT or D")
+
+
+def _kernel(key: tuple):
+    """The compiled variant of ``key`` (macros), compiled once per process."""
+    with _lock:
+        if key not in _compiled:
+            names = ("IN_KIND", "SCALE_KIND", "G", "AS", "NT", "MT", "NW", "D", "SPLIT", "HAS_ZEROS", "HAS_BIAS", "CMUL", "ZERO")
+            defines = "".join(f"#define {n} {v}\n" for n, v in zip(names, key))
+            _compiled[key] = torch.cuda._compile_kernel(defines + SOURCE.read_text(), "lowbit_mma_w2", nvcc_options=["-std=c++17"])
+        return _compiled[key]
+
+
+def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
+           act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """The activation pass and the kernel for ``x2 [M, K]``, writing ``y [M, N]``."""
+    check(x2, weight, cfg)
+    cb = get_codebook(weight.codebook)
+    M, N = x2.shape[0], weight.out_features
+    Kp = weight.qweight.shape[1] * 4
+    nt, nw, d, split_n = cfg.get("NT", 1), cfg["num_warps"], cfg.get("D", 1), cfg.get("AS", 0)
+    xq, sx, xsum = quantize_rows(x2, Kp, sums=True, act_amax=act_amax, perm=True)
+    row_blocks, chunks = -(-N // cfg["BLOCK_N"]), Kp // 128
+    split = cfg.get("SPLIT_K", 1) if row_blocks <= LOCK_SLOTS else 1
+    per_split = -(-chunks // split)
+    split = -(-chunks // per_split)  # no empty splits
+    ws = torch.empty(split * M * N if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    locks = lock_buffer(x2.device) if split > 1 else ws
+    key = (_KINDS[x2.dtype], _KINDS[weight.scales.dtype], weight.group_size, split_n, nt, -(-M // 16), nw, d, split,
+           int(weight.zeros is not None), int(bias is not None),
+           f"((float){float(cb.cmul).hex()})", f"((float){float(cb.zero or 0.0).hex()})")  # fmt: skip
+    kern = _kernel(key)
+    args = [xq, sx, xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
+            weight.scales if bias is None else bias, y, ws, locks, M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip
+    with torch.cuda.device(x2.device):
+        kern(grid=(row_blocks, split, 1), block=(32 * nw, 1, 1), args=args)
