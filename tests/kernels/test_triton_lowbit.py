@@ -332,8 +332,7 @@ def test_cuda_stream_refusals():
         tlin.lowbit_linear_triton(torch.randn(2, 256).to(DEVICE), p, config=CUDA_STREAM)
 
 
-CUDA_MMA = {"KERNEL": "cuda_mma", "AS": 0, "BLOCK_N": 32, "NT": 4, "SPLIT_K": 1, "D": 2, "num_warps": 4, "num_stages": 1}
-CUDA_MMA_AS = dict(CUDA_MMA, AS=1, BLOCK_N=64, NT=2)  # the warps split the rows, the token codes in a shared ring
+CUDA_MMA = {"KERNEL": "cuda_mma", "BLOCK_N": 32, "NT": 4, "SPLIT_K": 1, "D": 2, "num_warps": 4, "num_stages": 1}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuda_mma is CUDA C compiled by NVRTC: a GPU only")
@@ -341,8 +340,7 @@ CUDA_MMA_AS = dict(CUDA_MMA, AS=1, BLOCK_N=64, NT=2)  # the warps split the rows
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_cuda_mma(codebook, group):
     """The CUDA C tensor-core kernel (1 < M <= 64): one to four 16-token tiles, row tiles past a ragged N,
-    K padded past the last group, splits (partials and ticket), one to sixteen warps sharing a block's chunks
-    (AS=0) or its rows (AS=1, the token codes through a shared ring),
+    K padded past the last group, splits (partials and ticket), one to sixteen warps sharing a block's chunks,
     bias, x's dtypes (bf16 with fp16 scales, fp16, fp32 with bf16 scales), a given absmax; against the
     float64 int8-activation reference. Each case takes one M and one dtype in turn (every variant is an
     NVRTC compile)."""
@@ -352,8 +350,7 @@ def test_cuda_mma(codebook, group):
     M = (2, 16, 17, 64)[case % 4]
     dtype, sdtype = ((torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))[case % 3]
     cfgs = (CUDA_MMA, dict(CUDA_MMA, SPLIT_K=3, D=1), dict(CUDA_MMA, BLOCK_N=16, NT=2, num_warps=16, SPLIT_K=8),
-            dict(CUDA_MMA, BLOCK_N=64, NT=8, num_warps=1, D=4), CUDA_MMA_AS, dict(CUDA_MMA_AS, NT=1, num_warps=8, D=4, SPLIT_K=3),
-            dict(CUDA_MMA_AS, NT=4, BLOCK_N=128, D=1, SPLIT_K=2))  # fmt: skip
+            dict(CUDA_MMA, BLOCK_N=64, NT=8, num_warps=1, D=4), dict(CUDA_MMA, BLOCK_N=8, NT=1, num_warps=8, D=4, SPLIT_K=2))
     w, p = _case(N, K, codebook, group, seed=group + M, scale_dtype=sdtype)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
     bias = torch.randn(N)
@@ -361,7 +358,7 @@ def test_cuda_mma(codebook, group):
     ref = ops.reference_linear_w8(xd.cpu().float(), w, bd.cpu().float())
     tol = 2e-5 if dtype == torch.float32 else 8e-3
     for cfg in cfgs:
-        if cfg["NT"] * -(-M // 16) > 8 or cuda_mma.shared_bytes(cfg, -(-M // 16)) > cuda_mma.MAX_SHARED:
+        if cfg["NT"] * -(-M // 16) > 8 or cuda_mma.shared_bytes(cfg["num_warps"], cfg["NT"], -(-M // 16)) > cuda_mma.MAX_SHARED:
             continue  # a lane's accumulators (NT * ceil(M / 16) <= 8 in the tuning space), 48 KiB of shared memory
         y = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
         _close(tlin.lowbit_linear_triton(xd, p, bd, config=cfg, out=y), ref, tol)
@@ -378,7 +375,7 @@ def test_cuda_mma_cuda_graph_and_repeat():
     w, p = _case(4096, 4096, "int2", 64, seed=5, scale_dtype=torch.bfloat16)
     x = torch.randn(16, 4096, device=DEVICE, dtype=torch.bfloat16)
     ref = ops.reference_linear_w8(x.cpu().float(), w)
-    for cfg in (dict(CUDA_MMA, SPLIT_K=8), dict(CUDA_MMA_AS, SPLIT_K=4)):
+    for cfg in (dict(CUDA_MMA, SPLIT_K=8), dict(CUDA_MMA, NT=2, BLOCK_N=16, num_warps=16, D=1)):
         first = tlin.lowbit_linear_triton(x, p, config=cfg)
         _close(first, ref, 8e-3)
         out = torch.empty_like(first)

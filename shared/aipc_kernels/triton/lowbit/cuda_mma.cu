@@ -18,29 +18,15 @@
 // block in the stream's ticket buffer) adds them in split order, adds the bias, stores y and re-arms the
 // ticket.
 //
-// Macros: IN_KIND / SCALE_KIND (x, y and bias / scales and zeros: 0 fp32, 1 fp16, 2 bf16), G (32, 64,
-// 128), NT, MT, NW, D, SPLIT (SPLIT_K), HAS_ZEROS, HAS_BIAS, CMUL, ZERO (float literals). N % 8 == 0. No
-// CUDA header is included (NVRTC needs no toolkit): 16-bit floats are stored as unsigned short,
-// converted by PTX.
+// Macros: IN_KIND / SCALE_KIND (cuda_common.cuh), G (32, 64, 128), NT, MT, NW, D, SPLIT (SPLIT_K),
+// HAS_ZEROS, HAS_BIAS, CMUL, ZERO (float literals). N % 8 == 0. No CUDA header is included.
 
-template <int kind> struct Kind { typedef unsigned short T; };
-template <> struct Kind<0> { typedef float T; };
-typedef typename Kind<IN_KIND>::T in_t;
-typedef typename Kind<SCALE_KIND>::T scale_t;
 #if SCALE_KIND == 0  // 32-bit words of a lane's 2 NT scales (zeros)
 #define SW (2 * NT)
 #else
 #define SW NT
 #endif
 
-__device__ __forceinline__ float h2f(unsigned short v, int kind) {
-  if (kind == 2) return __int_as_float(((unsigned)v) << 16);  // bf16: the high half of an fp32
-  float f;
-  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(v));
-  return f;
-}
-__device__ __forceinline__ float in_f(unsigned short v) { return h2f(v, IN_KIND); }
-__device__ __forceinline__ float in_f(float v) { return v; }
 // the scale of the lane's row r from its words
 __device__ __forceinline__ float scale_of(const unsigned (&w)[SW], int r) {
 #if SCALE_KIND == 0
@@ -63,19 +49,6 @@ __device__ __forceinline__ void load_words(unsigned (&w)[SW], const scale_t* p, 
   w[0] = u.x; w[1] = u.y;
 #else
   w[0] = ok ? __ldg(q) : 0u;
-#endif
-}
-__device__ __forceinline__ void store_out(float v, in_t* p) {  // round to nearest even
-#if IN_KIND == 0
-  *p = v;
-#else
-  unsigned short h;
-#if IN_KIND == 1
-  asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(v));
-#else
-  asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(v));
-#endif
-  *p = h;
 #endif
 }
 __device__ __forceinline__ float ld_cg(const float* p) {  // another block's partial: past the L1
@@ -144,44 +117,6 @@ __device__ __forceinline__ void load_acts(Step& st, const unsigned char* __restr
     }
 }
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int n> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(n) : "memory"); }
-
-#if AS
-#define AROW_ 144
-// AS: chunk c's token codes (MT * 16 rows of 128 bytes, rows past M: row M - 1 again) and their 32-k sums
-// into a stage of the shared ring, by the block's threads in 16-byte copies
-__device__ __forceinline__ void copy_stage(unsigned char* stage, const unsigned char* __restrict__ xq,
-                                           const int* __restrict__ xsum, int c, int tid, int M, int Kp) {
-  for (int p = tid; p < MT * 16 * 9; p += NW * 32) {
-    const int r = p / 9, piece = p % 9, m = min(r, M - 1);
-    if (piece < 8) cp_async16(stage + r * AROW_ + 16 * piece, xq + (size_t)m * Kp + 128 * c + 16 * piece);
-    else cp_async16(stage + MT * 16 * AROW_ + 16 * r, xsum + (size_t)m * (Kp / 32) + 4 * c);
-  }
-}
-// AS: the lane's A fragments and sums of a stage
-__device__ __forceinline__ void load_acts_shared(Step& st, const unsigned char* stage, int g, int tq) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * mt + 8 * h + g;
-      const uint4* row = reinterpret_cast<const uint4*>(stage + r * AROW_ + 32 * tq);
-      st.a[mt][h][0] = row[0];
-      st.a[mt][h][1] = row[1];
-      st.xs[mt][h] = *reinterpret_cast<const int4*>(stage + MT * 16 * AROW_ + 16 * r);
-    }
-}
-#endif
-
 // one chunk's math: per plane the mmas of the masked codes, per group the scaled fp32 sums into out
 __device__ __forceinline__ void chunk_math(float (&out)[MT][NT][4], const Step& st) {
   int acc[MT][NT][4];
@@ -246,88 +181,6 @@ extern "C" __global__ void __launch_bounds__(NW * 32) lowbit_mma_w2(
     const unsigned char* __restrict__ wq, const scale_t* __restrict__ sc, const scale_t* __restrict__ zp,
     const in_t* __restrict__ bias, in_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ lock,
     int M, int N, int Kp, int NG, int CPS) {
-#if AS
-  // ---- the warps split the rows; the block's token codes of D + 1 chunks in a shared ring (cp.async)
-  constexpr int STAGE = MT * 16 * (AROW_ + 16);  // codes (rows of 144 bytes: conflict-free 16-byte reads), then sums
-  __shared__ __align__(16) unsigned char ring[D + 1][STAGE];
-  __shared__ int last;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, tq = lane & 3;
-  const int n0 = blockIdx.x * (8 * NT * NW) + 8 * NT * warp;  // this warp's rows
-  const int c0 = blockIdx.y * CPS, c1 = min(c0 + CPS, Kp / 128);
-  const int T = c1 - c0;
-
-  float out[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) out[mt][t][i] = 0.f;
-
-  Step cur[D];
-#pragma unroll
-  for (int d = 0; d < D; ++d) {
-    load_weights(cur[d], wq, sc, zp, d < T ? c0 + d : 0, d < T, n0, g, tq, N, Kp, NG);
-    if (d < T) copy_stage(ring[d], xq, xsum, c0 + d, tid, M, Kp);
-    cp_async_commit();
-  }
-  for (int t0 = 0; t0 < T; t0 += D) {
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      const int t = t0 + d;
-      cp_async_wait<D - 1>();  // chunk t's stage has landed (this thread's copies) ...
-      __syncthreads();         // ... everyone's, and every warp is done with the slot refilled next
-      if (t + D < T) copy_stage(ring[(t + D) % (D + 1)], xq, xsum, c0 + t + D, tid, M, Kp);
-      cp_async_commit();
-      if (t < T) {
-        load_acts_shared(cur[d], ring[t % (D + 1)], g, tq);
-        chunk_math(out, cur[d]);
-      }
-      load_weights(cur[d], wq, sc, zp, t + D < T ? c0 + t + D : 0, t + D < T, n0, g, tq, N, Kp, NG);
-    }
-  }
-
-  // ---- times sx; stored, or this split's partial and the ticket
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 16 * mt + g + 8 * (i >> 1), n = n0 + 2 * NT * tq + NT * (i & 1) + t;
-        if (m < M && n < N) {
-          const float v = out[mt][t][i] * sx[m];
-#if SPLIT == 1
-          store_out(v + (HAS_BIAS ? in_f(bias[n]) : 0.f), y + (size_t)m * N + n);
-#else
-          ws[((size_t)blockIdx.y * M + m) * N + n] = v;
-#endif
-        }
-      }
-#if SPLIT > 1
-  __threadfence();  // this split's partials are visible device-wide before its ticket
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(lock + blockIdx.x, 1) == SPLIT - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 16 * mt + g + 8 * (i >> 1), n = n0 + 2 * NT * tq + NT * (i & 1) + t;
-        if (m < M && n < N) {
-          float v = 0.f;
-          for (int s = 0; s < SPLIT; ++s) v += ld_cg(ws + ((size_t)s * M + m) * N + n);
-          store_out(v + (HAS_BIAS ? in_f(bias[n]) : 0.f), y + (size_t)m * N + n);
-        }
-      }
-  if (tid == 0) atomicExch(lock + blockIdx.x, 0);
-#endif
-#else  // ---- the warps split the block's chunks (AS == 0)
   constexpr int F = MT * NT * 4;  // a lane's C values
   __shared__ float red[NW][F][32];
   __shared__ int last;
@@ -412,6 +265,5 @@ extern "C" __global__ void __launch_bounds__(NW * 32) lowbit_mma_w2(
     }
   }
   if (tid == 0) atomicExch(lock + blockIdx.x, 0);
-#endif
 #endif
 }

@@ -19,7 +19,6 @@ follow from M (up to 4).
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -29,45 +28,35 @@ from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .activation import quantize_rows
 from .common import LOCK_SLOTS, lock_buffer
+from .cuda_build import compiled
 from .interpret import INTERPRETED
 
 NAME = "cuda_mma"
+# the variant key\'s fields, in order (cuda_build.compiled)
+_MACROS = ("IN_KIND", "SCALE_KIND", "G", "NT", "MT", "NW", "D", "SPLIT", "HAS_ZEROS", "HAS_BIAS", "CMUL", "ZERO")
 SOURCE = Path(__file__).with_name("cuda_mma.cu")
 MAX_M = 64  # four 16-token tiles per block
 MAX_SHARED = 48 * 1024  # static shared memory of a block
 FIELDS = ("BLOCK_N", "SPLIT_K", "num_warps", "D")
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_compiled: dict[tuple, object] = {}
-_lock = threading.Lock()
 
 
 def _space(mt: int) -> list[dict]:
     """The configs for MT 16-token tiles: at most 8 (token tile x row tile) accumulators per lane, one row
-    tile only with several token tiles, within 48 KiB of shared memory (:func:`shared_bytes`)."""
-    split_k = [  # AS=0: the warps split the block's chunks
-        {"KERNEL": NAME, "AS": 0, "BLOCK_N": 8 * nt, "NT": nt, "SPLIT_K": sk, "D": d, "num_warps": nw, "num_stages": 1}
+    tile only with several token tiles, the warps' sums within 48 KiB of shared memory."""
+    return [
+        {"KERNEL": NAME, "BLOCK_N": 8 * nt, "NT": nt, "SPLIT_K": sk, "D": d, "num_warps": nw, "num_stages": 1}
         for nt in (1, 2, 4, 8)
         for nw in (4, 8, 16)
         for d in (1, 2, 4)
         for sk in (1, 2, 4, 8)
+        if mt * nt <= 8 and (nt > 1 or mt > 1) and shared_bytes(nw, nt, mt) <= MAX_SHARED
     ]
-    split_n = [  # AS=1: the warps split the block's rows, the token codes shared
-        {"KERNEL": NAME, "AS": 1, "BLOCK_N": 8 * nt * nw, "NT": nt, "SPLIT_K": sk, "D": d, "num_warps": nw, "num_stages": 1}
-        for nt in (1, 2, 4)
-        for nw in (4, 8)
-        for d in (1, 2, 4)
-        for sk in (1, 2, 4, 8)
-    ]
-    return [c for c in split_k + split_n
-            if mt * c["NT"] <= 8 and (c["NT"] > 1 or mt > 1) and shared_bytes(c, mt) <= MAX_SHARED]
 
 
-def shared_bytes(cfg: dict, mt: int) -> int:
-    """Static shared memory of ``cfg`` with ``mt`` 16-token tiles: the warps' sums (AS=0) or the ring of
-    D + 1 stages of token codes and sums (AS=1)."""
-    if cfg.get("AS", 0):
-        return (cfg.get("D", 1) + 1) * mt * 16 * 160
-    return cfg["num_warps"] * mt * cfg["NT"] * 4 * 32 * 4
+def shared_bytes(num_warps: int, nt: int, mt: int) -> int:
+    """Static shared memory of the warps' sums: num_warps x mt x nt x 4 fp32 values per lane."""
+    return num_warps * mt * nt * 4 * 32 * 4
 
 
 def available(device: torch.device) -> bool:
@@ -109,24 +98,12 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
             or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
         raise ValueError(f"config {cfg}: cuda_mma needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
                          f"and scales; use KERNEL='group'")
-    nt, nw, split_n = cfg.get("NT", 1), cfg["num_warps"], cfg.get("AS", 0)
-    if (nt not in (1, 2, 4, 8) or cfg["BLOCK_N"] != 8 * nt * (nw if split_n else 1) or cfg.get("D", 1) not in (1, 2, 4)
-            or nw not in (1, 2, 4, 8, 16) or split_n not in (0, 1)):
-        raise ValueError(f"config {cfg}: cuda_mma takes NT in (1, 2, 4, 8), D in (1, 2, 4), num_warps in (1, 2, 4, 8, 16), "
-                         f"AS in (0, 1) and BLOCK_N = 8 NT (AS=1: 8 NT num_warps)")
-    if shared_bytes(cfg, -(-M // 16)) > MAX_SHARED:
-        raise ValueError(f"config {cfg}: cuda_mma at M={M} needs {shared_bytes(cfg, -(-M // 16))} bytes of shared memory, "
-                         f"more than {MAX_SHARED}: fewer warps, NT or D")
-
-
-def _kernel(key: tuple):
-    """The compiled variant of ``key`` (macros), compiled once per process."""
-    with _lock:
-        if key not in _compiled:
-            names = ("IN_KIND", "SCALE_KIND", "G", "AS", "NT", "MT", "NW", "D", "SPLIT", "HAS_ZEROS", "HAS_BIAS", "CMUL", "ZERO")
-            defines = "".join(f"#define {n} {v}\n" for n, v in zip(names, key))
-            _compiled[key] = torch.cuda._compile_kernel(defines + SOURCE.read_text(), "lowbit_mma_w2", nvcc_options=["-std=c++17"])
-        return _compiled[key]
+    nt, nw = cfg.get("NT", 1), cfg["num_warps"]
+    if nt not in (1, 2, 4, 8) or cfg["BLOCK_N"] != 8 * nt or cfg.get("D", 1) not in (1, 2, 4) or nw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config {cfg}: cuda_mma takes NT in (1, 2, 4, 8) with BLOCK_N = 8 NT, D in (1, 2, 4), num_warps in (1, 2, 4, 8, 16)")
+    if shared_bytes(nw, nt, -(-M // 16)) > MAX_SHARED:
+        raise ValueError(f"config {cfg}: cuda_mma's warp sums at M={M} need {shared_bytes(nw, nt, -(-M // 16))} bytes of shared "
+                         f"memory, more than {MAX_SHARED}: fewer warps or a smaller NT")
 
 
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
@@ -136,7 +113,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     cb = get_codebook(weight.codebook)
     M, N = x2.shape[0], weight.out_features
     Kp = weight.qweight.shape[1] * 4
-    nt, nw, d, split_n = cfg.get("NT", 1), cfg["num_warps"], cfg.get("D", 1), cfg.get("AS", 0)
+    nt, nw, d = cfg.get("NT", 1), cfg["num_warps"], cfg.get("D", 1)
     xq, sx, xsum = quantize_rows(x2, Kp, sums=True, act_amax=act_amax, perm=True)
     row_blocks, chunks = -(-N // cfg["BLOCK_N"]), Kp // 128
     split = cfg.get("SPLIT_K", 1) if row_blocks <= LOCK_SLOTS else 1
@@ -144,10 +121,10 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     split = -(-chunks // per_split)  # no empty splits
     ws = torch.empty(split * M * N if split > 1 else 1, dtype=torch.float32, device=x2.device)
     locks = lock_buffer(x2.device) if split > 1 else ws
-    key = (_KINDS[x2.dtype], _KINDS[weight.scales.dtype], weight.group_size, split_n, nt, -(-M // 16), nw, d, split,
+    key = (_KINDS[x2.dtype], _KINDS[weight.scales.dtype], weight.group_size, nt, -(-M // 16), nw, d, split,
            int(weight.zeros is not None), int(bias is not None),
            f"((float){float(cb.cmul).hex()})", f"((float){float(cb.zero or 0.0).hex()})")  # fmt: skip
-    kern = _kernel(key)
+    kern = compiled(SOURCE, "lowbit_mma_w2", _MACROS, key)
     args = [xq, sx, xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
             weight.scales if bias is None else bias, y, ws, locks, M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip
     with torch.cuda.device(x2.device):

@@ -13,40 +13,13 @@
 // Macros: IN_KIND / SCALE_KIND (x, y and bias / scales and zeros: 0 fp32, 1 fp16, 2 bf16), G (32, 64,
 // 128), RW (rows per warp: 1, 2, 4, 8, 16 or 32), D (units in flight per lane), U (16-byte units per row: Kp / 64),
 // NWARPS, XV (x vectors of 8 per thread: ceil(Kp / 8 / (32 NWARPS))), HAS_ZEROS, HAS_BIAS, HAS_AMAX, VEC
-// (x 16-byte aligned, K % 8 == 0), CMUL, ZERO (float literals). No CUDA header is included (NVRTC needs
-// no toolkit): 16-bit floats are stored as unsigned short, converted by PTX.
+// (x 16-byte aligned, K % 8 == 0), CMUL, ZERO (float literals); IN_KIND / SCALE_KIND and the 16-bit float
+// conversions in cuda_common.cuh. No CUDA header is included.
 
 #define J (32 / RW)
 #define NU ((U + J - 1) / J)            // units per lane and row
 #define NUP ((NU + D - 1) / D * D)      // padded to whole steps of D
 
-template <int kind> struct Kind { typedef unsigned short T; };
-template <> struct Kind<0> { typedef float T; };
-typedef typename Kind<IN_KIND>::T in_t;
-typedef typename Kind<SCALE_KIND>::T scale_t;
-
-template <int kind> __device__ __forceinline__ float f16k(unsigned short v) {
-  if (kind == 2) return __int_as_float(((unsigned)v) << 16);  // bf16: the high half of an fp32
-  float f;
-  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(v));
-  return f;
-}
-template <int kind> __device__ __forceinline__ float f16k(float v) { return v; }
-__device__ __forceinline__ float in_f(in_t v) { return f16k<IN_KIND>(v); }
-__device__ __forceinline__ float scale_f(scale_t v) { return f16k<SCALE_KIND>(v); }
-__device__ __forceinline__ void store_out(float v, in_t* p) {  // round to nearest even
-#if IN_KIND == 0
-  *p = v;
-#else
-  unsigned short h;
-#if IN_KIND == 1
-  asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(v));
-#else
-  asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(v));
-#endif
-  *p = h;
-#endif
-}
 __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {  // unsigned bytes of a . signed bytes of b
   int d;
   asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));

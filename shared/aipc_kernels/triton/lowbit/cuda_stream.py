@@ -13,7 +13,6 @@ Config: ``RW`` (rows per warp, 1-32), ``D`` (units in flight per lane), ``num_wa
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -22,9 +21,12 @@ import torch
 from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .common import sm_count
+from .cuda_build import compiled
 from .interpret import INTERPRETED
 
 NAME = "cuda_stream"
+# the variant key\'s fields, in order (cuda_build.compiled)
+_MACROS = ("IN_KIND", "SCALE_KIND", "G", "RW", "D", "U", "NWARPS", "XV", "HAS_ZEROS", "HAS_BIAS", "HAS_AMAX", "VEC", "CMUL", "ZERO")
 SOURCE = Path(__file__).with_name("cuda_stream.cu")
 MAX_KP = 32768  # codes and 16-k sums in static shared memory: 1.25 Kp bytes, below 48 KiB
 SPACE = [
@@ -35,8 +37,6 @@ SPACE = [
     for bps in (1, 2)
 ]
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_compiled: dict[tuple, object] = {}
-_lock = threading.Lock()
 
 
 def available(device: torch.device) -> bool:
@@ -80,16 +80,6 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
         raise ValueError(f"config {cfg}: cuda_stream takes RW in (1, 2, 4, 8, 16, 32), D in (1, 2, 4, 8) and SPLIT_K=1")
 
 
-def _kernel(key: tuple):
-    """The compiled variant of ``key`` (macros), compiled once per process."""
-    with _lock:
-        if key not in _compiled:
-            names = ("IN_KIND", "SCALE_KIND", "G", "RW", "D", "U", "NWARPS", "XV", "HAS_ZEROS", "HAS_BIAS", "HAS_AMAX", "VEC", "CMUL", "ZERO")
-            defines = "".join(f"#define {n} {v}\n" for n, v in zip(names, key))
-            _compiled[key] = torch.cuda._compile_kernel(defines + SOURCE.read_text(), "lowbit_gemv_w2", nvcc_options=["-std=c++17"])
-        return _compiled[key]
-
-
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
            act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
     """The whole op for ``x2 [1, K]`` (activation pass included), writing ``y [1, N]``."""
@@ -104,7 +94,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
            f"((float){float(cb.cmul).hex()})", f"((float){float(cb.zero or 0.0).hex()})")  # fmt: skip
     row_blocks = -(-N // rw)
     blocks = max(1, min(-(-row_blocks // nw), cfg.get("BPS", 1) * sm_count(x2.device)))
-    kern = _kernel(key)
+    kern = compiled(SOURCE, "lowbit_gemv_w2", _MACROS, key)
     with torch.cuda.device(x2.device):
         kern(grid=(blocks, 1, 1), block=(32 * nw, 1, 1), args=[
             x2, weight.scales if act_amax is None else act_amax, weight.qweight, weight.scales,
