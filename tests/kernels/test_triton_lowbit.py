@@ -534,11 +534,31 @@ def test_autotune_writes_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AIPC_TRITON_AUTOTUNE", "1")
     monkeypatch.setattr(tuning, "_mem_cache", {})
     monkeypatch.setattr(stream, "SPACE", [dict(STREAM, BLOCK_N=16), dict(STREAM, BLOCK_N=32, BLOCK_C=4, SPLIT_K=2)])
+    monkeypatch.setattr(tlin.KERNELS["cuda_stream"], "SPACE", [])  # only the two configs above are timed
     w, p = _case(64, 512, "affine", 128, seed=3)
     x = torch.randn(1, 512, device="cuda")
     _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)
     cached = json.loads(tlin.cache_file(tlin.device_name(x.device)).read_text())
     assert cached[tlin.config_key(1, 64, 512, 128, 2)]["BLOCK_N"] in (16, 32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="timing configurations needs a GPU")
+def test_autotune_times_cuda_mma(tmp_path, monkeypatch):
+    """At M=16 the tuner times the CUDA C kernel's configs beside the Triton ones (CUDA-graph replays of
+    the NVRTC launch) and caches the winner, whichever it is."""
+    monkeypatch.setenv("AIPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AIPC_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(tuning, "_mem_cache", {})
+    group_cfg = dict(GROUP16, SPLIT_K=4)
+    mma_cfgs = [CUDA_MMA, dict(CUDA_MMA, BLOCK_N=16, NT=2, num_warps=8, D=1)]
+    monkeypatch.setattr(tlin.KERNELS["group"], "space", lambda M: [group_cfg])
+    monkeypatch.setattr(tlin.KERNELS["cuda_mma"], "space", lambda M: mma_cfgs)
+    w, p = _case(256, 1024, "int2", 64, seed=4)
+    x = torch.randn(16, 1024, device="cuda")
+    _close(tlin.lowbit_linear_triton(x, p), ops.reference_linear_w8(x.cpu(), w), 2e-5)
+    cached = json.loads(tlin.cache_file(tlin.device_name(x.device)).read_text())[tlin.config_key(16, 256, 1024, 64, 2)]
+    assert {k: v for k, v in cached.items() if k not in ("us", "by_kernel")} in [group_cfg, *mma_cfgs]
+    assert set(cached["by_kernel"]) == {"group", "cuda_mma"}
 
 
 def test_shipped_configs_are_valid():

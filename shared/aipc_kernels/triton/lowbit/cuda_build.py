@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 COMMON = Path(__file__).with_name("cuda_common.cuh")
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # IN_KIND / SCALE_KIND of a dtype
 _compiled: dict[tuple, object] = {}
 _lock = threading.Lock()
 
@@ -23,3 +24,8 @@ def compiled(source: Path, kernel: str, names: tuple[str, ...], values: tuple) -
             text = defines + COMMON.read_text() + source.read_text()
             _compiled[key] = torch.cuda._compile_kernel(text, kernel, nvcc_options=["-std=c++17"])
         return _compiled[key]
+
+
+def float_literal(v: float) -> str:
+    """``v`` as an exact C float literal for a macro (hexadecimal, cast to float)."""
+    return f"((float){float(v).hex()})"

@@ -27,8 +27,8 @@ import torch
 from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .activation import quantize_rows
-from .common import LOCK_SLOTS, lock_buffer
-from .cuda_build import compiled
+from .common import split_plan
+from .cuda_build import KINDS, compiled, float_literal
 from .interpret import INTERPRETED
 
 NAME = "cuda_mma"
@@ -38,7 +38,6 @@ SOURCE = Path(__file__).with_name("cuda_mma.cu")
 MAX_M = 64  # four 16-token tiles per block
 MAX_SHARED = 48 * 1024  # static shared memory of a block
 FIELDS = ("BLOCK_N", "SPLIT_K", "num_warps", "D")
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _space(mt: int) -> list[dict]:
@@ -94,7 +93,7 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
     if cb.bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
         raise ValueError(f"config {cfg}: cuda_mma takes 2-bit codes in groups of 32, 64 or 128 and N % 8 == 0 "
                          f"({weight.codebook}, {cb.bits} bits, group {G}, N={N}); use KERNEL='group'")
-    if (weight.qweight.data_ptr() % 16 or x2.dtype not in _KINDS or weight.scales.dtype not in _KINDS
+    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS
             or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
         raise ValueError(f"config {cfg}: cuda_mma needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
                          f"and scales; use KERNEL='group'")
@@ -115,15 +114,11 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     Kp = weight.qweight.shape[1] * 4
     nt, nw, d = cfg.get("NT", 1), cfg["num_warps"], cfg.get("D", 1)
     xq, sx, xsum = quantize_rows(x2, Kp, sums=True, act_amax=act_amax, perm=True)
-    row_blocks, chunks = -(-N // cfg["BLOCK_N"]), Kp // 128
-    split = cfg.get("SPLIT_K", 1) if row_blocks <= LOCK_SLOTS else 1
-    per_split = -(-chunks // split)
-    split = -(-chunks // per_split)  # no empty splits
-    ws = torch.empty(split * M * N if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    locks = lock_buffer(x2.device) if split > 1 else ws
-    key = (_KINDS[x2.dtype], _KINDS[weight.scales.dtype], weight.group_size, nt, -(-M // 16), nw, d, split,
+    row_blocks = -(-N // cfg["BLOCK_N"])
+    split, per_split, ws, locks, _ = split_plan(Kp // 128, cfg.get("SPLIT_K", 1), row_blocks, M, N, y)  # ticket path
+    key = (KINDS[x2.dtype], KINDS[weight.scales.dtype], weight.group_size, nt, -(-M // 16), nw, d, split,
            int(weight.zeros is not None), int(bias is not None),
-           f"((float){float(cb.cmul).hex()})", f"((float){float(cb.zero or 0.0).hex()})")  # fmt: skip
+           float_literal(cb.cmul), float_literal(cb.zero or 0.0))  # fmt: skip
     kern = compiled(SOURCE, "lowbit_mma_w2", _MACROS, key)
     args = [xq, sx, xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
             weight.scales if bias is None else bias, y, ws, locks, M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip

@@ -21,7 +21,7 @@ import torch
 from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .common import sm_count
-from .cuda_build import compiled
+from .cuda_build import KINDS, compiled, float_literal
 from .interpret import INTERPRETED
 
 NAME = "cuda_stream"
@@ -36,7 +36,6 @@ SPACE = [
     for nw in (4, 8)
     for bps in (1, 2)
 ]
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def available(device: torch.device) -> bool:
@@ -74,7 +73,7 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
                          f"({weight.codebook}, {cb.bits} bits, group {G}); use KERNEL='stream'")
     if Kp > MAX_KP:
         raise ValueError(f"config {cfg}: cuda_stream keeps the activation codes in shared memory, K <= {MAX_KP} (K={K}); use KERNEL='stream'")
-    if weight.qweight.data_ptr() % 16 or x2.dtype not in _KINDS or weight.scales.dtype not in _KINDS:
+    if weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS:
         raise ValueError(f"config {cfg}: cuda_stream needs 16-byte aligned codes and fp32/fp16/bf16 x and scales; use KERNEL='stream'")
     if cfg.get("RW", 8) not in (1, 2, 4, 8, 16, 32) or cfg.get("D", 4) not in (1, 2, 4, 8) or cfg.get("SPLIT_K", 1) != 1:
         raise ValueError(f"config {cfg}: cuda_stream takes RW in (1, 2, 4, 8, 16, 32), D in (1, 2, 4, 8) and SPLIT_K=1")
@@ -89,9 +88,9 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     Kp = weight.qweight.shape[1] * 4
     rw, d, nw = cfg.get("RW", 8), cfg.get("D", 4), cfg["num_warps"]
     vec = int(x2.data_ptr() % 16 == 0 and K % 8 == 0)
-    key = (_KINDS[x2.dtype], _KINDS[weight.scales.dtype], weight.group_size, rw, d, Kp // 64, nw, -(-Kp // (8 * 32 * nw)),
+    key = (KINDS[x2.dtype], KINDS[weight.scales.dtype], weight.group_size, rw, d, Kp // 64, nw, -(-Kp // (8 * 32 * nw)),
            int(weight.zeros is not None), int(bias is not None), int(act_amax is not None), vec,
-           f"((float){float(cb.cmul).hex()})", f"((float){float(cb.zero or 0.0).hex()})")  # fmt: skip
+           float_literal(cb.cmul), float_literal(cb.zero or 0.0))  # fmt: skip
     row_blocks = -(-N // rw)
     blocks = max(1, min(-(-row_blocks // nw), cfg.get("BPS", 1) * sm_count(x2.device)))
     kern = compiled(SOURCE, "lowbit_gemv_w2", _MACROS, key)
