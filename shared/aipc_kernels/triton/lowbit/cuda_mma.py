@@ -3,9 +3,8 @@ the portable Triton ``group``.
 
 Issue 20 allows a vendor kernel behind the same op. After the Triton activation pass
 (:func:`~.activation.quantize_rows`: int8 codes in this kernel's order, per-token scales, 32-k sums),
-each block streams NT
-tiles of 8 weight rows over its chunk range, its NW warps taking the chunks in turn, D chunks of loads
-ahead of the math: per bit-plane one ``mma.sync.m16n8k32`` of the masked codes (u8) against the
+each block streams NT tiles of 8 weight rows over its chunk range, its warps taking the chunks in turn,
+D chunks of loads ahead of the math: per bit-plane one ``mma.sync.m16n8k32`` of the masked codes (u8) against the
 activation codes (s8) per 16 tokens, no shared memory on the way (``cuda_mma.cu`` says how). 2-bit code
 books with groups of 32, 64 or 128 (fixed or stored zeros), N % 8 == 0; anything else raises a ValueError
 naming the Triton ``group`` kernel. Compiled at first use by NVRTC through ``torch.cuda._compile_kernel``
@@ -32,7 +31,7 @@ from .cuda_build import KINDS, compiled, float_literal
 from .interpret import INTERPRETED
 
 NAME = "cuda_mma"
-# the variant key\'s fields, in order (cuda_build.compiled)
+# the variant key's fields, in order (cuda_build.compiled)
 _MACROS = ("IN_KIND", "SCALE_KIND", "G", "NT", "MT", "NW", "D", "SPLIT", "HAS_ZEROS", "HAS_BIAS", "CMUL", "ZERO")
 SOURCE = Path(__file__).with_name("cuda_mma.cu")
 MAX_M = 64  # four 16-token tiles per block

@@ -25,7 +25,7 @@ from .cuda_build import KINDS, compiled, float_literal
 from .interpret import INTERPRETED
 
 NAME = "cuda_stream"
-# the variant key\'s fields, in order (cuda_build.compiled)
+# the variant key's fields, in order (cuda_build.compiled)
 _MACROS = ("IN_KIND", "SCALE_KIND", "G", "RW", "D", "U", "NWARPS", "XV", "HAS_ZEROS", "HAS_BIAS", "HAS_AMAX", "VEC", "CMUL", "ZERO")
 SOURCE = Path(__file__).with_name("cuda_stream.cu")
 MAX_KP = 32768  # codes and 16-k sums in static shared memory: 1.25 Kp bytes, below 48 KiB
