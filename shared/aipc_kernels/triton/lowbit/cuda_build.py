@@ -9,10 +9,17 @@ from pathlib import Path
 
 import torch
 
+from .interpret import INTERPRETED
+
 COMMON = Path(__file__).with_name("cuda_common.cuh")
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # IN_KIND / SCALE_KIND of a dtype
 _compiled: dict[tuple, object] = {}
 _lock = threading.Lock()
+
+
+def nvrtc_available(device: torch.device) -> bool:
+    """Compiled CUDA (not the Triton interpreter) with torch's NVRTC entry (``torch.cuda._compile_kernel``)."""
+    return device.type == "cuda" and not INTERPRETED and torch.version.cuda is not None and hasattr(torch.cuda, "_compile_kernel")
 
 
 def compiled(source: Path, kernel: str, names: tuple[str, ...], values: tuple) -> object:

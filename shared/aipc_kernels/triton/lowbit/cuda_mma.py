@@ -27,8 +27,7 @@ from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .activation import quantize_rows
 from .common import split_plan
-from .cuda_build import KINDS, compiled, float_literal
-from .interpret import INTERPRETED
+from .cuda_build import KINDS, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_mma"
 # the variant key's fields, in order (cuda_build.compiled)
@@ -59,8 +58,7 @@ def shared_bytes(num_warps: int, nt: int, mt: int) -> int:
 
 def available(device: torch.device) -> bool:
     """Compiled CUDA (not the interpreter) on sm_80+ (int8 ``mma.sync.m16n8k32``) with torch's NVRTC entry."""
-    return (device.type == "cuda" and not INTERPRETED and torch.version.cuda is not None
-            and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(device) >= (8, 0))  # fmt: skip
+    return nvrtc_available(device) and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def usable(device: torch.device) -> bool:

@@ -21,8 +21,7 @@ import torch
 from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .common import sm_count
-from .cuda_build import KINDS, compiled, float_literal
-from .interpret import INTERPRETED
+from .cuda_build import KINDS, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_stream"
 # the variant key's fields, in order (cuda_build.compiled)
@@ -40,7 +39,7 @@ SPACE = [
 
 def available(device: torch.device) -> bool:
     """Compiled CUDA (not the interpreter) with torch's NVRTC entry (``torch.cuda._compile_kernel``)."""
-    return device.type == "cuda" and not INTERPRETED and torch.version.cuda is not None and hasattr(torch.cuda, "_compile_kernel")
+    return nvrtc_available(device)
 
 
 def usable(device: torch.device) -> bool:
