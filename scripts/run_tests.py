@@ -6,6 +6,11 @@
     python3 scripts/run_tests.py --envs-only     # build (or check) the venvs, run no test
 
 Venvs are built on first use and reused while their inputs are unchanged (scripts/envs.py).
+In each venv the kernel layer's folders run first, spread over the machine's cores by pytest-xdist
+(``AIPC_TEST_WORKERS``, default: the CPU count, at most 4; 1 runs them in-process), then the
+plugin's folder in one process (its tests start servers and subprocesses of their own).
+The Triton interpreter suite runs whole once per distinct (torch, triton, numpy) versions; a later
+venv with the same versions runs each Triton test function's first case (tests/kernels/conftest.py).
 Prints a timing summary and a combined ``N passed, N failed`` line; exits non-zero on any failure.
 """
 from __future__ import annotations
@@ -33,6 +38,26 @@ def _counts(junit: Path) -> dict[str, int]:
     return total
 
 
+def _workers() -> int:
+    """pytest-xdist workers for the kernel layer's tests: ``AIPC_TEST_WORKERS`` or the CPU count (max 4)."""
+    raw = os.environ.get("AIPC_TEST_WORKERS")
+    if raw is None:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"AIPC_TEST_WORKERS={raw!r}: give a whole number >= 1 (1: no xdist workers)")
+    return int(raw)
+
+
+def _interpreter_versions(py: Path) -> str:
+    """The versions a Triton interpreter test's outcome depends on, as installed in the venv of ``py``."""
+    code = ("import importlib.metadata as m\n"
+            "def v(d):\n"
+            "    try:\n        return m.version(d)\n"
+            "    except m.PackageNotFoundError:\n        return '-'\n"
+            "print(v('torch'), v('triton'), v('numpy'))")
+    return subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -44,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--envs-only", action="store_true", help="build or reuse the venvs, run no test")
     args = ap.parse_args(argv)
 
+    workers = _workers()
+    full_suite_in: dict[str, str] = {}  # interpreter versions -> the venv that ran the whole Triton suite
     timings: dict[str, float] = {}
     results: dict[str, dict[str, int]] = {}
     codes: dict[str, int] = {}
@@ -60,20 +87,39 @@ def main(argv: list[str] | None = None) -> int:
             codes[name] = 0
             continue
         folders = [t for t in spec.tests if (envs.ROOT / t).is_dir()]
-        junit = envs.VENVS / f"{name}.junit.xml"
-        junit.unlink(missing_ok=True)
-        print(f"[tests] {name}: pytest {' '.join(folders)}", flush=True)
-        t0 = time.time()
+        shared = [t for t in folders if t in envs.COMMON_TESTS]
+        runs = [(f"{name}-kernels", shared, ["-n", str(workers)] if workers > 1 else []),
+                (name, [t for t in folders if t not in shared], [])]
         env = dict(os.environ, **spec.env, PYTHONDONTWRITEBYTECODE="1")
-        proc = subprocess.run(
-            [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *folders, *extra],
-            cwd=envs.ROOT,
-            env=env,
-        )
-        timings[f"tests {name}"] = time.time() - t0
-        results[name] = _counts(junit)
-        # pytest exit 5 = nothing collected: a failure here (every environment has tests)
-        codes[name] = proc.returncode
+        versions = _interpreter_versions(py)
+        if versions in full_suite_in:
+            env["AIPC_TRITON_SUITE_RAN_IN"] = full_suite_in[versions]
+            print(f"[tests] {name}: torch/triton/numpy {versions} as in the {full_suite_in[versions]} venv: "
+                  "the Triton tests run their first case each", flush=True)
+        elif shared and not extra:  # a filtered run may skip the Triton tests: not a whole suite
+            full_suite_in[versions] = name
+        collected, code = False, 0
+        for run, paths, xdist in runs:
+            if not paths:
+                continue
+            junit = envs.VENVS / f"{run}.junit.xml"
+            junit.unlink(missing_ok=True)
+            print(f"[tests] {run}: pytest {' '.join(xdist + paths)}", flush=True)
+            t0 = time.time()
+            proc = subprocess.run(
+                [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                 *xdist, *paths, *extra],
+                cwd=envs.ROOT,
+                env=env,
+            )
+            timings[f"tests {run}"] = time.time() - t0
+            counts = _counts(junit)
+            results[name] = {k: results.get(name, {}).get(k, 0) + v for k, v in counts.items()}
+            # pytest exit 5 = nothing collected: fine for one run of a filtered (-k) suite, a
+            # failure when the environment's runs together collected nothing
+            collected |= proc.returncode != 5
+            code = code or (proc.returncode if proc.returncode != 5 else 0)
+        codes[name] = code if collected else 5
 
     print("\n[tests] timing summary")
     for k, v in timings.items():
