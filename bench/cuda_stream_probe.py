@@ -1,6 +1,6 @@
 """The CUDA C kernels against the op's shipped config, per Llama shape, each timed as ``bench/gemv_gpu.py``
 times its rows (CUDA-graph replay over weight copies >= 4x L2): ``cuda_stream`` at M = 1, ``cuda_mma`` at
-1 < M <= 64 (``--m M``, default 1):
+1 < M <= 64 and ``cuda_gemm`` at M > 16 (``--m M``, default 1):
 
     python bench/cuda_stream_probe.py [SHAPES] [OUT.json] [--m M] [--ship AB_NAME]
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import gemv_gpu as gb  # bench/ is on sys.path when run as a script
-from aipc_kernels.triton.lowbit import cuda_mma, cuda_stream
+from aipc_kernels.triton.lowbit import cuda_gemm, cuda_mma, cuda_stream
 from aipc_kernels.triton.lowbit import linear as tlin
 from aipc_kernels.triton.lowbit.tuning import SHIPPED_CONFIGS, config_key, select_config
 from harness import select
@@ -40,7 +40,7 @@ def probe(sname: str, l2: int, M: int) -> dict:
     read_calls, _, _ = gb.row_read(W, x, l2, state)
     rd = gb.time_rotating(read_calls) * 1e6
     rows = []
-    for c in cuda_stream.SPACE if M == 1 else cuda_mma.space(M):
+    for c in cuda_stream.SPACE if M == 1 else cuda_mma.space(M) + cuda_gemm.space(M):
         try:
             out = tlin.lowbit_linear_triton(x, ws[0], config=c)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()

@@ -17,10 +17,10 @@ from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-tlin, common, registry, stream, tuning, dequant, cuda_mma = import_kernels(
+tlin, common, registry, stream, tuning, dequant, cuda_mma, cuda_gemm = import_kernels(
     "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.common", "aipc_kernels.triton.lowbit.registry",
     "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning", "aipc_kernels.triton.lowbit.dequant",
-    "aipc_kernels.triton.lowbit.cuda_mma",
+    "aipc_kernels.triton.lowbit.cuda_mma", "aipc_kernels.triton.lowbit.cuda_gemm",
 )
 
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
@@ -376,18 +376,23 @@ def test_cuda_mma_cuda_graph_and_repeat():
     x = torch.randn(16, 4096, device=DEVICE, dtype=torch.bfloat16)
     ref = ops.reference_linear_w8(x.cpu().float(), w)
     for cfg in (dict(CUDA_MMA, SPLIT_K=8), dict(CUDA_MMA, NT=2, BLOCK_N=16, num_warps=16, D=1)):
-        first = tlin.lowbit_linear_triton(x, p, config=cfg)
-        _close(first, ref, 8e-3)
-        out = torch.empty_like(first)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            tlin.lowbit_linear_triton(x, p, config=cfg, out=out)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, first)
-            assert torch.equal(tlin.lowbit_linear_triton(x, p, config=cfg), first)
+        _graph_replays_and_repeats_bitwise(x, p, cfg, ref)
+
+
+def _graph_replays_and_repeats_bitwise(x: torch.Tensor, p, cfg: dict, ref: torch.Tensor) -> None:
+    """The op with ``cfg``, near ``ref``, then three CUDA-graph replays and three eager calls with the same bits."""
+    first = tlin.lowbit_linear_triton(x, p, config=cfg)
+    _close(first, ref, 8e-3)
+    out = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tlin.lowbit_linear_triton(x, p, config=cfg, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+        assert torch.equal(tlin.lowbit_linear_triton(x, p, config=cfg), first)
 
 
 def test_cuda_mma_refusals():
@@ -402,6 +407,67 @@ def test_cuda_mma_refusals():
     for m in (1, 65):
         with pytest.raises(ValueError, match="1 < M <= 64"):
             tlin.lowbit_linear_triton(torch.randn(m, 256).to(DEVICE), p, config=CUDA_MMA)
+
+
+CUDA_GEMM = {"KERNEL": "cuda_gemm", "BLOCK_M": 64, "BLOCK_N": 64, "WM": 2, "WN": 2, "num_warps": 4, "num_stages": 3}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuda_gemm is CUDA C compiled by NVRTC: a GPU only")
+@pytest.mark.parametrize("codebook", ["int2", "sym", "affine", "ternary"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cuda_gemm(codebook, group):
+    """The CUDA C tiled GEMM (M > 16): token and row tiles past a ragged M and N, K padded past the last
+    group, every warp layout and ring depth (one per case), bias, x's dtypes (bf16 with fp16 scales, fp16,
+    fp32 with bf16 scales), a given absmax; against the float64 int8-activation reference. Each case takes
+    one M, one dtype and two tiles in turn (every variant is an NVRTC compile)."""
+    K = 896 if group == 128 else 960  # padded to 1024: groups past the weight's last one repeat it, times zeros
+    N = 456  # a ragged last block of rows for every BLOCK_N
+    case = ["int2", "sym", "affine", "ternary"].index(codebook) * 3 + [32, 64, 128].index(group)
+    M = (17, 64, 200, 300)[case % 4]
+    dtype, sdtype = ((torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))[case % 3]
+    tiles = [(bm, bn, wm, wn, st) for bm, bn, wm, wn in cuda_gemm._TILES for st in (2, 3, 4)]
+    cfgs = [dict(CUDA_GEMM, BLOCK_M=bm, BLOCK_N=bn, WM=wm, WN=wn, num_warps=wm * wn, num_stages=st)
+            for bm, bn, wm, wn, st in (tiles[case % len(tiles)], tiles[(case + 7) % len(tiles)])]
+    w, p = _case(N, K, codebook, group, seed=group + M, scale_dtype=sdtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
+    bias = torch.randn(N)
+    xd, bd = x.to(DEVICE, dtype), bias.to(DEVICE, dtype)
+    ref = ops.reference_linear_w8(xd.cpu().float(), w, bd.cpu().float())
+    tol = 2e-5 if dtype == torch.float32 else 8e-3
+    for cfg in cfgs:
+        y = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
+        _close(tlin.lowbit_linear_triton(xd, p, bd, config=cfg, out=y), ref, tol)
+    _close(tlin.lowbit_linear_triton(xd, p, config=CUDA_GEMM), ops.reference_linear_w8(xd.cpu().float(), w), tol)
+    if case < 2:
+        amax = x.abs().amax(dim=1) * 0.5  # below the rows' own: codes clamped to +-127
+        _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, act_amax=amax.to(DEVICE), config=CUDA_GEMM),
+               ops.reference_linear_w8(x, w, act_amax=amax), 2e-5)  # fmt: skip
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuda_gemm is CUDA C compiled by NVRTC: a GPU only")
+def test_cuda_gemm_cuda_graph_and_repeat():
+    """A ring deeper than 48 KiB (the opt-in shared memory) replayed in a CUDA graph and repeated gives the same bits."""
+    w, p = _case(4096, 4096, "int2", 64, seed=5, scale_dtype=torch.bfloat16)
+    x = torch.randn(256, 4096, device=DEVICE, dtype=torch.bfloat16)
+    ref = ops.reference_linear_w8(x.cpu().float(), w)
+    _graph_replays_and_repeats_bitwise(x, p, dict(CUDA_GEMM, BLOCK_M=128, BLOCK_N=128, WM=2, WN=4, num_warps=8, num_stages=4), ref)
+
+
+def test_cuda_gemm_refusals():
+    """What cuda_gemm cannot run is refused with the fix (the Triton ``group`` kernel), before any launch:
+    4-bit codes, whole-row groups, N % 8 != 0, M <= 16, a tile outside its list (and, without compiled CUDA,
+    everything)."""
+    x = torch.randn(20, 256)
+    for codebook, group, n in (("int4", 64, 8), ("int2", -1, 8), ("int2", 64, 12)):
+        _, p = _case(n, 256, codebook, group, seed=0)
+        with pytest.raises(ValueError, match="cuda_gemm.*KERNEL='group'"):
+            tlin.lowbit_linear_triton(x.to(DEVICE), p, config=CUDA_GEMM)
+    _, p = _case(8, 256, "int2", 64, seed=0)
+    with pytest.raises(ValueError, match="M >= 17"):
+        tlin.lowbit_linear_triton(torch.randn(16, 256).to(DEVICE), p, config=CUDA_GEMM)
+    if ON_GPU:
+        with pytest.raises(ValueError, match="BLOCK_M, BLOCK_N, WM, WN"):
+            tlin.lowbit_linear_triton(x.to(DEVICE), p, config=dict(CUDA_GEMM, WM=4, num_warps=8))
 
 
 @pytest.mark.parametrize("kernel", ["group", "group_b"])
@@ -574,6 +640,7 @@ def test_shipped_configs_are_valid():
             assert kernel is not stream or M == 1, (device, key, cfg)
             assert kernel.NAME != "cuda_stream" or M == 1, (device, key, cfg)
             assert kernel.NAME != "cuda_mma" or 1 < M <= 64, (device, key, cfg)
+            assert kernel.NAME != "cuda_gemm" or M > 16, (device, key, cfg)
             assert kernel is not dequant or M > tlin.GEMV_MAX_M, (device, key, cfg)
 
 

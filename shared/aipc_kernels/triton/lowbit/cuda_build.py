@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ...formats import get_codebook
 from .interpret import INTERPRETED
 
 COMMON = Path(__file__).with_name("cuda_common.cuh")
@@ -20,6 +21,23 @@ _lock = threading.Lock()
 def nvrtc_available(device: torch.device) -> bool:
     """Compiled CUDA (not the Triton interpreter) with torch's NVRTC entry (``torch.cuda._compile_kernel``)."""
     return device.type == "cuda" and not INTERPRETED and torch.version.cuda is not None and hasattr(torch.cuda, "_compile_kernel")
+
+
+def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available: bool) -> None:
+    """The refusals the 2-bit tensor-core kernels (``cuda_mma``, ``cuda_gemm``) share, each a ValueError naming
+    the Triton ``group`` kernel: no compiled CUDA, not 2-bit codes in groups of 32/64/128, N % 8, misaligned or
+    unsupported operands. ``weight`` is a :class:`~aipc_kernels.packing.PackedLowBit`."""
+    cb = get_codebook(weight.codebook)
+    G, N, K = weight.group_size, weight.out_features, x2.shape[1]
+    if not available:
+        raise ValueError(f"config {cfg}: {name} needs compiled CUDA on sm_80+ with torch.cuda._compile_kernel; use KERNEL='group'")
+    if cb.bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
+        raise ValueError(f"config {cfg}: {name} takes 2-bit codes in groups of 32, 64 or 128 and N % 8 == 0 "
+                         f"({weight.codebook}, {cb.bits} bits, group {G}, N={N}); use KERNEL='group'")
+    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS
+            or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
+        raise ValueError(f"config {cfg}: {name} needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
+                         f"and scales; use KERNEL='group'")
 
 
 def compiled(source: Path, kernel: str, names: tuple[str, ...], values: tuple) -> object:

@@ -27,7 +27,7 @@ from ...formats import get_codebook
 from ...packing import PackedLowBit
 from .activation import quantize_rows
 from .common import split_plan
-from .cuda_build import KINDS, compiled, float_literal, nvrtc_available
+from .cuda_build import KINDS, check_w2_operands, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_mma"
 # the variant key's fields, in order (cuda_build.compiled)
@@ -80,20 +80,10 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> Option
 
 def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
     """A ValueError naming the fix when this kernel cannot run ``weight`` (or ``cfg``)."""
-    cb = get_codebook(weight.codebook)
-    M, K = x2.shape
-    G, N = weight.group_size, weight.out_features
+    M = x2.shape[0]
     if not 1 < M <= MAX_M:
         raise ValueError(f"config {cfg}: the cuda_mma kernel takes 1 < M <= {MAX_M} (M={M}); use KERNEL='group'")
-    if not available(x2.device):
-        raise ValueError(f"config {cfg}: cuda_mma needs compiled CUDA on sm_80+ with torch.cuda._compile_kernel; use KERNEL='group'")
-    if cb.bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
-        raise ValueError(f"config {cfg}: cuda_mma takes 2-bit codes in groups of 32, 64 or 128 and N % 8 == 0 "
-                         f"({weight.codebook}, {cb.bits} bits, group {G}, N={N}); use KERNEL='group'")
-    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS
-            or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
-        raise ValueError(f"config {cfg}: cuda_mma needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
-                         f"and scales; use KERNEL='group'")
+    check_w2_operands(NAME, x2, weight, cfg, available(x2.device))
     nt, nw = cfg.get("NT", 1), cfg["num_warps"]
     if nt not in (1, 2, 4, 8) or cfg["BLOCK_N"] != 8 * nt or cfg.get("D", 1) not in (1, 2, 4) or nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config {cfg}: cuda_mma takes NT in (1, 2, 4, 8) with BLOCK_N = 8 NT, D in (1, 2, 4), num_warps in (1, 2, 4, 8, 16)")

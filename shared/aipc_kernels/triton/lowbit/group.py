@@ -262,7 +262,7 @@ def _group_kernel(
     store_or_reduce(acc, bias, y_ptr, ws_ptr, lock_ptr, out_offs, omask, M * N, pid_k, pid, SPLIT_K, HAS_BIAS, ATOMIC, HW_ASM)
 
 
-def _int_codebook(cb) -> tuple[int, int, float]:
+def int_codebook(cb) -> tuple[int, int, float]:
     """(CA, CB, FMUL) with ``cmul * c - zero == FMUL * (CA * c - CB)`` and integer CA, CB (affine: the
     raw codes, the zero point corrected in fp32)."""
     if cb.zero is None:
@@ -330,7 +330,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     split, per_split, ws, locks, atomic = split_plan(
         Kp // chunk // cpg, cfg.get("SPLIT_K", 1), tiles, M, N, y, atomic=bool(cfg.get("ATOMIC", 0))
     )
-    ca, cbias, fmul = _int_codebook(cb)
+    ca, cbias, fmul = int_codebook(cb)
     hw = x2.device.type == "cuda" and not INTERPRETED
     asm = {f"ASM{q}": _plane_asm(cb.bits, q, ca, cbias) if hw and q < 8 // cb.bits else "" for q in range(8)}
     _group_kernel[(tiles, split)](

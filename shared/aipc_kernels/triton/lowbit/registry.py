@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 
 from ...packing import PackedLowBit
-from . import cuda_mma, cuda_stream, dequant, group, stream
+from . import cuda_gemm, cuda_mma, cuda_stream, dequant, group, stream
 from .common import check_config
 from .interpret import interpreter_scope
 
 KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant, cuda_stream.NAME: cuda_stream,
-                                 cuda_mma.NAME: cuda_mma}
+                                 cuda_mma.NAME: cuda_mma, cuda_gemm.NAME: cuda_gemm}
 
 
 def kernel_of(cfg: dict) -> ModuleType:
