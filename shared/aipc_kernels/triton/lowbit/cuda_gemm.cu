@@ -3,8 +3,7 @@
 // runs on the H100); compiled at first use by NVRTC with the macros below; see cuda_gemm.py.
 //
 // Inputs: the activation pass's int8 codes xq [M, Kp] in k order, per-token scales sx [M], 32-k code sums
-// xs [M, Kp / 32]. A block
-// owns BM tokens x BN weight rows; its WM x WN warps each MT 16-token tiles x NT 8-row tiles (tile t's
+// xs [M, Kp / 32]. A block owns BM tokens x BN weight rows; its WM x WN warps each MT 16-token tiles x NT 8-row tiles (tile t's
 // column j is row 8 t + j of the warp's rows). Per 128-k chunk, STAGES - 1 chunks ahead of the math, the
 // block copies (cp.async, 16 bytes each) the BM token rows' 128 code bytes (16-byte segments XOR-swizzled
 // by the row, so ldmatrix meets no bank conflict), the BN rows' 32 code bytes (byte j: the codes of k = j +
@@ -12,8 +11,8 @@
 // group scales (and, with stored zeros, the zeros and the tokens' four 32-k sums). Per plane one mma of the
 // codes as the int8 levels CA * c - CB (the code book's fixed zero point folded in, as Triton's `group`)
 // against the activation codes per (token tile, row tile), accumulated over the group from the bits of
-// 1.5 * 2**23 (the int32 -> fp32 conversion is one subtract); per group one FFMA per output with the scale
-// times FMUL (stored zeros: one more, - s * z * xsum). No split of K; the epilogue multiplies by sx, adds
+// 1.5 * 2**23 (the int32 -> fp32 conversion is one subtract); per group that FADD and one FFMA per output
+// with the scale times FMUL (stored zeros: one FFMA more, - s * z * xsum). No split of K; the epilogue multiplies by sx, adds
 // the bias and stores y.
 //
 // Macros: IN_KIND / SCALE_KIND (cuda_common.cuh), G (32, 64, 128), BM, BN, WM, WN, STAGES, HAS_ZEROS,
