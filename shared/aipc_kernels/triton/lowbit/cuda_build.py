@@ -40,14 +40,19 @@ def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available:
                          f"and scales; use KERNEL='group'")
 
 
-def compiled(source: Path, kernel: str, names: tuple[str, ...], values: tuple) -> object:
-    """The kernel ``kernel`` of ``source`` compiled with ``#define name value`` for each pair (cached)."""
+def compiled(source: Path, kernel: str, names: tuple[str, ...], values: tuple, shared_mem: int = 0) -> object:
+    """The kernel ``kernel`` of ``source`` compiled with ``#define name value`` for each pair (cached);
+    ``shared_mem``: the dynamic shared memory its launches take (the values must decide it), opted in once
+    at the compile where it is 48 KiB or more."""
     key = (source.name, kernel, values)
     with _lock:
         if key not in _compiled:
             defines = "".join(f"#define {n} {v}\n" for n, v in zip(names, values, strict=True))
             text = defines + COMMON.read_text() + source.read_text()
-            _compiled[key] = torch.cuda._compile_kernel(text, kernel, nvcc_options=["-std=c++17"])
+            kern = torch.cuda._compile_kernel(text, kernel, nvcc_options=["-std=c++17"])
+            if shared_mem >= 48 * 1024:
+                kern.set_shared_memory_config(shared_mem)
+            _compiled[key] = kern
         return _compiled[key]
 
 

@@ -89,12 +89,12 @@ __device__ __forceinline__ unsigned levels(unsigned w, int q) {
 
 // A thread's share of a stage's copies, addressed once: rows past M / N repeat the last row (dropped at
 // the store), groups past the last one repeat it (their codes and activations are 0 past K)
-#define T (NW * 32)
-#define NA ((BM * 8 + T - 1) / T)          // 16-byte copies of token codes per thread
-#define NB ((BN * 2 + T - 1) / T)          // of weight codes
-#define SEG (BN * SSZ / 16)                 // 16-byte segments of a group's scales (N % 8 == 0: whole)
-#define NS ((GPU * SEG + T - 1) / T)        // of scales (and zeros)
-#define NX ((BM + T - 1) / T)               // of token sums
+#define THREADS (NW * 32)
+#define NA ((BM * 8 + THREADS - 1) / THREADS)    // 16-byte copies of token codes per thread
+#define NB ((BN * 2 + THREADS - 1) / THREADS)    // of weight codes
+#define SEG (BN * SSZ / 16)                      // 16-byte segments of a group's scales (N % 8 == 0: whole)
+#define NS ((GPU * SEG + THREADS - 1) / THREADS)  // of scales (and zeros)
+#define NX ((BM + THREADS - 1) / THREADS)         // of token sums
 struct Loader {
   const unsigned char* a[NA];
   const unsigned char* b[NB];
@@ -111,17 +111,17 @@ __device__ __forceinline__ void make_loader(Loader& L, const unsigned char* __re
                                             const scale_t* __restrict__ zp, int m0, int n0, int M, int N, int Kp, int tid) {
 #pragma unroll
   for (int j = 0; j < NA; ++j) {
-    const int i = min(tid + j * T, BM * 8 - 1), r = i >> 3, s = i & 7;
+    const int i = min(tid + j * THREADS, BM * 8 - 1), r = i >> 3, s = i & 7;
     L.a[j] = xq + (size_t)min(m0 + r, M - 1) * Kp + 16 * s;
   }
 #pragma unroll
   for (int j = 0; j < NB; ++j) {
-    const int i = min(tid + j * T, BN * 2 - 1), r = i >> 1, s = i & 1;
+    const int i = min(tid + j * THREADS, BN * 2 - 1), r = i >> 1, s = i & 1;
     L.b[j] = wq + (size_t)min(n0 + r, N - 1) * (Kp / 4) + 16 * s;
   }
 #pragma unroll
   for (int j = 0; j < NS; ++j) {
-    const int i = min(tid + j * T, GPU * SEG - 1), s = i % SEG, n = min(n0 + (16 / SSZ) * s, N - 16 / SSZ);
+    const int i = min(tid + j * THREADS, GPU * SEG - 1), s = i % SEG, n = min(n0 + (16 / SSZ) * s, N - 16 / SSZ);
     L.sp[j] = i / SEG;
     L.s[j] = sc + n;
 #if HAS_ZEROS
@@ -130,7 +130,7 @@ __device__ __forceinline__ void make_loader(Loader& L, const unsigned char* __re
   }
 #if HAS_ZEROS
 #pragma unroll
-  for (int j = 0; j < NX; ++j) L.x[j] = xsum + (size_t)min(m0 + min(tid + j * T, BM - 1), M - 1) * (Kp / 32);
+  for (int j = 0; j < NX; ++j) L.x[j] = xsum + (size_t)min(m0 + min(tid + j * THREADS, BM - 1), M - 1) * (Kp / 32);
 #endif
 }
 
@@ -138,18 +138,18 @@ __device__ __forceinline__ void make_loader(Loader& L, const unsigned char* __re
 __device__ __forceinline__ void load_stage(unsigned st, const Loader& L, int c, int N, int NG, int tid) {
 #pragma unroll
   for (int j = 0; j < NA; ++j) {
-    const int i = tid + j * T, r = i >> 3, s = i & 7;
-    if (BM * 8 % T == 0 || i < BM * 8) cp16(st + r * 128 + ((s ^ (r & 7)) << 4), L.a[j] + 128 * c);
+    const int i = tid + j * THREADS, r = i >> 3, s = i & 7;
+    if (BM * 8 % THREADS == 0 || i < BM * 8) cp16(st + r * 128 + ((s ^ (r & 7)) << 4), L.a[j] + 128 * c);
   }
 #pragma unroll
   for (int j = 0; j < NB; ++j) {
-    const int i = tid + j * T;
-    if (BN * 2 % T == 0 || i < BN * 2) cp16(st + A_BYTES + i * 16, L.b[j] + 32 * c);
+    const int i = tid + j * THREADS;
+    if (BN * 2 % THREADS == 0 || i < BN * 2) cp16(st + A_BYTES + i * 16, L.b[j] + 32 * c);
   }
 #pragma unroll
   for (int j = 0; j < NS; ++j) {
-    const int i = tid + j * T;
-    if (GPU * SEG % T == 0 || i < GPU * SEG) {
+    const int i = tid + j * THREADS;
+    if (GPU * SEG % THREADS == 0 || i < GPU * SEG) {
       const size_t at = (size_t)min(c * GPU + L.sp[j], NG - 1) * N;
       cp16(st + A_BYTES + B_BYTES + i * 16, L.s[j] + at);
 #if HAS_ZEROS
@@ -160,8 +160,8 @@ __device__ __forceinline__ void load_stage(unsigned st, const Loader& L, int c, 
 #if HAS_ZEROS
 #pragma unroll
   for (int j = 0; j < NX; ++j) {
-    const int i = tid + j * T;
-    if (BM % T == 0 || i < BM) cp16(st + A_BYTES + B_BYTES + S_BYTES + Z_BYTES + i * 16, L.x[j] + 4 * c);
+    const int i = tid + j * THREADS;
+    if (BM % THREADS == 0 || i < BM) cp16(st + A_BYTES + B_BYTES + S_BYTES + Z_BYTES + i * 16, L.x[j] + 4 * c);
   }
 #endif
 }

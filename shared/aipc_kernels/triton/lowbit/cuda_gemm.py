@@ -6,8 +6,8 @@ Ampere-form ``mma.sync`` GEMM at 72% tensor-pipe activity where ``group`` reache
 (``bench/results/ncu_gemm_h100.log``). This kernel is that form for 2-bit weights: after the Triton
 activation pass (:func:`~.activation.quantize_rows`, k order), each block computes a
 BM x BN tile of y, its warps' fragments read from a ring of STAGES chunks in shared memory filled by
-``cp.async`` (``cuda_gemm.cu`` says how), the codes as the int8 levels of ``group`` (the fixed zero point folded in), one FFMA per output and
-group (two with stored zeros). 2-bit code
+``cp.async`` (``cuda_gemm.cu`` says how), the codes as the int8 levels of ``group`` (the fixed zero point
+folded in), one FADD and one FFMA per output and group (one FFMA more with stored zeros). 2-bit code
 books with groups of 32, 64 or 128 (fixed or stored zeros), N % 8 == 0; anything else raises a ValueError
 naming the Triton ``group`` kernel. Compiled at first use by NVRTC (``cuda_build.compiled``); never runs in
 the Triton interpreter: its tests need a GPU.
@@ -86,9 +86,10 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
         raise ValueError(f"config {cfg}: cuda_gemm takes (BLOCK_M, BLOCK_N, WM, WN) in {_TILES}, num_warps = WM * WN "
                          f"and num_stages in (2, 3, 4)")
     need = cfg["num_stages"] * stage_bytes(bm, bn, weight.group_size, weight.scales.element_size(), weight.zeros is not None)
-    if need > _shared_limit(x2.device):
+    limit = _shared_limit(x2.device)
+    if need > limit:
         raise ValueError(f"config {cfg}: cuda_gemm's ring needs {need} bytes of shared memory, more than this GPU's "
-                         f"{_shared_limit(x2.device)}: fewer num_stages or a smaller tile")
+                         f"{limit}: fewer num_stages or a smaller tile")
 
 
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
@@ -103,10 +104,8 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     ca, cbias, fmul = int_codebook(cb)
     key = (KINDS[x2.dtype], KINDS[weight.scales.dtype], weight.group_size, bm, bn, wm, wn, st,
            int(weight.zeros is not None), int(bias is not None), ca, cbias, float_literal(fmul))  # fmt: skip
-    kern = compiled(SOURCE, "lowbit_gemm_w2", _MACROS, key)
     smem = st * stage_bytes(bm, bn, weight.group_size, weight.scales.element_size(), weight.zeros is not None)
-    if smem >= 48 * 1024 and getattr(kern, "_max_shared_mem_bytes", 0) < smem:
-        kern.set_shared_memory_config(smem)
+    kern = compiled(SOURCE, "lowbit_gemm_w2", _MACROS, key, shared_mem=smem)  # the key decides smem
     args = [xq, sx, sx if xsum is None else xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
             weight.scales if bias is None else bias, y, M, N, Kp, weight.scales.shape[0]]  # fmt: skip
     with torch.cuda.device(x2.device):
