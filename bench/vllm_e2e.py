@@ -57,7 +57,7 @@ VARIANTS = {
     "lowbit4_e0m4_a16": dict(label="the bf16 checkpoint with --quantization lowbit4, e0m4 g128 (RTN while it loads) "
                                    "on the W4A16 kernels (lm_head int8)", model="bf16",
                              llm=dict(quantization="lowbit4", hf_overrides={"quantization_config": {
-                                 "quant_method": "lowbit4", "codebook": "e0m4", "quantizer": "rtn",
+                                 "quant_method": "lowbit4", "codebook": "e0m4", "group_size": 128, "quantizer": "rtn",
                                  "activations": "float"}})),
     "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
@@ -138,7 +138,8 @@ def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-        convert_checkpoint(bf16, tmp, "affine", LOWBIT_GROUP, quantizer="rtn")
+        # random weights: speed only (the 2-bit opt-in; real models' quality is bench/results/quality.md)
+        convert_checkpoint(bf16, tmp, "affine", LOWBIT_GROUP, quantizer="rtn", allow_2bit_ptq=True)
         tmp.rename(lowbit)
     if "lowbit2" in models:
         paths["lowbit2"] = lowbit

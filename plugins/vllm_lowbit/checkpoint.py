@@ -25,15 +25,18 @@ import torch
 from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
 from aipc_kernels.config_schema import parse
 from aipc_kernels import bitnet_format as bf
-from aipc_kernels.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, save_lowbit
+from aipc_kernels.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, fitting_group_size, save_lowbit
 from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.modules import DEFAULT_SKIP
+from aipc_kernels.quality_gate import ErrorReport, needs_opt_in, ptq_refusal, relative_error
 from aipc_kernels.quantizers import quantize_rows
 
 from .grid_linears import GridLinears
 from .options import API_NAMING, LowBit2Options, quantization_config_dict
 
 SHARD_BYTES = 2 << 30
+CONVERTER = "python -m vllm_lowbit.quantize"
+OPT_IN_HINT = "pass --allow-2bit-ptq (convert_checkpoint(..., allow_2bit_ptq=True))"
 
 
 # ---------------------------------------------------------------------- reading a checkpoint
@@ -153,6 +156,7 @@ def convert_checkpoint(
     verify: bool = False,
     log: Callable[[str], None] = print,
     detect_grid: bool = True,
+    allow_2bit_ptq: bool = False,
 ) -> Path:
     """Writes the ``lowbit2`` checkpoint of ``model_dir`` to ``out_dir`` and returns ``out_dir``.
 
@@ -163,10 +167,14 @@ def convert_checkpoint(
     ``act_group`` is recorded for the server (0: one int8 activation scale per token; else per that
     many K). ``detect_grid``: linears whose weights already lie on a binary/ternary/2-bit grid are
     written exactly (:mod:`vllm_lowbit.grid_linears`), the others with ``quantizer``. ``verify``:
-    logs the largest reconstruction error against the source's own weights."""
+    logs the largest reconstruction error against the source's own weights. A linear on no grid is
+    refused with a 1- or 2-bit ``codebook`` unless ``allow_2bit_ptq`` (:mod:`aipc_kernels.quality_gate`);
+    a ``group_size`` that does not divide a linear's K falls back to the largest one that does (recorded
+    in ``layer_formats``), as on the server. The largest relative reconstruction error of the quantized
+    linears is logged against the quality table's bounds."""
     parse(LowBit2Options, dict(codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
                                act_group=act_group, modules_to_not_convert=modules_to_not_convert or [],
-                               detect_grid=detect_grid), API_NAMING)  # fmt: skip
+                               detect_grid=detect_grid, allow_2bit_ptq=allow_2bit_ptq), API_NAMING)  # fmt: skip
     src, out = Path(model_dir), Path(out_dir)
     config = read_config(src)
     qcfg = config.get("quantization_config")
@@ -190,14 +198,33 @@ def convert_checkpoint(
         float_linears = sorted(n for n in linears if bf.not_converted(n, bitnet.skipped))
         linears -= set(float_linears)
         kept += float_linears
+    if bitnet is None and not detect_grid and needs_opt_in(codebook) and not allow_2bit_ptq:
+        raise ValueError(ptq_refusal(sorted(linears)[0] if linears else "(every linear)", codebook, CONVERTER, OPT_IN_HINT))
     checkpoint = HFCheckpoint(src)
-    grids = GridLinears(linears, lambda p, t: _quantize(p, t, codebook, group_size, quantizer, scale_dtype),
-                        detect_grid and bitnet is None, group_size, act_group, SCALE_DTYPES[scale_dtype])  # fmt: skip
+    errors, fallbacks = ErrorReport(), {}
+
+    def quantize(prefix: str, t: torch.Tensor) -> LowBitWeight:
+        if needs_opt_in(codebook) and not allow_2bit_ptq:
+            raise ValueError(ptq_refusal(prefix, codebook, CONVERTER, OPT_IN_HINT))
+        w = _quantize(prefix, t, codebook, group_size, quantizer, scale_dtype)
+        if group_size != -1 and w.group_size != group_size:
+            fallbacks[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype=scale_dtype)
+        errors.add(prefix, relative_error(t, w))
+        return w
+
+    grids = GridLinears(linears, quantize, detect_grid and bitnet is None, group_size, act_group,
+                        SCALE_DTYPES[scale_dtype])  # fmt: skip
 
     with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
         n_quant, worst = _write_checkpoint(part, checkpoint, config, linears, bitnet, codebook, group_size,
-                                           quantizer, scale_dtype, kept, act_group, progress, grids, verify)
+                                           quantizer, scale_dtype, kept, act_group, progress, grids, verify, fallbacks)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    if fallbacks:
+        groups = sorted({v["group_size"] for v in fallbacks.values()})
+        log(f"group_size={group_size} does not divide the in_features of {len(fallbacks)} linears (e.g. "
+            f"{next(iter(fallbacks))}): they use group_size {groups} (quantization_config.layer_formats)")
+    if errors.line(CONVERTER):
+        log(errors.line(CONVERTER))
     if grids.summary():
         log(grids.summary())
     if worst is not None:
@@ -206,9 +233,11 @@ def convert_checkpoint(
 
 
 def _quantize(prefix: str, t: torch.Tensor, codebook: str, group_size: int, quantizer: str, scale_dtype: str) -> LowBitWeight:
-    """One float linear weight quantized with the shared quantizer; errors name the tensor."""
+    """One float linear weight quantized with the shared quantizer (a group that does not divide its K
+    falls back, :func:`~aipc_kernels.formats.fitting_group_size`); errors name the tensor."""
     try:
-        return quantize_rows(t, codebook, group_size, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
+        group = group_size if group_size == -1 else fitting_group_size(group_size, t.shape[1])
+        return quantize_rows(t, codebook, group, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
     except ValueError as e:
         raise ValueError(f"cannot quantize {prefix}.weight: {e}; or pass it in modules_to_not_convert") from None
 
@@ -217,6 +246,7 @@ def _write_checkpoint(
     out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str],
     bitnet: Optional[bf.BitNetQuantization], codebook: str, group_size: int, quantizer: str, scale_dtype: str,
     modules_to_not_convert: list[str], act_group: int, progress: bool, grids: GridLinears, verify: bool,
+    fallbacks: dict[str, dict[str, Any]],
 ) -> tuple[int, Optional[tuple[float, str]]]:
     """Writes the checkpoint into the staging directory ``out``, config.json last (a directory
     without it is never taken for a model); returns the number of quantized linears and, with
@@ -275,7 +305,7 @@ def _write_checkpoint(
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
         modules_to_not_convert=modules_to_not_convert, source=None if bitnet is None else bf.QUANT_METHOD,
-        layer_formats=grids.layer_formats,
+        layer_formats={**fallbacks, **grids.layer_formats},
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return n_quant, worst

@@ -26,8 +26,13 @@ default; ``float``: 4-bit code books on the activation-exact W4A16 kernels), ``d
 (default true; on-the-fly only: a layer whose weights already lie on a binary, ternary or 2-bit
 grid, e.g. a ParetoQ checkpoint stored as bf16, is stored exactly in the matching code book with
 one scale per row instead of being quantized; false quantizes every layer with the keys above),
-``prequantized``, ``layer_formats`` (written by the converter: checkpoint layer name ->
-``{codebook, group_size, scale_dtype}`` for the layers it recovered from a grid).
+``allow_2bit_ptq`` (default false; on-the-fly only: a layer on no grid with a 1- or 2-bit code book
+is refused at load, since 2-bit post-training quantization turns a real trained model into noise
+(:mod:`aipc_kernels.quality_gate`); true quantizes it anyway), ``prequantized``, ``layer_formats``
+(written by the converter: checkpoint layer name -> ``{codebook, group_size, scale_dtype}`` for the
+layers it recovered from a grid or whose K the configured group does not divide).
+A ``group_size`` that does not divide a layer's K falls back, on the fly, to the largest supported
+group that does (logged once per K).
 Their types, choices and ranges are declared once in :mod:`vllm_lowbit.options`.
 """
 from __future__ import annotations
@@ -50,7 +55,7 @@ from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.output_projection import head_act_group
 
 from . import PLUGIN_NAME
-from .linear_method import GridReport, LowBit2LinearMethod, LowBit2OnlineLinearMethod, QuantizedLMHeadMethod
+from .linear_method import LoadReport, LowBit2LinearMethod, LowBit2OnlineLinearMethod, QuantizedLMHeadMethod
 from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, QuantizationConfigOptions, parse_quantization_config,
                       quantization_config_dict)  # fmt: skip
 
@@ -72,7 +77,8 @@ class LowBit2Config(QuantizationConfig):
         super().__init__()
         self._given = dict(config)  # the keys as vLLM passed them (see maybe_update_config)
         self._apply(parse_quantization_config(config, self.naming))
-        self.grid_report = GridReport()  # on the fly: which layers detect_grid recovered (one log line)
+        self.grid_report = LoadReport(self.get_name())  # on the fly: grid layers and reconstruction error (one log)
+        self.group_fallbacks: set[tuple[int, int]] = set()  # (K, group) already logged
 
     def _apply(self, o: QuantizationConfigOptions) -> None:
         self.options = o
@@ -87,6 +93,7 @@ class LowBit2Config(QuantizationConfig):
         self.prequantized = o.prequantized
         self.head_format = o.head_format
         self.detect_grid = o.detect_grid
+        self.allow_2bit_ptq = o.allow_2bit_ptq
         self.layer_formats = dict(o.layer_formats)
 
     def __repr__(self) -> str:
@@ -95,7 +102,7 @@ class LowBit2Config(QuantizationConfig):
             f"{'prequantized' if self.prequantized else 'on-the-fly ' + self.quantizer}, "
             f"scale_dtype={self.scale_dtype_name}, act_group={self.act_group}, activations={self.activations}, "
             f"modules_to_not_convert={self.modules_to_not_convert}, lm_head={self.head_format}, "
-            f"detect_grid={self.detect_grid})"
+            f"detect_grid={self.detect_grid}, allow_2bit_ptq={self.allow_2bit_ptq})"
         )
 
     # ------------------------------------------------------------------ vLLM interface
@@ -191,6 +198,8 @@ class LowBit2Config(QuantizationConfig):
             d["lm_head"] = self.head_format
         if not self.detect_grid:
             d["detect_grid"] = False
+        if self.allow_2bit_ptq:
+            d["allow_2bit_ptq"] = True
         return d
 
     def is_skipped(self, prefix: str) -> bool:

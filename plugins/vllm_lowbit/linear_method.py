@@ -10,7 +10,9 @@
   then ``process_weights_after_loading`` quantizes it with the shared quantizer, unless the weight
   already lies on a binary/ternary/2-bit grid (``detect_grid``, e.g. ParetoQ's fake-quantized bf16
   weights): then it is stored exactly in that code book (:mod:`aipc_kernels.grid_detect`), and
-  :class:`GridReport` logs once per model which layers were.
+  :class:`LoadReport` logs once per model which layers were, and the largest reconstruction error
+  of the quantized ones. A layer on no grid is refused when the code book has 1 or 2 bits, unless
+  ``allow_2bit_ptq`` (:mod:`aipc_kernels.quality_gate`).
 
 Both end in :func:`install_packed`: the canonical weight is repacked once into the layout of the
 device the layer lives on (``cpu_vnni16`` on CPU) and ``apply`` calls the op; the op's dispatch
@@ -45,11 +47,12 @@ from vllm.model_executor.parameter import (
 )
 
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
-from aipc_kernels.formats import LowBitWeight, get_codebook, resolve_group_size
+from aipc_kernels.formats import LowBitWeight, fitting_group_size, get_codebook, resolve_group_size
 from aipc_kernels import packing
 from aipc_kernels.grid_detect import GridWeight, detect_grid, recovered_summary
 from aipc_kernels.output_projection import quantize_output_projection
 from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
+from aipc_kernels.quality_gate import OPT_IN_KEY, SAFE_REL_ERROR, ErrorReport, needs_opt_in, ptq_refusal, relative_error
 from aipc_kernels.quantizers import quantize_rows
 
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -65,25 +68,34 @@ def pack_for_device(w: LowBitWeight, device: torch.device) -> PackedLowBit:
     return pack_for_triton(w) if pack_for_triton is not None else as_canonical_packed(w)
 
 
-def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_part: int) -> int:
-    """The group size of this layer's partition, with an error naming the layer when it does not fit."""
+def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_part: int, fit: bool = False) -> int:
+    """The group size of this layer's partition, with an error naming the layer when it does not fit.
+    ``fit`` (quantizing on the fly): a configured group that does not divide K falls back to the
+    largest supported one that does (:func:`~aipc_kernels.formats.fitting_group_size`), logged once
+    per (K, group); a checkpoint's tensors fix their group, so it is never refitted."""
     try:
-        return resolve_group_size(config.group_size, k_part)
+        G = fitting_group_size(config.group_size, k_part) if fit else resolve_group_size(config.group_size, k_part)
     except ValueError as e:
         tp = "" if k_part == layer.input_size else f" (this tensor-parallel rank holds K={k_part} of {layer.input_size})"
         raise ValueError(
-            f"lowbit2 cannot quantize layer {layer.prefix!r}{tp}: {e}; or list it in "
+            f"{config.get_name()} cannot quantize layer {layer.prefix!r}{tp}: {e}; or list it in "
             f"quantization_config.modules_to_not_convert"
         ) from None
+    if fit and config.group_size not in (-1, G) and (k_part, G) not in config.group_fallbacks:
+        config.group_fallbacks.add((k_part, G))
+        logger.info("%s: group_size=%d does not divide K=%d (e.g. layer %s); layers with that K use group_size=%d",
+                    config.get_name(), config.group_size, k_part, layer.prefix, G)  # fmt: skip
+    return G
 
 
-def check_partition(config: QuantizationConfig, layer: torch.nn.Module, k_part: int) -> int:
-    """Validates this rank's slice of a layer and returns its group size."""
-    G = effective_group_size(config, layer, k_part)
+def check_partition(config: QuantizationConfig, layer: torch.nn.Module, k_part: int, fit: bool = False) -> int:
+    """Validates this rank's slice of a layer and returns its group size (``fit``: as
+    :func:`effective_group_size`)."""
+    G = effective_group_size(config, layer, k_part, fit)
     if config.act_group and k_part % config.act_group:
         raise ValueError(
-            f"lowbit2 act_group={config.act_group} does not divide this rank's K={k_part} of layer {layer.prefix!r}; "
-            f"pick an act_group that divides in_features / tensor_parallel_size"
+            f"{config.get_name()} act_group={config.act_group} does not divide this rank's K={k_part} of layer "
+            f"{layer.prefix!r}; pick an act_group that divides in_features / tensor_parallel_size"
         )
     return G
 
@@ -309,43 +321,55 @@ class LowBit2LinearMethod(LinearMethodBase):
         return apply_lowbit(layer, x, bias)
 
 
-class GridReport:
-    """Which on-the-fly layers ``detect_grid`` recovered: one INFO line per model once every expected
-    layer is processed (with a warning when only some of them lay on a grid)."""
+class LoadReport:
+    """What on-the-fly quantization did to a model, logged once every expected layer is processed: the
+    layers ``detect_grid`` recovered (with a warning when only some of them lay on a grid) and the
+    largest relative reconstruction error of the quantized ones against the quality table's bounds
+    (:class:`aipc_kernels.quality_gate.ErrorReport`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, method: str) -> None:
+        self.method = method
         self.pending: set[str] = set()
         self.grids: dict[str, GridWeight] = {}
         self.others: list[str] = []
+        self.errors = ErrorReport()
 
     def expect(self, prefix: str) -> None:
         self.pending.add(prefix)
 
-    def add(self, prefix: str, grid: Optional[GridWeight], config: QuantizationConfig) -> None:
+    def add(self, prefix: str, grid: Optional[GridWeight], config: QuantizationConfig,
+            error: Optional[float] = None) -> None:  # fmt: skip
         self.pending.discard(prefix)
         if grid is None:
             self.others.append(prefix)
         else:
             self.grids[prefix] = grid
-        if not self.pending and self.grids:
+        if error is not None:
+            self.errors.add(prefix, error)
+        if not self.pending:
             self._log(config)
-            self.grids, self.others = {}, []
+            self.grids, self.others, self.errors = {}, [], ErrorReport()
 
     def _log(self, config: QuantizationConfig) -> None:
+        line = self.errors.line(self.method)
+        if line is not None:
+            (logger.warning if self.errors.worst[0] > SAFE_REL_ERROR else logger.info)(line)
+        if not self.grids:
+            return
         n, total = len(self.grids), len(self.grids) + len(self.others)
         grids = list(self.grids.values())
         summary = recovered_summary([g.codebook for g in grids], [g.exact for g in grids],
                                     max(g.max_rel_error for g in grids))  # fmt: skip
         logger.info(
-            "lowbit2: %d of %d linear layers already lie on a low-bit grid (ParetoQ-style) and are stored "
-            "with one scale per row instead of being quantized: %s", n, total, summary,
+            "%s: %d of %d linear layers already lie on a low-bit grid (ParetoQ-style) and are stored "
+            "with one scale per row instead of being quantized: %s", self.method, n, total, summary,
         )  # fmt: skip
         if self.others:
             logger.warning(
-                "lowbit2: %d of %d linear layers lie on a low-bit grid but %d do not (e.g. %s) and were quantized "
+                "%s: %d of %d linear layers lie on a low-bit grid but %d do not (e.g. %s) and were quantized "
                 "with codebook=%s group_size=%d (lossy); if the checkpoint is meant to be fully quantized, those "
                 "layers were not exported on their grid (quantization_config.detect_grid false treats all alike)",
-                n, total, len(self.others), self.others[0], config.codebook, config.group_size,
+                self.method, n, total, len(self.others), self.others[0], config.codebook, config.group_size,
             )  # fmt: skip
 
 
@@ -366,7 +390,7 @@ class LowBit2OnlineLinearMethod(OnlineLinearBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        check_partition(self.config, layer, input_size_per_partition)  # fail before loading anything
+        check_partition(self.config, layer, input_size_per_partition, fit=True)  # fail before loading anything
         super().create_weights(
             layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
             **extra_weight_attrs,
@@ -375,25 +399,35 @@ class LowBit2OnlineLinearMethod(OnlineLinearBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
+        cfg = self.config
         weight = self.get_weight_for_quantization(layer)
         if weight.is_meta:
-            raise ValueError(f"lowbit2: layer {layer.prefix!r} received no weight from the checkpoint")
-        G = effective_group_size(self.config, layer, weight.shape[1])
-        cfg = self.config
-        grid = None
+            raise ValueError(f"{cfg.get_name()}: layer {layer.prefix!r} received no weight from the checkpoint")
+        G = effective_group_size(cfg, layer, weight.shape[1], fit=True)
+        grid, error = None, None
         if cfg.detect_grid:  # whole-row scales, unless act_group needs groups
             grid = detect_grid(weight.detach(), layer.prefix, -1 if cfg.act_group == 0 else G, cfg.scale_dtype)
         if grid is not None:
             w = grid.weight
         else:
+            if needs_opt_in(cfg.codebook) and not cfg.allow_2bit_ptq:
+                raise ValueError(ptq_refusal(layer.prefix, cfg.codebook, cfg.get_name(), _opt_in_hint(cfg)))
             w = quantize_rows(weight.detach(), cfg.codebook, G, cfg.quantizer, cfg.scale_dtype, name=layer.prefix)
-        install_packed(layer, w, self.config.act_group, self.config.activations)
-        cfg.grid_report.add(layer.prefix, grid, cfg)
+            error = relative_error(weight, w)
+        install_packed(layer, w, cfg.act_group, cfg.activations)
+        cfg.grid_report.add(layer.prefix, grid, cfg, error)
         if self.requantization_source is not None:
             self.release_requantization_source_weights(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)
+
+
+def _opt_in_hint(config: QuantizationConfig) -> str:
+    """How a server user sets the opt-in (the keys they gave, plus it)."""
+    return (f"--hf-overrides '{{\"quantization_config\": {{\"quant_method\": \"{config.get_name()}\", "
+            f"\"{OPT_IN_KEY}\": true}}}}' (or {OPT_IN_KEY}: true in the quantization_config you pass), or convert "
+            f"with python -m vllm_lowbit.quantize MODEL OUT --allow-2bit-ptq")  # fmt: skip
 
 
 class QuantizedLMHeadMethod(UnquantizedEmbeddingMethod):

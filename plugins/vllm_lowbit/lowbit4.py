@@ -4,7 +4,9 @@ Two ways in, one flag:
 
 * ``vllm serve BF16_MODEL --quantization lowbit4``: quantized while it loads, exactly as ``lowbit2``
   does (:class:`LowBit4Config` is a :class:`~vllm_lowbit.config.LowBit2Config` with the defaults
-  ``codebook: int4``, ``group_size: 128``; every other key and ``--hf-overrides`` work as there).
+  ``codebook: affine4``, ``group_size: 64``, from the real-model rows of ``bench/results/quality.md``;
+  every other key and ``--hf-overrides`` work as there; a group that does not divide a layer's K
+  falls back to the largest one that does).
 * ``vllm serve GPTQ_OR_AWQ_MODEL --quantization lowbit4``: a published GPTQ (``quant_method: gptq``,
   4-bit, sym or asym, v1 or v2, groups in input order) or AWQ GEMM (``quant_method: awq``)
   checkpoint is claimed for this method (without the flag vLLM's own gptq / awq method serves it).
@@ -53,8 +55,10 @@ from .linear_method import (apply_lowbit, check_partition, checkpoint_rows, chec
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
 LOWBIT4 = "lowbit4"
-#: lowbit2's keys with these defaults: symmetric 4-bit codes (GPTQ's grid), groups of 128
-DEFAULTS = {"codebook": "int4", "group_size": 128}
+#: lowbit2's keys with these defaults: 4-bit codes with a scale and a zero per group of 64, the best of
+#: the 4-bit formats at up to 4.5 bits per weight on the real trained models of bench/results/quality.md
+#: (perplexity x1.20 / x1.29 of float on SmolLM2-135M / Gemma-3-270M, where int4 g128 gave x1.53 / x3.11)
+DEFAULTS = {"codebook": "affine4", "group_size": 64}
 #: the published checkpoints ``--quantization lowbit4`` serves
 CHECKPOINT_METHODS = ("gptq", "awq")
 #: lowbit2 keys a GPTQ / AWQ quantization_config may carry too (how it is served, not what it stores;

@@ -39,6 +39,9 @@ class LowBit2Options:
     #: layers whose float weights already lie on a binary/ternary/2-bit grid are stored exactly
     #: (aipc_kernels.grid_detect) instead of being quantized with the options above
     detect_grid: bool = option(True)
+    #: quantize float weights that lie on no grid to a 1- or 2-bit code book anyway (refused by default:
+    #: :mod:`aipc_kernels.quality_gate` says what that does to a real trained model)
+    allow_2bit_ptq: bool = option(False)
 
     def check(self, naming: Naming) -> None:
         """``act_group``: 0 (one int8 activation scale per token) or a multiple of ``group_size``."""
@@ -151,8 +154,8 @@ def quantization_config_dict(
     layer_formats: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json (``detect_grid``,
-    ``lm_head``, ``quantize_lm_head`` and empty ``source``/``layer_formats`` left out: the server's
-    defaults apply)."""
+    ``allow_2bit_ptq``, ``lm_head``, ``quantize_lm_head`` and empty ``source``/``layer_formats`` left
+    out: the server's defaults apply)."""
     d = to_dict(
         parse_quantization_config(dict(
             codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
@@ -163,6 +166,7 @@ def quantization_config_dict(
     d.pop("quantize_lm_head")
     d.pop("lm_head")
     d.pop("detect_grid")
+    d.pop("allow_2bit_ptq")  # the converter's decision, taken before the tensors were written
     if source is None:
         d.pop("source")
     if not d["layer_formats"]:

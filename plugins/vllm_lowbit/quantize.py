@@ -1,7 +1,8 @@
 """Converter CLI: a Hugging Face checkpoint -> a ``lowbit2`` checkpoint that ``vllm serve`` loads
 without flags.
 
-    python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --group-size 64 --codebook affine
+    python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --codebook affine4 --group-size 64
+    python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --allow-2bit-ptq   # 2-bit after training: see --help
     python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary --verify   # BitNet b1.58 import
     python -m vllm_lowbit.quantize PARETOQ_DIR OUT_DIR   # weights on a 1/1.58/2-bit grid: written exactly
 """
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-detect-grid", dest="detect_grid", action="store_false",
                     help="quantize every linear, also those whose weights already lie on a binary/ternary/2-bit "
                          "grid (by default those are written exactly, e.g. ParetoQ checkpoints)")
+    ap.add_argument("--allow-2bit-ptq", dest="allow_2bit_ptq", action="store_true",
+                    help="quantize linears that lie on no low-bit grid to a 1- or 2-bit code book anyway (refused by "
+                         "default: 2-bit post-training quantization turns a real trained model into noise, see "
+                         "bench/results/quality.md; use a 4-bit --codebook, or a checkpoint trained for 2 bits)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", action="store_true",
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             quantizer=args.quantizer, scale_dtype=args.scale_dtype,
             modules_to_not_convert=args.modules_to_not_convert, act_group=args.act_group,
             progress=not args.no_progress, detect_grid=args.detect_grid, verify=args.verify,
+            allow_2bit_ptq=args.allow_2bit_ptq,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

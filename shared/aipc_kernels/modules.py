@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .formats import LowBitWeight
+from .formats import LowBitWeight, fitting_group_size
 from .ops import lowbit_linear, lowbit_linear_a16
 from .packing import pack_for_cpu
 from .quantizers import quantize_weight
@@ -61,7 +61,9 @@ def quantize_linears(
     skip: Iterable[str] = DEFAULT_SKIP,
     replace: Callable[[nn.Linear, LowBitWeight], nn.Module] | None = None,
 ) -> dict[str, LowBitWeight]:
-    """Quantizes every eligible ``nn.Linear`` of ``model`` in place and returns the weights by name.
+    """Quantizes every eligible ``nn.Linear`` of ``model`` in place and returns the weights by name (a
+    ``group_size`` that does not divide a layer's K falls back as the plugins' on-the-fly quantization
+    does: :func:`~aipc_kernels.formats.fitting_group_size`).
 
     ``replace(linear, weight)`` builds the substitute module; the default is :class:`LowBitLinear`.
     Pass ``lambda lin, w: dequantized_linear(lin, w)`` for a float reference with the same weights.
@@ -72,7 +74,8 @@ def quantize_linears(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lin = getattr(parent, child)
-        w = quantize_weight(lin.weight.detach().float(), codebook, group_size, method=method)
+        group = group_size if group_size == -1 else fitting_group_size(group_size, lin.in_features)
+        w = quantize_weight(lin.weight.detach().float(), codebook, group, method=method)
         setattr(parent, child, replace(lin, w))
         out[name] = w
     return out

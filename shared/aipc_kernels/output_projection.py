@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .formats import LowBitWeight
+from .formats import LowBitWeight, fitting_group_size
 from .quantizers import quantize_rows
 
 HEAD_FORMATS = ("int8", "lowbit", "float")
@@ -49,7 +49,9 @@ def quantize_output_projection(
     scale_dtype: torch.dtype = torch.float16,
 ) -> Optional[LowBitWeight]:
     """``weight [vocab, hidden]`` in ``head_format``; None for ``float``. ``codebook``, ``group_size``,
-    ``quantizer`` and ``scale_dtype`` are the other linears' (``lowbit`` needs them). Errors name ``name``."""
+    ``quantizer`` and ``scale_dtype`` are the other linears' (``lowbit`` needs them; a group that does not
+    divide the hidden size falls back as theirs do, :func:`~aipc_kernels.formats.fitting_group_size`).
+    Errors name ``name``."""
     if head_format not in HEAD_FORMATS:
         raise ValueError(f"{name}: head format {head_format!r} is unknown; use one of {HEAD_FORMATS}")
     if head_format == "float":
@@ -59,7 +61,8 @@ def quantize_output_projection(
     try:
         if head_format == "int8":
             return quantize_rows(weight, "int8", -1, "rtn", int8_scale_dtype(weight), name=name)
-        return quantize_rows(weight, codebook, group_size, quantizer, scale_dtype, name=name)
+        group = group_size if group_size == -1 else fitting_group_size(group_size, weight.shape[1])
+        return quantize_rows(weight, codebook, group, quantizer, scale_dtype, name=name)
     except ValueError as e:
         raise ValueError(f"cannot quantize the output projection {name} to {head_format}: {e}; or keep it "
                          f"float (lm_head: float)") from None  # fmt: skip

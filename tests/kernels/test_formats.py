@@ -102,3 +102,24 @@ def test_quantizer_rejects_non_finite_weights():
     w[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_rtn(w)
+
+
+@pytest.mark.parametrize("group, K, want", [
+    (64, 576, 64), (128, 576, 64), (128, 1536, 128), (128, 480, 32), (64, 480, 32), (32, 96, 32), (-1, 576, 576),
+])  # fmt: skip
+def test_fitting_group_size_falls_back_to_the_largest_that_divides(group, K, want):
+    """On-the-fly quantization's group per layer: the configured one, else the largest supported below
+    it that divides K (SmolLM2's K=576 with 128 -> 64); -1 stays the whole row."""
+    from aipc_kernels.formats import fitting_group_size
+
+    assert fitting_group_size(group, K) == want
+
+
+@pytest.mark.parametrize("group, K, match", [
+    (64, 496, "in_features K=496 must be a multiple of 32"), (48, 576, "group_size=48 is not supported"),
+])  # fmt: skip
+def test_fitting_group_size_refuses_what_no_group_fits(group, K, match):
+    from aipc_kernels.formats import fitting_group_size
+
+    with pytest.raises(ValueError, match=match):
+        fitting_group_size(group, K)

@@ -67,13 +67,14 @@ def qwen2_dir(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_prequantized(llama_dir, tmp_path_factory) -> Path:
-    """The converter's output for the tiny Llama (affine, group 64, the optimised quantizer), with
+    """The converter's output for the tiny Llama (affine, group 64, the optimised quantizer; random
+    weights, so with the 2-bit opt-in), with
     per-group int8 activation scales (act_group 64): tensor-parallel slices then compute exactly
     what TP=1 computes."""
     out = tmp_path_factory.mktemp("llama-lowbit2") / "model"
     res = subprocess.run(
         [sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--group-size", "64",
-         "--codebook", "affine", "--act-group", "64", "--threads", "1", "--no-progress"],
+         "--codebook", "affine", "--act-group", "64", "--threads", "1", "--no-progress", "--allow-2bit-ptq"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]

@@ -87,7 +87,8 @@ def test_converter_killed_while_writing(llama_dir, tmp_path, interrupt_while_wri
     from aipc_kernels.atomic_output import IncompleteOutputError, check_complete
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--threads", "1", "--no-progress"]
+    cmd = [sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--threads", "1", "--no-progress",
+           "--allow-2bit-ptq"]  # fmt: skip
     staging = interrupt_while_writing(cmd, out, signal.SIGKILL)
     assert sorted(p.name for p in tmp_path.iterdir()) == [staging.name]  # no OUT_DIR, no hidden file
     assert not (staging / "config.json").exists()  # never taken for a model
@@ -268,7 +269,10 @@ def test_converted_checkpoint_with_partial_hf_overrides(llama_prequantized, llam
     assert got == ref
 
 
-def test_group_size_not_dividing_k_names_the_layer(tiny_model):
-    model = tiny_model("llama", **dict(TINY, intermediate=480))  # down_proj K=480 is not a multiple of 64
-    _expect_load_error(model, re.escape("lowbit2 cannot quantize layer 'model.layers.0.mlp.down_proj'"),
-                       re.escape("group_size=64 does not divide in_features K=480"), quantization="lowbit2")  # fmt: skip
+def test_k_not_a_multiple_of_32_names_the_layer_and_method(tiny_model):
+    """No supported group divides K=496 (a multiple of 16 only): refused before any weight loads, the
+    method (lowbit4 here), the layer and the fix named."""
+    model = tiny_model("llama", **dict(TINY, intermediate=496))
+    _expect_load_error(model, re.escape("lowbit4 cannot quantize layer 'model.layers.0.mlp.down_proj'"),
+                       re.escape("in_features K=496 must be a multiple of 32"),
+                       re.escape("quantization_config.modules_to_not_convert"), quantization="lowbit4")  # fmt: skip

@@ -96,7 +96,7 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
     """What ``vllm serve MODEL [--quantization lowbit4]`` builds before loading weights (vLLM's
     EngineArgs, in a fresh interpreter): a GPTQ / AWQ checkpoint is served by vLLM's own method without
     the flag and by lowbit4 (the checkpoint's spec) with it; a bf16 checkpoint with the flag is
-    quantized on the fly (int4, groups of 128; ``--hf-overrides`` with ``quant_method: lowbit4`` sets
+    quantized on the fly (affine4, groups of 64; ``--hf-overrides`` with ``quant_method: lowbit4`` sets
     lowbit2's keys, no flag needed); a config we do not read names its key."""
     bad = tmp_path / "gptq-8bit"
     shutil.copytree(ckpts["gptq-sym-g128"], bad)
@@ -106,7 +106,7 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
     cases = [(str(ckpts[n]), q, {}) for n in ("gptq-sym-g128", "awq-g32") for q in (None, "lowbit4")]
     cases += [(str(ckpts[n]), "lowbit4", {}) for n in ("gptq-asym-g64-actorder", "gptq-v2-asym-g32")]
     cases += [(str(llama_dir), "lowbit4", {}), (str(bad), "lowbit4", {}),
-              (str(llama_dir), None, {"quantization_config": {"quant_method": "lowbit4", "group_size": 64}})]
+              (str(llama_dir), None, {"quantization_config": {"quant_method": "lowbit4", "group_size": 128}})]
     res = run_vllm_script(_CONFIG_SCRIPT.format(cases=cases), timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
@@ -116,9 +116,9 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
     assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0]]
     assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1]]
     assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0]]  # gptq_v2: zero points stored as they are
-    assert got[6] == ["lowbit4", "int4", 128, None]  # bf16: on the fly
+    assert got[6] == ["lowbit4", "affine4", 64, None]  # bf16: on the fly, the real-model rows' default
     assert "gptq quantization_config.bits=8 is not supported; use one of 4" in got[7]["error"]
-    assert got[8] == ["lowbit4", "int4", 64, None]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
+    assert got[8] == ["lowbit4", "affine4", 128, None]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
 
 
 # ---------------------------------------------------------------------- served checkpoints against the reference
@@ -188,19 +188,39 @@ def test_serve_gptq_v2_chat(ckpts, llama_dir, prompts, tmp_path, request):
 # ---------------------------------------------------------------------- bf16 on the fly
 
 
-def test_on_the_fly_int4_equals_transformers_same_op(llama_dir, prompts):
-    """``LLM(BF16_DIR, quantization="lowbit4")``: every linear quantized to ``int4`` in groups of 128
-    while it loads; greedy tokens equal transformers with the same quantizer and op (LowBitLinear)."""
+def test_on_the_fly_default_equals_transformers_same_op(llama_dir, prompts):
+    """``LLM(BF16_DIR, quantization="lowbit4")``: every linear quantized to ``affine4`` in groups of 64
+    (the default the real-model quality rows chose) while it loads, with no 2-bit opt-in needed; greedy
+    tokens equal transformers with the same quantizer and op (LowBitLinear)."""
     res = _run(llama_dir, prompts, quantization="lowbit4")
     (layers,) = _printed(res, "LAYERS")
     assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
-    assert all(v == ["LowBit2OnlineLinearMethod", "int4", 128] for v in layers.values()), layers
-    assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="int4", group_size=128)
+    assert all(v == ["LowBit2OnlineLinearMethod", "affine4", 64] for v in layers.values()), layers
+    assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="affine4", group_size=64)
+
+
+def test_hidden_576_group_falls_back_per_layer(tiny_model, prompts):
+    """SmolLM2's geometry (hidden 576, not a multiple of 128) with ``group_size: 128``: the layers
+    whose K is 576 use groups of 64, down_proj (K=1536) keeps 128, logged once per distinct choice;
+    greedy tokens are transformers' with the same per-layer groups and op (teacher-forced)."""
+    model = tiny_model("llama", hidden=576, layers=2, heads=9, kv_heads=3, intermediate=1536)
+    cfg = {"quant_method": "lowbit4", "group_size": 128}
+    res = _run(model, prompts, quantization="lowbit4", hf_overrides={"quantization_config": cfg})
+    (layers,) = _printed(res, "LAYERS")
+    layers.pop("lm_head")
+    assert all(v == ["LowBit2OnlineLinearMethod", "affine4", 128 if n.endswith("down_proj") else 64]
+               for n, v in layers.items()), layers  # fmt: skip
+    logged = res.stdout + res.stderr
+    assert logged.count("lowbit4: group_size=128 does not divide K=576") == 1, logged[-3000:]
+    # teacher-forced, not token-equal: at width 576 vLLM's attention and transformers' part at near-ties
+    # (seen: one in 160 tokens, at a gap of 0.050 std of the logits)
+    check_teacher_forced(model, prompts, script_tokens(res), "lowbit", min_agree=0.95, max_gap_in_std=0.1,
+                         codebook="affine4", group_size=128)  # fmt: skip
 
 
 def test_serve_on_the_fly_chat(llama_dir, prompts, tmp_path, request):
     """``vllm serve BF16_DIR --quantization lowbit4`` (eager float32) answers /v1/chat/completions, and
-    its greedy completions equal transformers with the same int4 g128 quantizer and op."""
+    its greedy completions equal transformers with the same affine4 g64 quantizer and op."""
     server = start_server(llama_dir, ["--quantization", "lowbit4", "--dtype", "float32", "--enforce-eager",
                                       "--max-model-len", "512", "--seed", "0"], tmp_path / "serve.log", request)  # fmt: skip
     try:
@@ -211,7 +231,7 @@ def test_serve_on_the_fly_chat(llama_dir, prompts, tmp_path, request):
         assert "quantization=lowbit4" in server.log.read_text(errors="replace")
     finally:
         server.stop()
-    assert got == hf_greedy(llama_dir, prompts, 16, "lowbit", codebook="int4", group_size=128)
+    assert got == hf_greedy(llama_dir, prompts, 16, "lowbit", codebook="affine4", group_size=64)
 
 
 def test_on_the_fly_e0m4_w4a16_equals_transformers_same_op(llama_dir, prompts):
@@ -222,8 +242,8 @@ def test_on_the_fly_e0m4_w4a16_equals_transformers_same_op(llama_dir, prompts):
     res = _run(llama_dir, prompts, quantization="lowbit4", hf_overrides={"quantization_config": cfg})
     (layers,) = _printed(res, "LAYERS")
     assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
-    assert all(v == ["LowBit2OnlineLinearMethod", "e0m4", 128, "a16"] for v in layers.values()), layers
-    want = hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="e0m4", group_size=128, activations="float")
+    assert all(v == ["LowBit2OnlineLinearMethod", "e0m4", 64, "a16"] for v in layers.values()), layers
+    want = hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="e0m4", group_size=64, activations="float")
     assert script_tokens(res) == want
 
 

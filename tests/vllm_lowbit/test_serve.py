@@ -17,9 +17,11 @@ token must be the reference's argmax at nearly every step and otherwise a near-t
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from vllm_serving import VllmServer, check_teacher_forced, completion_tokens, hf_greedy, start_server
+from vllm_serving import VllmServer, check_teacher_forced, completion_tokens, hf_greedy, ptq2_serve_args, start_server
 
 N_NEW = 16
 COMMON = ["--max-model-len", "512", "--seed", "0", "--max-num-seqs", "8"]
@@ -42,7 +44,7 @@ def llama_expected(llama_dir, prompts):
 
 @pytest.fixture(scope="module")
 def llama_server(llama_dir, logs, request):
-    return start_server(llama_dir, ["--quantization", "lowbit2", "--dtype", "float32", *COMMON],
+    return start_server(llama_dir, ["--quantization", "lowbit2", *ptq2_serve_args(), "--dtype", "float32", *COMMON],
                         logs / "llama-compiled.log", request)  # fmt: skip
 
 
@@ -56,8 +58,16 @@ def test_llama_compiled_against_transformers(llama_server, llama_dir, prompts):
 
 
 def test_llama_server_compiled_and_quantized(llama_server):
+    """Served with the 2-bit opt-in (random weights), and the load logs its largest reconstruction
+    error against the quality table's bounds: 2-bit on random Gaussian weights is past the safe one
+    (about 0.32), and the verdict follows the value."""
     log = llama_server.log.read_text(errors="replace")
     assert "quantization=lowbit2" in log and "enforce_eager=False" in log
+    m = re.search(r"lowbit2: largest relative reconstruction error \|\|W - Wq\|\| / \|\|W\|\| over (\d+) quantized "
+                  r"layers is ([\d.]+) \((\S+)\): (above 0.33|between 0.13)", log)  # fmt: skip
+    assert m and int(m.group(1)) == 2 * 4, log[-3000:]  # 2 layers x qkv, o, gate_up, down
+    err = float(m.group(2))
+    assert err > 0.13 and m.group(4) == ("above 0.33" if err > 0.33 else "between 0.13")
 
 
 def test_completions_text(llama_server):
@@ -102,7 +112,8 @@ def test_beam_search(llama_server, prompts):
 
 @pytest.fixture(scope="module")
 def qwen2_server(qwen2_dir, logs, request):
-    return start_server(qwen2_dir, ["--quantization", "lowbit2", *F32_EAGER], logs / "qwen2-eager.log", request)
+    return start_server(qwen2_dir, ["--quantization", "lowbit2", *ptq2_serve_args(), *F32_EAGER], logs / "qwen2-eager.log",
+                        request)  # fmt: skip
 
 
 def test_qwen2_eager_greedy_equals_transformers_same_op(qwen2_server, qwen2_dir, prompts):
@@ -151,8 +162,7 @@ def test_tensor_parallel_2_equals_1(llama_prequantized, logs, prompts, prequanti
 
 def test_bf16_hf_overrides_on_the_fly(llama_dir, logs, prompts, request):
     q = dict(codebook="sym", group_size=128)
-    overrides = '{"quantization_config": {"quant_method": "lowbit2", "codebook": "sym", "group_size": 128}}'
-    server = start_server(llama_dir, ["--hf-overrides", overrides, "--enforce-eager", *COMMON], logs / "llama-bf16.log",
+    server = start_server(llama_dir, [*ptq2_serve_args(**q), "--enforce-eager", *COMMON], logs / "llama-bf16.log",
                           request)  # fmt: skip
     try:
         log = server.log.read_text(errors="replace")

@@ -24,6 +24,15 @@ from aipc_kernels.testing.vllm_server import (  # noqa: F401  (re-exported for t
 
 # Every tiny model: hidden a multiple of the group size (64), K of every linear a multiple of 32.
 TINY = dict(hidden=256, layers=2, heads=4, intermediate=512)
+#: the tiny models' weights are random, on no low-bit grid: 2-bit on-the-fly quantization of them needs
+#: the opt-in (aipc_kernels.quality_gate); ``PTQ2_CONFIG`` is the quantization_config that gives it
+PTQ2_CONFIG = {"quant_method": "lowbit2", "allow_2bit_ptq": True}
+PTQ2_OVERRIDES = {"quantization_config": PTQ2_CONFIG}
+
+
+def ptq2_serve_args(**keys) -> list[str]:
+    """``--hf-overrides`` for ``vllm serve``: lowbit2's quantization_config with the opt-in and ``keys``."""
+    return ["--hf-overrides", json.dumps({"quantization_config": {**PTQ2_CONFIG, **keys}})]
 
 
 def start_server(model: Path | str, args: list[str], log: Path, request: pytest.FixtureRequest, **env: str) -> VllmServer:
