@@ -128,11 +128,12 @@ def make_weights(kind: str, w: torch.Tensor):
         return op, (p.qweight, p.scales, p.zeros), p.nbytes()
 
     def forced(x, ws):
+        run_isa = native.get_isa()  # the run's own ISA (AIPC_ISA), restored after the row's
         native.set_isa(isa)
         try:
             return op(x, ws)
         finally:
-            native.set_isa(native.best_isa())
+            native.set_isa(run_isa)
 
     return forced, (p.qweight, p.scales, p.zeros), p.nbytes()
 
@@ -153,14 +154,14 @@ def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> flo
     (the probes' ``time_lowbit_linear``: no interpreter between calls; same rotation and best-round rule
     as time_rotating)."""
     *vectors, y = kernel_args(kind, sets, x, N)  # the vectors and y stay referenced while the kernel runs
-    isa = OUR_CONFIGS[kind][2]
+    isa, run_isa = OUR_CONFIGS[kind][2], native.get_isa()  # run_isa: AIPC_ISA's, restored after
     if isa is not None and native.ISAS[isa] < native.ISAS[native.best_isa()]:
         native.set_isa(isa)
     try:
         return native_probes().time_lowbit_linear(vectors, min_calls)
     finally:
         del y, vectors
-        native.set_isa(native.best_isa())
+        native.set_isa(run_isa)
 
 
 def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:
