@@ -384,7 +384,7 @@ class Evaluator:
             deq, lws, bits, numel, worst = {}, {}, 0, 0, 0.0
             for K, names in self.by_k.items():
                 w = torch.cat([self.base[n] for n in names])
-                group = -1 if fmt.group == -1 else fitting_group_size(fmt.group, K)
+                group = fitting_group_size(fmt.group, K)
                 lw = quantize_weight(w, fmt.codebook, group, method=fmt.quantizer, scale_dtype=SCALE_DTYPE)
                 lws[K] = lw
                 bits += lw.nbytes() * 8
@@ -510,7 +510,8 @@ class Evaluator:
         """``g64``, ``row``, or ``g128 (g64 at K=576)`` where the group fell back on some K."""
         if fmt.group == -1:
             return "row"
-        fell = sorted({(K, fitting_group_size(fmt.group, K)) for K in self.by_k if fitting_group_size(fmt.group, K) != fmt.group})
+        fits = {K: fitting_group_size(fmt.group, K) for K in self.by_k}
+        fell = sorted((K, g) for K, g in fits.items() if g != fmt.group)
         return f"g{fmt.group}" + (" (" + ", ".join(f"g{g} at K={K}" for K, g in fell) + ")" if fell else "")
 
     def _ref_err(self, row: Row) -> Optional[float]:

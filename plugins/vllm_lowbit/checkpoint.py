@@ -236,7 +236,7 @@ def _quantize(prefix: str, t: torch.Tensor, codebook: str, group_size: int, quan
     """One float linear weight quantized with the shared quantizer (a group that does not divide its K
     falls back, :func:`~aipc_kernels.formats.fitting_group_size`); errors name the tensor."""
     try:
-        group = group_size if group_size == -1 else fitting_group_size(group_size, t.shape[1])
+        group = fitting_group_size(group_size, t.shape[1])
         return quantize_rows(t, codebook, group, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
     except ValueError as e:
         raise ValueError(f"cannot quantize {prefix}.weight: {e}; or pass it in modules_to_not_convert") from None

@@ -72,7 +72,8 @@ def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_p
     """The group size of this layer's partition, with an error naming the layer when it does not fit.
     ``fit`` (quantizing on the fly): a configured group that does not divide K falls back to the
     largest supported one that does (:func:`~aipc_kernels.formats.fitting_group_size`), logged once
-    per (K, group); a checkpoint's tensors fix their group, so it is never refitted."""
+    per (K, group), and -1 stays -1 (the quantizers' spelling of one group per row); a checkpoint's
+    tensors fix their group, so it is never refitted."""
     try:
         G = fitting_group_size(config.group_size, k_part) if fit else resolve_group_size(config.group_size, k_part)
     except ValueError as e:

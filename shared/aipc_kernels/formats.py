@@ -124,15 +124,16 @@ def resolve_group_size(group_size: int, in_features: int) -> int:
 def fitting_group_size(group_size: int, in_features: int) -> int:
     """``group_size`` when it divides ``in_features``, else the largest supported group below it that
     does (how on-the-fly quantization serves a layer whose K the configured group does not divide,
-    e.g. K=576 with group 128 -> 64); -1 stays one group per row. Raises as
-    :func:`resolve_group_size` when no supported group fits."""
+    e.g. K=576 with group 128 -> 64); -1 stays -1 (one group per row, the spelling the quantizers take).
+    Raises as :func:`resolve_group_size` when no supported group fits."""
     if group_size != -1 and group_size in GROUP_SIZES and in_features % group_size:
         smaller = [g for g in GROUP_SIZES if g < group_size and in_features % g == 0]
         if smaller:
             return max(smaller)
         if in_features % 32:  # the reason no group fits
             raise ValueError(f"in_features K={in_features} must be a multiple of 32 for low-bit packing")
-    return resolve_group_size(group_size, in_features)
+    resolve_group_size(group_size, in_features)  # the checks
+    return group_size
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

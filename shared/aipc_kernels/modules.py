@@ -74,8 +74,8 @@ def quantize_linears(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lin = getattr(parent, child)
-        group = group_size if group_size == -1 else fitting_group_size(group_size, lin.in_features)
-        w = quantize_weight(lin.weight.detach().float(), codebook, group, method=method)
+        w = quantize_weight(lin.weight.detach().float(), codebook, fitting_group_size(group_size, lin.in_features),
+                            method=method)
         setattr(parent, child, replace(lin, w))
         out[name] = w
     return out

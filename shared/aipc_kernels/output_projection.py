@@ -61,8 +61,8 @@ def quantize_output_projection(
     try:
         if head_format == "int8":
             return quantize_rows(weight, "int8", -1, "rtn", int8_scale_dtype(weight), name=name)
-        group = group_size if group_size == -1 else fitting_group_size(group_size, weight.shape[1])
-        return quantize_rows(weight, codebook, group, quantizer, scale_dtype, name=name)
+        return quantize_rows(weight, codebook, fitting_group_size(group_size, weight.shape[1]), quantizer, scale_dtype,
+                             name=name)
     except ValueError as e:
         raise ValueError(f"cannot quantize the output projection {name} to {head_format}: {e}; or keep it "
                          f"float (lm_head: float)") from None  # fmt: skip

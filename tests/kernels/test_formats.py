@@ -105,11 +105,11 @@ def test_quantizer_rejects_non_finite_weights():
 
 
 @pytest.mark.parametrize("group, K, want", [
-    (64, 576, 64), (128, 576, 64), (128, 1536, 128), (128, 480, 32), (64, 480, 32), (32, 96, 32), (-1, 576, 576),
+    (64, 576, 64), (128, 576, 64), (128, 1536, 128), (128, 480, 32), (64, 480, 32), (32, 96, 32), (-1, 576, -1),
 ])  # fmt: skip
 def test_fitting_group_size_falls_back_to_the_largest_that_divides(group, K, want):
     """On-the-fly quantization's group per layer: the configured one, else the largest supported below
-    it that divides K (SmolLM2's K=576 with 128 -> 64); -1 stays the whole row."""
+    it that divides K (SmolLM2's K=576 with 128 -> 64); -1 stays -1, the quantizers' whole-row spelling."""
     from aipc_kernels.formats import fitting_group_size
 
     assert fitting_group_size(group, K) == want

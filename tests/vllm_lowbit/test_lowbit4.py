@@ -218,6 +218,17 @@ def test_hidden_576_group_falls_back_per_layer(tiny_model, prompts):
                          codebook="affine4", group_size=128)  # fmt: skip
 
 
+def test_on_the_fly_whole_row_group_equals_transformers_same_op(llama_dir, prompts):
+    """``group_size: -1`` (one scale per row) on the fly: the quantizer gets -1, its own spelling of the
+    whole row (the K it was once given is not a supported group and was refused)."""
+    res = _run(llama_dir, prompts, quantization="lowbit4",
+               hf_overrides={"quantization_config": {"quant_method": "lowbit4", "group_size": -1}})
+    (layers,) = _printed(res, "LAYERS")
+    layers.pop("lm_head")
+    assert all(v[:2] == ["LowBit2OnlineLinearMethod", "affine4"] for v in layers.values()), layers
+    assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="affine4", group_size=-1)
+
+
 def test_serve_on_the_fly_chat(llama_dir, prompts, tmp_path, request):
     """``vllm serve BF16_DIR --quantization lowbit4`` (eager float32) answers /v1/chat/completions, and
     its greedy completions equal transformers with the same affine4 g64 quantizer and op."""
