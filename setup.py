@@ -1,4 +1,5 @@
-"""Build of the native CPU kernels: plain C with intrinsics, no torch headers.
+"""Build of the native CPU kernels: plain C with intrinsics, no torch headers; and the C++ unit that
+registers the planned CPU ops against PyTorch's stable ABI (built when torch is importable).
 
 The kernel library ``_aipc_native`` (``csrc/*.c``, C API in ``csrc/aipc_native.h``) is loaded with
 ctypes by ``aipc_kernels.native``; ISA selection (AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2, portable C)
@@ -10,6 +11,8 @@ The build also ships ``aipc_plugins.pth`` at the top of site-packages: one line 
 the post-import hooks of :mod:`aipc_kernels._autoload` (optimum-intel and transformers have no
 plugin entry points). Both the wheel and editable installs get it.
 """
+from __future__ import annotations
+
 import glob
 import os
 import shutil
@@ -74,11 +77,33 @@ def c_library(name: str, sources: list[str]) -> Extension:
                      extra_link_args=["-fopenmp"], libraries=["m"])
 
 
+def torch_ops_library(name: str, sources: list[str]) -> Extension | None:
+    """The C++ unit that registers the planned CPU ops with PyTorch's dispatcher through its stable ABI
+    (``torch/csrc/stable``, targeting torch 2.13, the oldest this package supports), or None when torch is
+    not importable by this build (pip's build isolation without ``--no-build-isolation``): the ops then
+    run a Python kernel over the same C library (``aipc_kernels.ops``), and ``native.ops_library()`` says
+    which. It does not link ``_aipc_native``: the loader hands it that library's entry points."""
+    try:
+        from torch.utils.cpp_extension import include_paths, library_paths
+    except ImportError:
+        print("aipc-plugins: torch is not importable by this build, so the planned CPU ops are not built "
+              "(they run a Python kernel, ~20-80 us more per call); build with torch installed and "
+              "`pip install --no-build-isolation` for them")
+        return None
+    flags = ["-O2", "-std=c++17", "-fvisibility=hidden", "-DTORCH_TARGET_VERSION=0x020d000000000000"]
+    return Extension(name, sources=sources, language="c++", include_dirs=[CSRC, *include_paths()],
+                     depends=[f"{CSRC}/aipc_native.h"], extra_compile_args=flags,
+                     library_dirs=library_paths(), libraries=["torch_cpu", "c10"])
+
+
 ext_modules = []
 if os.environ.get("AIPC_NO_NATIVE") != "1":
     # the kernels (aipc_kernels.native), and the benchmarks' measurement probes (bench/native_probes.py)
     ext_modules.append(c_library("aipc_kernels._aipc_native", sorted(glob.glob(f"{CSRC}/*.c"))))
     ext_modules.append(c_library("aipc_kernels._aipc_probes", sorted(glob.glob(f"{CSRC}/probes/*.c"))))
+    ops_ext = torch_ops_library("aipc_kernels._aipc_ops", sorted(glob.glob(f"{CSRC}/ops/*.cpp")))
+    if ops_ext is not None:
+        ext_modules.append(ops_ext)
 
 setup(
     ext_modules=ext_modules,

@@ -147,19 +147,19 @@ def _stage_for_llamacpp(masters: Path, stage: Path, shard_bytes: int = 2**30) ->
     llamacpp.sentencepiece_model(stage / "tokenizer.model")
 
 
-def ggufs(masters: Path, cache: Path, qtypes: list[str], key: str) -> dict[str, Path]:
+def ggufs(masters: Path, cache: Path, qtypes: list[str], key: str, isa: str = "native") -> dict[str, Path]:
     """The bf16 masters converted by llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype bf16``;
     its BitNet class ternarizes q/k/v/o/gate/up/down with the absmean rule) and quantized by
     ``llama-quantize`` to each of ``qtypes``; cached under ``cache/gguf/<key>`` (``key``: the float
     model, whose weights the masters are, whichever writer wrote them)."""
-    return llamacpp.ggufs(lambda stage: _stage_for_llamacpp(masters, stage), cache, qtypes, key)
+    return llamacpp.ggufs(lambda stage: _stage_for_llamacpp(masters, stage), cache, qtypes, key, isa)
 
 
 def run_llamacpp(name: str, gguf: Path, cache: Path, threads: int, new_tokens: int, prompt: int, reps: int,
-                 prompt_reps: int) -> dict:
+                 prompt_reps: int, isa: str = "native") -> dict:  # fmt: skip
     """One llama.cpp row: ``llama-bench -t threads``, decode ``-p 0 -n new_tokens`` and prompt
     ``-p prompt -n 0``; tokens/s per repetition from its JSON output."""
-    res = llamacpp.run_row(gguf, cache, threads, new_tokens, reps, prompt, prompt_reps)
+    res = llamacpp.run_row(gguf, cache, threads, new_tokens, reps, prompt, prompt_reps, isa)
     return dict(variant=name, label=ROWS[name]["label"], **res, steady_rss=None)
 
 
@@ -367,7 +367,7 @@ def main() -> None:
     cache = args.llamacpp_cache.expanduser()
     skipped: dict[str, str] = {name: "not asked for (--rows)" for name in ROWS if name not in args.rows}
     want_llama = [n for n in args.rows if ROWS[n]["kind"] == "llamacpp"]
-    not_built = llamacpp.ensure_built(cache, args.build_llamacpp) if want_llama else None
+    not_built = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa) if want_llama else None
     if not_built:
         skipped.update({n: not_built for n in want_llama})
         want_llama = []
@@ -376,7 +376,8 @@ def main() -> None:
     src = float_model(g)
     families = {ROWS[n]["layout"] for n in args.rows if ROWS[n]["kind"] == "vllm"} | {"online"}  # llama.cpp reads the masters
     paths = {fam: layout(src, fam) for fam in sorted(families)}
-    files = ggufs(paths["online"], cache, [ROWS[n]["qtype"] for n in want_llama], src.name) if want_llama else {}
+    files = ggufs(paths["online"], cache, [ROWS[n]["qtype"] for n in want_llama], src.name,
+                  args.llamacpp_isa) if want_llama else {}  # fmt: skip
     if args.prepare_only:
         print("\n".join(f"{k}: {v}" for k, v in {**paths, **files}.items()))
         return
@@ -393,7 +394,7 @@ def main() -> None:
             if spec["kind"] == "llamacpp":
                 try:
                     rows.append(run_llamacpp(name, files[spec["qtype"]], cache, args.threads, args.new_tokens, args.prompt,
-                                             args.reps, args.prompt_reps))  # fmt: skip
+                                             args.reps, args.prompt_reps, args.llamacpp_isa))  # fmt: skip
                 except (RuntimeError, ValueError, KeyError) as e:
                     skipped[name] = f"failed: {str(e)[:300]}"
                     print(f"[{name}] {skipped[name]}", flush=True)

@@ -23,8 +23,11 @@ the probe's read loop over exactly the int2 group-64 bytes, rotated and timed li
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
 (``kernel_pct_read``: a kernel's GB/s as a share of it; ``kernel_pct_own_read``: the same against a
 plain read of the kind's own packed codes, its rotating copies, timed in the same round). ``us`` is
-the op as users call it, timed from Python; ``kernel_us`` is our C kernel alone, timed in C over the same rotation (as the read row and the
-bandwidth probe are), so the two differ by the op's dispatch and Python body.
+the op as the plugins call it, timed from Python: for our low-bit kinds the planned op
+(:mod:`aipc_kernels.planned_ops`: operands checked once, C++ per call), for ``int2_general`` /
+``w4a8_general`` the general ``aipc::lowbit_linear`` on the same weights (operands checked in Python each
+call); ``kernel_us`` is our C kernel alone, timed in C over the same rotation (as the read row and the
+bandwidth probe are), so the two differ by the op's dispatch and body (``op_over_kernel``).
 Weights rotate over copies totalling ``--rotate-gb`` (several times the last-level cache) so every
 call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
 read bandwidth probe in every round (best of): the host's bandwidth moves, and this way every row and
@@ -45,6 +48,7 @@ from aipc_kernels.formats import get_codebook
 import aipc_kernels.dense_linear  # noqa: F401  (registers torch.ops.aipc.dense_linear)
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.packing import pack_for_cpu
+from aipc_kernels.planned_ops import available as plan_ready, plan_cpu_call
 from aipc_kernels.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, read_results, select, write_results
 from llama_shapes import HEAD_SHAPES, SHAPES  # bench/ is on sys.path when run as a script
@@ -64,8 +68,11 @@ A16_CONFIGS = {
 }
 # the small-M dense kernels on the model's own float weights (aipc::dense_linear): weight dtype = x dtype
 DENSE_CONFIGS = {"dense_fp32": torch.float32, "dense_bf16": torch.bfloat16}
-OURS = ("int2", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_asym", "w8a8", "w4a8_vnni",
-        "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
+# the general op (torch.ops.aipc.lowbit_linear: operands checked in Python on every call) on a kind's weights,
+# beside the planned op the plugins call (aipc_kernels.planned_ops: checked once, C++ per call)
+GENERAL_OP = {"int2_general": "int2", "w4a8_general": "w4a8"}
+OURS = ("int2", "int2_general", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_general",
+        "w4a8_asym", "w8a8", "w4a8_vnni", "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -79,6 +86,7 @@ OUR_CONFIGS = {
     "w4a8_vnni": ("int4", 128, "avx512_vnni"),  # W4A8 / W8A8 on the AVX-512 VNNI kernels even where AMX exists
     "w8a8_vnni": ("int8", -1, "avx512_vnni"),
 }
+OUR_CONFIGS.update({general: OUR_CONFIGS[kind] for general, kind in GENERAL_OP.items()})
 
 
 def make_weights(kind: str, w: torch.Tensor):
@@ -119,11 +127,17 @@ def make_weights(kind: str, w: torch.Tensor):
         p = pack_for_cpu(quantize_rtn(w, codebook, group))
         meta = (p.layout, p.codebook, p.group_size, p.out_features)
         a16 = lambda x, ws: torch.ops.aipc.lowbit_linear_a16(x, ws[0], ws[1], ws[2], None, *meta, dequant)  # noqa: E731
+        planned = plan_cpu_call(p, dequant=dequant)
+        if planned is not None:
+            a16 = lambda x, ws: planned(x, ws[0], ws[1], ws[2])  # noqa: E731
         return a16, (p.qweight, p.scales, p.zeros), p.nbytes()
     codebook, group, isa = OUR_CONFIGS[kind]
     p = pack_for_cpu(quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
     op = lambda x, ws: torch.ops.aipc.lowbit_linear(x, ws[0], ws[1], ws[2], None, *meta, 0)  # noqa: E731
+    planned = None if kind in GENERAL_OP else plan_cpu_call(p)
+    if planned is not None:  # what the plugins call
+        op = lambda x, ws: planned(x, ws[0], ws[1], ws[2])  # noqa: E731
     if isa is None or native.ISAS[isa] >= native.ISAS[native.best_isa()]:
         return op, (p.qweight, p.scales, p.zeros), p.nbytes()
 
@@ -249,11 +263,15 @@ def main() -> None:
     notes = (f"{threads} threads, load average {tuple(round(v, 2) for v in load_after)} after. Weights rotated over "
              f"{rotate:.1f} GB of copies per kind (DRAM-resident: the last-level cache is {info['llc_mib']} MiB), all "
              f"kinds timed round-robin, best of {args.rounds} rounds. GB/s = weight bytes (codes + scales/zeros) / time; "
-             f"% BW = of the read bandwidth measured next to each shape (all threads). us = one call of the op as users "
-             f"call it (`torch.ops.aipc.lowbit_linear` / torch's own ops), timed from Python; kernel_us = our C kernel "
+             f"% BW = of the read bandwidth measured next to each shape (all threads). us = one call of the op as the "
+             f"plugins call it, timed from Python: for our low-bit kinds the planned op "
+             f"(`torch.ops.aipc.lowbit_linear_cpu` / `lowbit_linear_a16_cpu`, operands checked once, C++ per call"
+             f"{'' if plan_ready() else ': NOT BUILT here, the general op instead'}), for *_general kinds the general "
+             f"op `torch.ops.aipc.lowbit_linear` (operands checked in Python on every call), torch's own ops for "
+             f"theirs; kernel_us = our C kernel "
              f"alone on pre-built argument vectors, timed in C like the bandwidth probe (`aipc_time_lowbit_linear_v`: no "
-             f"interpreter between calls; the difference to us is the op's dispatcher and Python body, which run "
-             f"with the caches full of weights). read (M=1) = the probe's read loop over exactly the shape's int2 "
+             f"interpreter between calls; the difference to us is the op's dispatcher and body, which run "
+             f"with the caches full of weights); op_over_kernel = us / kernel_us. read (M=1) = the probe's read loop over exactly the shape's int2 "
              f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "
              f"share of it; kernel_pct_own_read (M=1) = the same against a plain read of the kind's own packed "
              f"codes (its rotating copies, timed in C in the same round). x_<peer> = peer time / this row's time (>1: this row is faster)."
@@ -261,7 +279,7 @@ def main() -> None:
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     body = "Runs (shape: when, load average at its start): " + "; ".join(
         f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
-    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "kernel_pct_bw", "kernel_pct_read",
+    cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "op_over_kernel", "kernel_pct_bw", "kernel_pct_read",
             "kernel_pct_own_read", "x_bf16", "x_fp32", "x_int8", "x_int4"]
     lines = summary(rows, ms)
     body += ("\n".join(lines) + "\n\n" if lines else "") + markdown_table(rows, cols) + "\n"
@@ -316,7 +334,7 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                 s, nbytes, sk = results[(kind, M)]
                 gbs = nbytes / s / 1e9
                 rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
-                                 kernel_us=sk * 1e6 if sk else None,
+                                 kernel_us=sk * 1e6 if sk else None, op_over_kernel=s / sk if sk else None,
                                  kernel_pct_bw=100 * nbytes / sk / 1e9 / bw if sk else None,
                                  kernel_pct_read=100 * nbytes / sk / 1e9 / read_gbs if sk and read_gbs else None,
                                  kernel_pct_own_read=(100 * nbytes / sk / 1e9 / own_read[kind]

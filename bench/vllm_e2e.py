@@ -60,6 +60,9 @@ VARIANTS = {
                                  "quant_method": "lowbit4", "codebook": "e0m4", "group_size": 128, "quantizer": "rtn",
                                  "activations": "float"}})),
     "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
+    "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8) through the general op "
+                                    "(AIPC_PLANNED_OPS=0: operands checked in Python per call)", model="lowbit2", llm={},
+                               env=dict(AIPC_PLANNED_OPS="0")),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},
@@ -420,12 +423,13 @@ def main() -> None:
         info = machine_info()
         paths = checkpoints(args.preset, {VARIANTS[name]["model"] for name in args.rows})
         want_llama = [n for n in args.rows if VARIANTS[n].get("kind") == "llamacpp"]
-        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp) if want_llama else None
+        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa) if want_llama else None
         files: dict[str, Path] = {}
         if want_llama and not no_llama:  # the bf16 model through llama.cpp's converter and quantizer (cached)
             try:
                 files = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(paths["bf16"], stage), cache,
-                                       [VARIANTS[n]["qtype"] for n in want_llama], paths["bf16"].name)  # fmt: skip
+                                       [VARIANTS[n]["qtype"] for n in want_llama], paths["bf16"].name,
+                                       args.llamacpp_isa)  # fmt: skip
             except (subprocess.CalledProcessError, OSError) as e:
                 no_llama = f"the GGUF conversion failed: {e}"
         rows, skipped = [], {}
@@ -439,7 +443,7 @@ def main() -> None:
             if spec.get("kind") == "llamacpp":
                 try:
                     res = llamacpp.run_row(files[spec["qtype"]], cache, llama_threads(args.threads, rows), args.new_tokens, args.reps, PROMPT,
-                                           args.reps)  # fmt: skip
+                                           args.reps, args.llamacpp_isa)  # fmt: skip
                 except (RuntimeError, ValueError, KeyError) as e:
                     skipped[name] = f"failed: {str(e)[:300]}"
                     print(f"[{name}] {skipped[name]}", flush=True)
@@ -450,7 +454,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--worker", name, "--model", str(paths[spec["model"]]), "--new-tokens",
                        str(args.new_tokens), "--reps", str(args.reps)] + (["--profile"] if name == "lowbit2" else []) \
                     + (["--eager"] if args.eager else [])  # fmt: skip
-                row, reason = run_worker(name, cmd, dict(os.environ, **VLLM_ENV))
+                row, reason = run_worker(name, cmd, dict(os.environ, **VLLM_ENV, **spec.get("env", {})))
                 if row is None:
                     skipped[name] = reason
                     continue
@@ -478,7 +482,7 @@ def main() -> None:
             software=software, isa=native.get_isa() if native.available() else "none",
             preset=args.preset, tied=bool(p.get("tie_embeddings")),
             params_b=(L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h * (1 if p.get("tie_embeddings") else 2)) / 1e9,
-            aipc_isa_env=os.environ.get("AIPC_ISA"), threads=llama_threads(args.threads, rows), prompt=PROMPT,
+            aipc_isa_env=os.environ.get("AIPC_ISA"), llamacpp_isa=args.llamacpp_isa if files else None, threads=llama_threads(args.threads, rows), prompt=PROMPT,
             new_tokens=args.new_tokens, reps=args.reps, eager=args.eager, skipped=skipped,
             llamacpp_cache=str(cache) if files else None, ggufs={k: str(f) for k, f in files.items()},
             notes=NOTES,

@@ -261,8 +261,9 @@ def ensure_env(spec: EnvSpec, timings: dict[str, float]) -> Path:
         log.write_text("")
         inst = Installer(log)
         inst.venv(vdir)
-        # the editable install builds without isolation: its build requirements come first
-        inst.install(py, "pip", "setuptools>=77,<81", "wheel")
+        # the editable install builds without isolation: its build requirements come first, torch among
+        # them (setup.py builds the planned CPU ops against its headers when it can import it)
+        inst.install(py, "pip", "setuptools>=77,<81", "wheel", TORCH)
         cons = vdir / "constraints.txt"
         cons.write_text("\n".join((TORCH,) + spec.constraints) + "\n")
         extras = ",".join(spec.extras)

@@ -26,12 +26,26 @@ DEFAULT_CACHE = Path.home() / ".cache" / "aipc-plugins" / "llamacpp"
 LINEAR_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # GGUF names
 
 
+# CMake options per instruction set: the CPU's own (GGML_NATIVE), or one forced for a comparison with our
+# kernels under AIPC_ISA (AVX2 / AVX-VNNI: the widest that client CPUs without AVX-512 have). Without
+# GGML_NATIVE, ggml enables AVX, AVX2, BMI2, FMA and F16C and leaves every AVX-512 option off.
+ISA_OPTIONS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
+    "avx_vnni": ["-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=ON"],
+}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """``--llamacpp-cache`` and ``--build-llamacpp``, as every bench with llama.cpp rows spells them."""
+    """``--llamacpp-cache``, ``--build-llamacpp`` and ``--llamacpp-isa``, as every bench with llama.cpp
+    rows spells them."""
     ap.add_argument("--llamacpp-cache", type=Path, default=DEFAULT_CACHE,
                     help="llama.cpp sources, build and GGUFs (default: %(default)s)")
     ap.add_argument("--build-llamacpp", action="store_true",
                     help="download the llama-cpp-python sdist and build llama.cpp into --llamacpp-cache if absent")
+    ap.add_argument("--llamacpp-isa", choices=sorted(ISA_OPTIONS), default="native",
+                    help="the instruction sets llama.cpp is built for (its own build folder each); force the same "
+                         "on our side with AIPC_ISA (default: %(default)s)")
 
 
 # ---------------------------------------------------------------------- build
@@ -41,26 +55,34 @@ def llamacpp_src(cache: Path) -> Path:
     return cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
-def llamacpp_bin(cache: Path, tool: str) -> Path:
-    return cache / "build" / "bin" / tool
+def build_dir(cache: Path, isa: str = "native") -> Path:
+    """The build folder of llama.cpp for ``isa`` (a key of :data:`ISA_OPTIONS`)."""
+    if isa not in ISA_OPTIONS:
+        raise ValueError(f"llama.cpp isa={isa!r}: use one of {sorted(ISA_OPTIONS)}")
+    return cache / ("build" if isa == "native" else f"build-{isa}")
 
 
-def build_hint(cache: Path) -> str:
+def llamacpp_bin(cache: Path, tool: str, isa: str = "native") -> Path:
+    return build_dir(cache, isa) / "bin" / tool
+
+
+def build_hint(cache: Path, isa: str = "native") -> str:
     src = llamacpp_src(cache)
+    build = build_dir(cache, isa)
     return (f"llama.cpp is not built in {cache}: rerun with --build-llamacpp (about 20 min on 2 cores), or by hand: "
             f"python -m pip download --no-deps --no-binary :all: llama-cpp-python=={LLAMA_CPP_PYTHON} -d {cache}/src && "
             f"tar xzf {cache}/src/llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz -C {cache}/src && "
-            f"cmake -S {src} -B {cache}/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
+            f"cmake -S {src} -B {build} {' '.join(ISA_OPTIONS[isa])} -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
             "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && "
-            f"nice -n 10 cmake --build {cache}/build -j2 --target llama-bench llama-quantize")  # fmt: skip
+            f"nice -n 10 cmake --build {build} -j2 --target llama-bench llama-quantize")  # fmt: skip
 
 
-def llamacpp_ready(cache: Path) -> bool:
-    return all(llamacpp_bin(cache, t).exists() for t in ("llama-bench", "llama-quantize")) and \
+def llamacpp_ready(cache: Path, isa: str = "native") -> bool:
+    return all(llamacpp_bin(cache, t, isa).exists() for t in ("llama-bench", "llama-quantize")) and \
         (llamacpp_src(cache) / "convert_hf_to_gguf.py").exists()
 
 
-def build_llamacpp(cache: Path) -> None:
+def build_llamacpp(cache: Path, isa: str = "native") -> None:
     """Downloads the ``llama-cpp-python`` sdist from the package registry, unpacks it and builds
     ``llama-bench`` and ``llama-quantize`` from its vendored llama.cpp (the recipe of
     ../shared/notes/peer_llamacpp.md)."""
@@ -74,23 +96,23 @@ def build_llamacpp(cache: Path) -> None:
         with tarfile.open(sdist) as tar:
             tar.extractall(src_root, filter="data")
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
-    subprocess.run(nice + ["cmake", "-S", str(llamacpp_src(cache)), "-B", str(cache / "build"), "-DGGML_NATIVE=ON",
+    subprocess.run(nice + ["cmake", "-S", str(llamacpp_src(cache)), "-B", str(build_dir(cache, isa)), *ISA_OPTIONS[isa],
                            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                            "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True)  # fmt: skip
-    subprocess.run(nice + ["cmake", "--build", str(cache / "build"), f"-j{os.cpu_count() or 1}",
+    subprocess.run(nice + ["cmake", "--build", str(build_dir(cache, isa)), f"-j{os.cpu_count() or 1}",
                            "--target", "llama-bench", "llama-quantize"], check=True)  # fmt: skip
 
 
-def ensure_built(cache: Path, build: bool) -> Optional[str]:
-    """None when llama.cpp is (or, with ``build``, has just been) built in ``cache``; otherwise prints
-    how to build it and returns the reason its rows are skipped."""
-    if llamacpp_ready(cache):
+def ensure_built(cache: Path, build: bool, isa: str = "native") -> Optional[str]:
+    """None when llama.cpp is (or, with ``build``, has just been) built in ``cache`` for ``isa``; otherwise
+    prints how to build it and returns the reason its rows are skipped."""
+    if llamacpp_ready(cache, isa):
         return None
     if build:
-        build_llamacpp(cache)
+        build_llamacpp(cache, isa)
         return None
-    print(f"[llama.cpp] {build_hint(cache)}", flush=True)
-    return f"llama.cpp not built in {cache} (--build-llamacpp)"
+    print(f"[llama.cpp] {build_hint(cache, isa)}", flush=True)
+    return f"llama.cpp not built in {build_dir(cache, isa)} (--build-llamacpp)"
 
 
 # ---------------------------------------------------------------------- convert, quantize
@@ -127,7 +149,7 @@ def stage_float_model(src: Path, stage: Path) -> None:
     sentencepiece_model(stage / "tokenizer.model")
 
 
-def ggufs(stage: Callable[[Path], None], cache: Path, qtypes: list[str], key: str) -> dict[str, Path]:
+def ggufs(stage: Callable[[Path], None], cache: Path, qtypes: list[str], key: str, isa: str = "native") -> dict[str, Path]:
     """The GGUFs of one float model: ``stage(dir)`` writes the Hugging Face directory llama.cpp's own
     ``convert_hf_to_gguf.py`` converts (``--outtype bf16``), and ``llama-quantize`` quantizes the
     result to each of ``qtypes``; cached as ``cache/gguf/<key>/model-<qtype>.gguf`` (``key``: the float
@@ -153,7 +175,7 @@ def ggufs(stage: Callable[[Path], None], cache: Path, qtypes: list[str], key: st
         if not path.exists():
             tmp = path.with_suffix(".tmp")
             print(f"[llama.cpp] llama-quantize {bf16.name} {q} ...", flush=True)
-            subprocess.run([str(llamacpp_bin(cache, "llama-quantize")), str(bf16), str(tmp), q], check=True,
+            subprocess.run([str(llamacpp_bin(cache, "llama-quantize", isa)), str(bf16), str(tmp), q], check=True,
                            stdout=subprocess.DEVNULL)  # fmt: skip
             tmp.rename(path)
     return out
@@ -239,11 +261,12 @@ def parse_llama_bench(stdout: str) -> tuple[list[float], str]:
     return [float(x) for x in test["samples_ts"]], build
 
 
-def llama_bench(gguf: Path, cache: Path, threads: int, prompt: int, gen: int, reps: int) -> tuple[list[float], str, int]:
+def llama_bench(gguf: Path, cache: Path, threads: int, prompt: int, gen: int, reps: int,
+                isa: str = "native") -> tuple[list[float], str, int]:  # fmt: skip
     """``llama-bench -t threads -p prompt -n gen -r reps`` on ``gguf``: (tokens/s per repetition, the
     build, the process's peak resident bytes, the GGUF mmapped)."""
     args = ["-p", str(prompt), "-n", str(gen), "-r", str(reps)]
-    proc, rss = peak_rss_run([str(llamacpp_bin(cache, "llama-bench")), "-m", str(gguf), "-t", str(threads), "-o", "json",
+    proc, rss = peak_rss_run([str(llamacpp_bin(cache, "llama-bench", isa)), "-m", str(gguf), "-t", str(threads), "-o", "json",
                               *args])  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench {' '.join(args)} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
@@ -251,14 +274,16 @@ def llama_bench(gguf: Path, cache: Path, threads: int, prompt: int, gen: int, re
     return rates, build, rss
 
 
-def run_row(gguf: Path, cache: Path, threads: int, new_tokens: int, reps: int, prompt: int, prompt_reps: int) -> dict:
+def run_row(gguf: Path, cache: Path, threads: int, new_tokens: int, reps: int, prompt: int, prompt_reps: int,
+            isa: str = "native") -> dict:  # fmt: skip
     """One llama.cpp row: the read bandwidth on ``threads`` right before (under the same load), the
     GGUF's bytes, decode ``-p 0 -n new_tokens`` and prompt ``-p prompt -n 0`` (first token = ``prompt`` /
     its rate); tokens/s and first-token seconds per repetition, their median and best, and the peak RSS."""
     bw = read_bandwidth(threads)
     res: dict[str, Any] = dict(model=str(gguf), threads=threads, read_bw_gbs=bw, bytes=gguf_bytes(gguf, cache))
-    decode, res["build"], rss_d = llama_bench(gguf, cache, threads, 0, new_tokens, reps)
-    prefill, _, rss_p = llama_bench(gguf, cache, threads, prompt, 0, prompt_reps)
+    decode, res["build"], rss_d = llama_bench(gguf, cache, threads, 0, new_tokens, reps, isa)
+    prefill, _, rss_p = llama_bench(gguf, cache, threads, prompt, 0, prompt_reps, isa)
+    res["isa"] = isa
     ttft = [prompt / r for r in prefill]
     res.update(peak_rss=max(rss_d, rss_p), decode_tok_s_all=decode, prompt_tok_s_all=prefill,
                decode_tok_s=statistics.median(decode), decode_tok_s_best=max(decode),

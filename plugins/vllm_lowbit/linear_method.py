@@ -52,6 +52,7 @@ from aipc_kernels import packing
 from aipc_kernels.grid_detect import GridWeight, detect_grid, recovered_summary
 from aipc_kernels.output_projection import quantize_output_projection
 from aipc_kernels.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
+from aipc_kernels.planned_ops import plan_cpu_call
 from aipc_kernels.quality_gate import OPT_IN_KEY, SAFE_REL_ERROR, ErrorReport, needs_opt_in, ptq_refusal, relative_error
 from aipc_kernels.quantizers import quantize_rows
 
@@ -134,6 +135,8 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, acti
     layer.lowbit_act_group = act_group
     layer.lowbit_a16 = activations == "float" and w.bits == 4
     layer.lowbit_split_rows = not layer.lowbit_a16 and splits_token_rows(layer, act_group)
+    # on a CPU: the planned op (operands checked here, once; the per-call cost in C++), when built
+    layer.lowbit_cpu_call = plan_cpu_call(packed, act_group, "e0m4" if layer.lowbit_a16 else None)
     layer._already_called_process_weights_after_loading = True
 
 
@@ -142,9 +145,12 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
     """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able);
     ``act_amax``: the op's per-token activation absmax, None for each token's own (a row-parallel layer
     over several ranks with per-token scales takes the whole row's: :func:`splits_token_rows`). A layer
-    installed with float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead."""
+    installed with float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead. On a
+    CPU each runs as its planned form (:mod:`aipc_kernels.planned_ops`), operands checked at install."""
     if act_amax is None and layer.lowbit_split_rows:
         act_amax = whole_row_amax(x)
+    if layer.lowbit_cpu_call is not None:
+        return layer.lowbit_cpu_call(x, layer.qweight, layer.scales, layer.zeros, bias, act_amax)
     if layer.lowbit_a16:
         return torch.ops.aipc.lowbit_linear_a16(
             x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,

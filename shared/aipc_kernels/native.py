@@ -81,6 +81,27 @@ def available() -> bool:
     return library() is not None
 
 
+@lru_cache(maxsize=1)
+def ops_library() -> Optional[ctypes.CDLL]:
+    """The C++ library of the planned CPU ops (``csrc/ops/``: ``aipc::lowbit_linear_cpu`` and
+    ``aipc::lowbit_linear_a16_cpu`` registered with the dispatcher when it loads), bound to the kernel
+    library's entry points; None when either was not built (see setup.py). Loading it is what registers
+    the ops' CPU kernels, so :mod:`aipc_kernels.ops` calls this once after defining their schemas."""
+    lib = library()
+    found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_aipc_ops*.so")))
+    if lib is None or not found:
+        return None
+    ops = ctypes.CDLL(found[0])
+    ops.aipc_ops_bind.restype = ctypes.c_int
+    ops.aipc_ops_bind.argtypes = [ctypes.c_void_p] * 3
+    entry = lambda fn: ctypes.cast(getattr(lib, fn), ctypes.c_void_p)  # noqa: E731
+    version = ops.aipc_ops_bind(entry("aipc_lowbit_linear"), entry("aipc_lowbit_linear_a16"), entry("aipc_status_message"))
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{found[0]}: built against native ABI version {version}, the kernel library has "
+                           f"{ABI_VERSION}; rebuild both (setup.py build_ext --inplace, or reinstall aipc-plugins)")
+    return ops
+
+
 def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:

@@ -125,3 +125,16 @@ def test_pipeline_on_a_tiny_llama(tiny_model, tmp_path):
 
     rates, build, rss = llamacpp.llama_bench(gguf, cache, threads=1, prompt=0, gen=4, reps=2)
     assert len(rates) == 2 and min(rates) > 0 and "backend CPU" in build and rss > 0
+
+
+def test_builds_per_instruction_set(tmp_path):
+    """Each forced instruction set builds into a folder of its own, with GGML_NATIVE off and AVX-512 off,
+    and the hint a user copies says the same; an unknown one is refused naming the choices."""
+    assert llamacpp.build_dir(tmp_path) == tmp_path / "build"
+    assert llamacpp.llamacpp_bin(tmp_path, "llama-bench", "avx2") == tmp_path / "build-avx2" / "bin" / "llama-bench"
+    assert not llamacpp.llamacpp_ready(tmp_path, "avx_vnni")
+    hint = llamacpp.build_hint(tmp_path, "avx_vnni")
+    assert f"-B {tmp_path}/build-avx_vnni -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=ON" in hint
+    assert "-DGGML_AVX_VNNI=OFF" in " ".join(llamacpp.ISA_OPTIONS["avx2"])
+    with pytest.raises(ValueError, match=r"isa='avx512': use one of \['avx2', 'avx_vnni', 'native'\]"):
+        llamacpp.build_dir(tmp_path, "avx512")

@@ -36,8 +36,8 @@ def test_importing_the_pack_imports_no_framework(module):
 
 
 def test_native_library_is_built_and_picks_an_isa():
-    """Both C libraries are built: the kernels (which name the codes native.py checked at load, and hold no
-    measurement probe) and, beside them, the probes only bench/ loads."""
+    """The three native libraries are built: the kernels (which name the codes native.py checked at load, and
+    hold no measurement probe), beside them the probes only bench/ loads, and the planned ops' C++ unit."""
     import ctypes
     from pathlib import Path
 
@@ -50,6 +50,8 @@ def test_native_library_is_built_and_picks_an_isa():
     assert not any(hasattr(native.library(), fn) for fn in ("aipc_stream_read", "aipc_time_stream_read"))
     probes = sorted((Path(native.__file__).parent).glob("_aipc_probes*.so"))
     assert probes, "the probe library _aipc_probes was not built next to _aipc_native"
+    # the planned CPU ops' C++ unit: the venvs install torch before building (scripts/envs.py)
+    assert native.ops_library() is not None, "_aipc_ops was not built: torch was not importable at build time"
     assert hasattr(ctypes.CDLL(str(probes[0])), "aipc_time_vector_calls")
 
 
