@@ -9,7 +9,6 @@ from aipc_kernels.dense_linear import MAX_M, cpu_max_rows, dense_linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
-ISAS = native.supported_isas() if native.available() else []
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_EPS = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 
@@ -19,13 +18,6 @@ def kernel(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
     y = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)
     native.dense_linear_into(y, x.contiguous(), w.contiguous(), bias)
     return y
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(native.best_isa())
 
 
 def _assert_close_to_float64(y, x, w, bias):

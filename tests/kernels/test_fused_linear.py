@@ -11,17 +11,9 @@ from aipc_kernels.fused_linear import fused_linear, fused_linear_reference, rms_
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
-ISAS = native.supported_isas() if native.available() else []
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_EPS = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 EPS = 1e-5
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(native.best_isa())
 
 
 def kernel(x, weights, biases, prologue="none", gamma=None, residual=None, poison=float("nan")):

@@ -11,14 +11,6 @@ from aipc_kernels.quantizers import quantize_rtn, quantize_weight
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
 FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4)
-ISAS = native.supported_isas() if native.available() else []
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(native.best_isa())
 
 
 def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):

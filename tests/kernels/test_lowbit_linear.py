@@ -11,19 +11,6 @@ from aipc_kernels.quantizers import quantize_rtn
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
-# every ISA up to the CPU's best; the fixture skips one the CPU lacks (set_isa refuses it)
-ISAS = [i for i in native.ISAS if native.available() and native.ISAS[i] <= native.ISAS[native.best_isa()]]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    try:
-        native.set_isa(request.param)
-    except ValueError:
-        pytest.skip(f"{request.param} not on this CPU")
-    yield request.param
-    native.set_isa(native.best_isa())
-
 
 def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
     g = torch.Generator().manual_seed(seed)

@@ -13,18 +13,6 @@ from aipc_kernels.quantizers import quantize_rtn
 
 pytestmark = pytest.mark.skipif(not planned_ops.available(), reason="planned CPU ops not built")
 
-ISAS = [i for i in native.ISAS if native.available() and native.ISAS[i] <= native.ISAS[native.best_isa()]]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    try:
-        native.set_isa(request.param)
-    except ValueError:
-        pytest.skip(f"{request.param} not on this CPU")
-    yield request.param
-    native.set_isa(native.best_isa())
-
 
 def _packed(codebook: str, N: int, K: int, group: int, seed: int):
     g = torch.Generator().manual_seed(seed)
