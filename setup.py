@@ -80,16 +80,15 @@ def c_library(name: str, sources: list[str]) -> Extension:
 def torch_ops_library(name: str, sources: list[str]) -> Extension | None:
     """The C++ unit that registers the planned CPU ops with PyTorch's dispatcher through its stable ABI
     (``torch/csrc/stable``, targeting torch 2.13, the oldest this package supports), or None when torch is
-    not importable by this build (pip's build isolation without ``--no-build-isolation``): the plugins then
-    call the general ops (``aipc_kernels.ops``, operands checked in Python per call), and
-    ``native.ops_library()`` is None. It does not link ``_aipc_native``: the loader hands it that library's
-    entry points."""
+    not importable by this build (pip's build isolation without ``--no-build-isolation``): the ops then
+    run a Python kernel over the same C library (``aipc_kernels.ops``), and ``native.ops_library()`` says
+    which. It does not link ``_aipc_native``: the loader hands it that library's entry points."""
     try:
         from torch.utils.cpp_extension import include_paths, library_paths
     except ImportError:
         print("aipc-plugins: torch is not importable by this build, so the planned CPU ops are not built "
-              "(the plugins call the general ops, whose operands are checked in Python on every call); "
-              "build with torch installed and `pip install --no-build-isolation` for them")
+              "(they run a Python kernel, ~20-80 us more per call); build with torch installed and "
+              "`pip install --no-build-isolation` for them")
         return None
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden", "-DTORCH_TARGET_VERSION=0x020d000000000000"]
     return Extension(name, sources=sources, language="c++", include_dirs=[CSRC, *include_paths()],

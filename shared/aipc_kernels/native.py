@@ -86,7 +86,7 @@ def ops_library() -> Optional[ctypes.CDLL]:
     """The C++ library of the planned CPU ops (``csrc/ops/``: ``aipc::lowbit_linear_cpu`` and
     ``aipc::lowbit_linear_a16_cpu`` registered with the dispatcher when it loads), bound to the kernel
     library's entry points; None when either was not built (see setup.py). Loading it is what registers
-    the ops' CPU kernels, so :mod:`aipc_kernels.planned_ops` calls this once after defining their schemas."""
+    the ops' CPU kernels, so :mod:`aipc_kernels.ops` calls this once after defining their schemas."""
     lib = library()
     found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_aipc_ops*.so")))
     if lib is None or not found:

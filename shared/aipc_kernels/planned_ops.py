@@ -67,8 +67,8 @@ class CpuCall:
         """``x @ W^T + bias`` through the planned op, with the tensors of the weight it was planned for
         (``act_amax``: W*A8 only, see ``aipc::lowbit_linear``)."""
         if self.a16:
-            return torch.ops.aipc.lowbit_linear_a16_cpu.default(x, qweight, scales, zeros, bias, *self.args)
-        return torch.ops.aipc.lowbit_linear_cpu.default(x, qweight, scales, zeros, bias, *self.args, act_amax)
+            return torch.ops.aipc.lowbit_linear_a16_cpu(x, qweight, scales, zeros, bias, *self.args)
+        return torch.ops.aipc.lowbit_linear_cpu(x, qweight, scales, zeros, bias, *self.args, act_amax)
 
 
 def plan_cpu_call(weight: PackedLowBit, act_group: int = 0, dequant: Optional[str] = None) -> Optional[CpuCall]:
@@ -87,10 +87,11 @@ def plan_cpu_call(weight: PackedLowBit, act_group: int = 0, dequant: Optional[st
         t is None or t.is_contiguous() for t in (w.qweight, w.scales, w.zeros)
     ):
         return None
+    G = w.group_size if w.group_size > 0 else w.in_features
     zero = 0.0 if plan.per_group_zeros else plan.zero  # the op takes the zero points from zeros when given
     if dequant is not None:
-        return CpuCall(True, (w.group_size, w.out_features, zero, native.DEQUANT_CODES[dequant]))
-    return CpuCall(False, (plan.bits, w.group_size, w.out_features, plan.cmul, zero, act_group))
+        return CpuCall(True, (G, w.out_features, zero, native.DEQUANT_CODES[dequant]))
+    return CpuCall(False, (plan.bits, G, w.out_features, plan.cmul, zero, act_group))
 
 
 native.ops_library()  # loading the C++ unit registers the CPU kernels of the schemas above

@@ -1,6 +1,5 @@
-"""The kernel layer as this venv installed it: the low-bit op, native and under the Triton interpreter, on
-small cases against its float64 reference (the whole kernel suite runs once, in the kernel venv:
-scripts/envs.py). A venv whose
+"""The kernel layer as this venv installed it: one small case per op family against its float64
+reference (the whole kernel suite runs once, in the kernel venv: scripts/envs.py). A venv whose
 build, torch, numpy or triton broke the layer fails here, in seconds."""
 from __future__ import annotations
 
