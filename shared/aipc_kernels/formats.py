@@ -19,7 +19,16 @@ int4      4     {-8, ..., 7} (GPTQ symmetric)        8
 affine4   4     {0, ..., 15} - z (GPTQ/AWQ asym.)    per group, stored (``zeros``)
 int8      8     {-128, ..., 127}                     128 (``c`` is int8 ``w`` XOR 0x80)
 e0m4      4     {0, ..., 15} - z (Transformer-Lite)  per group, stored: an integer in [0, 15]
+min4      4     {0, ..., 15}, plus a min per group   0; ``zeros`` holds the mins m
+min8      8     {-128, ..., 127}, plus a min         128; ``zeros`` holds the mins m
 ========  ====  ==================================  =============================
+
+The min form (``min4``, ``min8``): ``W[n, k] = s[n, g] * (cmul * c[n, k] - z) + m[n, g]`` with a fixed
+``z`` and a stored min ``m`` per group (in the ``zeros`` slot, same shape and dtype as ``scales``). It
+is how GGUF stores Q4_1 / Q5_1 (``w = d * q + m``, fp16 ``d`` and ``m``; the K-quants' ``w = d * sc * q -
+dmin * mn`` too, once scales and mins may be float32): no zero point ``z = -m / s`` reproduces those
+values exactly, a stored min does (:mod:`aipc_kernels.gguf_format` re-lays GGUF blocks out onto it). The
+kernels add ``m * (group sum of the activations)`` to the group's dot product.
 
 ``e0m4`` is Transformer-Lite's FP4 (Li et al.): a group is mapped by a scale and a bias into
 [1, 2), where every value shares sign and exponent and the code is the top 4 fraction bits, so a code
@@ -65,7 +74,7 @@ SCALE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": to
 @dataclass(frozen=True)
 class Codebook:
     """How codes map to values: ``cmul * c - zero`` (``zero`` None: stored per group; ``integer_zero``: the
-    stored zero points are integers within the codes)."""
+    stored zero points are integers within the codes; ``mins``: plus a stored min per group, the min form)."""
 
     name: str
     bits: int
@@ -73,6 +82,12 @@ class Codebook:
     zero: Optional[float]
     max_code: int
     integer_zero: bool = False
+    mins: bool = False
+
+    @property
+    def per_group_tensor(self) -> bool:
+        """Whether a weight stores a second per-group tensor (``zeros``: zero points, or the mins)."""
+        return self.zero is None or self.mins
 
     @property
     def levels(self) -> torch.Tensor:
@@ -93,6 +108,8 @@ CODEBOOKS: dict[str, Codebook] = {
         Codebook("affine4", 4, 1.0, None, 15),
         Codebook("int8", 8, 1.0, 128.0, 255),
         Codebook("e0m4", 4, 1.0, None, 15, integer_zero=True),
+        Codebook("min4", 4, 1.0, 0.0, 15, mins=True),
+        Codebook("min8", 8, 1.0, 128.0, 255, mins=True),
     )
 }
 
@@ -153,11 +170,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 @dataclass
 class LowBitWeight:
-    """A quantized weight in the canonical format. ``zeros`` only for the affine code book."""
+    """A quantized weight in the canonical format. ``zeros`` only for code books with stored zero points
+    (affine) or mins (the min form)."""
 
     qweight: torch.Tensor  # uint8 [N, K*bits/8]
     scales: torch.Tensor  # fp16/bf16 [N, K/G]
-    zeros: Optional[torch.Tensor]  # like scales (affine) or None
+    zeros: Optional[torch.Tensor]  # like scales: zero points (affine) or mins (min form); else None
     codebook: str
     group_size: int  # effective (K for whole-row)
     in_features: int
@@ -194,9 +212,10 @@ class LowBitWeight:
             f"{name}.qweight": ((N, K * cb.bits // 8), torch.uint8),
             f"{name}.scales": ((N, K // G), None),
         }
-        if cb.zero is None:
+        if cb.per_group_tensor:
             if self.zeros is None:
-                raise ValueError(f"{name}.zeros is missing: the affine codebook needs per-group zero points")
+                what = "mins (the min form)" if cb.mins else "zero points"
+                raise ValueError(f"{name}.zeros is missing: codebook {self.codebook!r} needs per-group {what}")
             expect[f"{name}.zeros"] = ((N, K // G), self.scales.dtype)
         elif self.zeros is not None:
             raise ValueError(f"{name}.zeros given for codebook={self.codebook!r}, which has a fixed zero point")
@@ -215,7 +234,7 @@ class LowBitWeight:
                     f"bias 1 + z/16 has no fraction bits below the code's); found {z[(z != z.round()) | (z < 0) | (z > cb.max_code)][:3].tolist()}"
                 )
         if self.scales.dtype not in SCALE_DTYPES.values():
-            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use float16 or bfloat16")
+            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use one of {sorted(SCALE_DTYPES)}")
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes ``[N, K]`` (uint8)."""
@@ -225,14 +244,19 @@ class LowBitWeight:
         """Per-element ``cmul * c - z`` in float32 (the integer grid before scaling)."""
         cb = self.cb
         v = cb.cmul * self.codes().float()
-        z = self.zeros.float() if self.zeros is not None else torch.full_like(self.scales, cb.zero, dtype=torch.float32)
-        return v - z.repeat_interleave(self.group_size, dim=1)
+        if cb.zero is not None:
+            return v - cb.zero
+        return v - self.zeros.float().repeat_interleave(self.group_size, dim=1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[N, K]`` the codes stand for, computed in float32 (float64 if asked)."""
+        """The weight ``[N, K]`` the codes stand for, computed in float32 (float64 if asked): ``s * v``, plus
+        ``m`` in the min form (each a float32 rounding, as ``gguf.quants.dequantize`` computes GGUF blocks)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
         s = self.scales.to(work).repeat_interleave(self.group_size, dim=1)
-        return (s * self.values().to(work)).to(dtype)
+        w = s * self.values().to(work)
+        if self.cb.mins:
+            w = self.zeros.to(work).repeat_interleave(self.group_size, dim=1) + w  # m first: NumPy's NaN sign, as gguf
+        return w.to(dtype)
 
     def nbytes(self) -> int:
         """Bytes of codes, scales and zeros."""
@@ -261,7 +285,7 @@ class LowBitWeight:
         cls, tensors: dict[str, torch.Tensor], prefix: str, codebook: str, group_size: int, in_features: int
     ) -> "LowBitWeight":
         """Rebuilds a weight from :meth:`state_dict` tensors, failing with the missing tensor's name."""
-        for part in ("qweight", "scales") + (("zeros",) if get_codebook(codebook).zero is None else ()):
+        for part in ("qweight", "scales") + (("zeros",) if get_codebook(codebook).per_group_tensor else ()):
             if f"{prefix}.{part}" not in tensors:
                 raise ValueError(f"checkpoint is missing tensor {prefix}.{part}")
         G = in_features if group_size == -1 else group_size

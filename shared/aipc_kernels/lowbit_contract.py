@@ -27,7 +27,8 @@ class OperandPlan:
     bits: int
     cmul: float
     zero: float  # the code book's fixed zero point; NaN when zero points are stored per group (zeros)
-    per_group_zeros: bool
+    per_group_zeros: bool  # zeros holds zero points (affine code books)
+    mins: bool  # zeros holds the min form's per-group mins (``min4``, ``min8``; the zero point stays fixed)
     qweight_shape: tuple[int, ...]
     group_shape: tuple[int, ...]  # scales (and zeros)
     act_span: int  # activation-scale span for the native kernel: act_group, or K for per-token scales
@@ -59,7 +60,7 @@ def operand_plan(layout: str, codebook: str, group_size: int, out_features: int,
         )
     qshape, gshape = packed_shapes(layout, cb.bits, out_features, K, G)
     zero = math.nan if cb.zero is None else float(cb.zero)
-    return OperandPlan(cb.bits, float(cb.cmul), zero, cb.zero is None, qshape, gshape, act_group or K)
+    return OperandPlan(cb.bits, float(cb.cmul), zero, cb.zero is None, cb.mins, qshape, gshape, act_group or K)
 
 
 def check_operands(
@@ -99,11 +100,12 @@ def check_operands(
             f"lowbit_linear: scales of shape {tuple(scales.shape)} and dtype {scales.dtype}: expected {plan.group_shape} "
             f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {tuple(SCALE_DTYPES.values())}"
         )
-    if plan.per_group_zeros:
+    if plan.per_group_zeros or plan.mins:
         if zeros is None or zeros.dtype != scales.dtype or zeros.shape != plan.group_shape:
             got = "None" if zeros is None else f"{zeros.dtype} {tuple(zeros.shape)}"
+            what = "a min per group (the min form)" if plan.mins else "a zero point per group"
             raise ValueError(
-                f"lowbit_linear: zeros is {got}; codebook {codebook!r} stores a zero point per group: expected "
+                f"lowbit_linear: zeros is {got}; codebook {codebook!r} stores {what}: expected "
                 f"{scales.dtype} {plan.group_shape} like scales"
             )
     elif zeros is not None:
@@ -164,6 +166,11 @@ def check_operands_a16(
         raise ValueError(
             f"lowbit_linear_a16: codebook={codebook!r} has {cb.bits}-bit codes; the W4A16 kernels take a 4-bit code "
             f"book ({four}); use lowbit_linear (W*A8) for it"
+        )
+    if cb is not None and cb.mins:
+        raise ValueError(
+            f"lowbit_linear_a16: codebook={codebook!r} is a min form (w = s*c + m, GGUF's Q4_1); the W4A16 kernels "
+            f"do not take it: use lowbit_linear (W*A8)"
         )
     if dequant not in A16_DEQUANTS:
         raise ValueError(f"lowbit_linear_a16: dequant={dequant!r} is unknown; use one of {A16_DEQUANTS}")

@@ -172,7 +172,8 @@ def lowbit_linear_args(
 ) -> array:
     """The argument vector of the C entry point ``aipc_lowbit_linear_v`` for dense operands (x and y with
     their leading dimensions flattened to M rows); pass ``vector.buffer_info()[0]``. ``zero``: the code
-    book's fixed zero point, or NaN when it stores one per group (the C entry then requires ``zeros``).
+    book's fixed zero point, or NaN when it stores one per group (the C entry then requires ``zeros``);
+    ``zeros`` with a finite ``zero``: the min form, ``zeros`` holding the per-group mins.
     ``act_amax``: None, or dense float32 [M] per-token activation absmax values the kernel quantizes x
     with instead of each token's own (``act_group == K``). The caller keeps the tensors alive while the
     kernel runs."""

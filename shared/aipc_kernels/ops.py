@@ -57,7 +57,8 @@ def reference_linear_w8(
     act_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The native kernel's exact math in float64: int8 activations (same rounding; scaled by ``act_amax``
-    when given), integer group dot products, per-group scales and zero correction. Returns float64."""
+    when given), integer group dot products, per-group scales and zero correction (and the min form's
+    min times the group sum). Returns float64."""
     K = x.shape[-1]
     G = weight.group_size
     xq, sx = quantize_activations(x.reshape(-1, K), act_group if act_group > 0 else None, act_amax)
@@ -65,7 +66,10 @@ def reference_linear_w8(
     v = weight.values().double().reshape(weight.out_features, K // G, G)  # cmul*c - z
     xg = xq.double().reshape(-1, K // G, G)
     dots = torch.einsum("mgk,ngk->mng", xg, v)  # exact: small integers times z in float64
-    y = (dots * weight.scales.double().unsqueeze(0) * sx.unsqueeze(1)).sum(-1)
+    terms = dots * weight.scales.double().unsqueeze(0)
+    if weight.cb.mins:  # the min form: + m * (group sum of the int8 activations)
+        terms = terms + xg.sum(-1).unsqueeze(1) * weight.zeros.double().unsqueeze(0)
+    y = (terms * sx.unsqueeze(1)).sum(-1)
     if bias is not None:
         y = y + bias.double()
     return y.reshape(*x.shape[:-1], weight.out_features)

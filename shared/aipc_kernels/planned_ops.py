@@ -9,7 +9,8 @@ zeros, bias, group_size, out_features, zero, dequant)`` compute what the general
 PyTorch's stable ABI (``csrc/ops/lowbit_ops.cpp``), registered when :func:`aipc_kernels.native.ops_library`
 loads; each call still checks what can change per call (x's dtype and K against the weight, densities,
 ``act_amax``); ``zero`` is the code book's fixed zero point, ignored when ``zeros`` holds one per
-group (no NaN constant in a compiled graph). Measured per-call cost: ``bench/gemv_cpu.py`` (``us`` against ``kernel_us``).
+group (no NaN constant in a compiled graph); ``mins=True``: ``zeros`` holds the min form's per-group
+mins (code books ``min4`` / ``min8``, W*A8 only). Measured per-call cost: ``bench/gemv_cpu.py`` (``us`` against ``kernel_us``).
 
 A build without the C++ unit (no torch at build time) has the schemas and fake kernels but no CPU kernel:
 :func:`plan_cpu_call` then returns None and callers use the general ops; so does ``AIPC_PLANNED_OPS=0``
@@ -30,7 +31,8 @@ from .packing import CPU_LAYOUT, PackedLowBit
 _LIB = torch.library.Library("aipc", "FRAGMENT")
 _LIB.define(
     "lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, "
-    "int group_size, int out_features, float cmul, float zero, int act_group, Tensor? act_amax=None) -> Tensor"
+    "int group_size, int out_features, float cmul, float zero, int act_group, Tensor? act_amax=None, "
+    "bool mins=False) -> Tensor"
 )
 _LIB.define(
     "lowbit_linear_a16_cpu(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
@@ -40,7 +42,7 @@ _LIB.define(
 
 @torch.library.register_fake("aipc::lowbit_linear_cpu")
 def _lowbit_linear_cpu_fake(x, qweight, scales, zeros, bias, bits, group_size, out_features, cmul, zero, act_group,
-                            act_amax=None):  # fmt: skip
+                            act_amax=None, mins=False):  # fmt: skip
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -59,8 +61,9 @@ class CpuCall:
     """The scalar arguments of one weight's planned op (after ``x, qweight, scales, zeros, bias``)."""
 
     a16: bool
-    args: tuple  # lowbit_linear_cpu: bits, group_size, out_features, cmul, zero, act_group
+    args: tuple  # lowbit_linear_cpu: bits, group_size, out_features, cmul, zero, act_group (then act_amax, mins)
     #              lowbit_linear_a16_cpu: group_size, out_features, zero, dequant code
+    mins: bool = False  # W*A8: zeros holds the min form's mins
 
     def __call__(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor] = None, act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
@@ -68,7 +71,7 @@ class CpuCall:
         (``act_amax``: W*A8 only, see ``aipc::lowbit_linear``)."""
         if self.a16:
             return torch.ops.aipc.lowbit_linear_a16_cpu(x, qweight, scales, zeros, bias, *self.args)
-        return torch.ops.aipc.lowbit_linear_cpu(x, qweight, scales, zeros, bias, *self.args, act_amax)
+        return torch.ops.aipc.lowbit_linear_cpu(x, qweight, scales, zeros, bias, *self.args, act_amax, self.mins)
 
 
 def plan_cpu_call(weight: PackedLowBit, act_group: int = 0, dequant: Optional[str] = None) -> Optional[CpuCall]:
@@ -91,7 +94,7 @@ def plan_cpu_call(weight: PackedLowBit, act_group: int = 0, dequant: Optional[st
     zero = 0.0 if plan.per_group_zeros else plan.zero  # the op takes the zero points from zeros when given
     if dequant is not None:
         return CpuCall(True, (G, w.out_features, zero, native.DEQUANT_CODES[dequant]))
-    return CpuCall(False, (plan.bits, G, w.out_features, plan.cmul, zero, act_group))
+    return CpuCall(False, (plan.bits, G, w.out_features, plan.cmul, zero, act_group), plan.mins)
 
 
 native.ops_library()  # loading the C++ unit registers the CPU kernels of the schemas above

@@ -1,6 +1,7 @@
 """Weight quantizers to the canonical low-bit format, and the int8 activation quantizer.
 
-* :func:`quantize_rtn` - min-max round-to-nearest (affine) / absmax (fixed code books) / Transformer-Lite's
+* :func:`quantize_rtn` - min-max round-to-nearest (affine, and the min form: the same fit, stored as a
+  min per group) / absmax (fixed code books) / Transformer-Lite's
   mapping for ``e0m4`` (the group's range, widened to hold 0, onto [1, 2): a step of range/16, the bias
   truncated to the code's fraction bits, the top code clamped at 15).
 * :func:`quantize_optimized` - fits scale (and zero) per group by alternating least squares: codes
@@ -42,7 +43,7 @@ def _rtn_params(wg: torch.Tensor, cb: Codebook) -> tuple[torch.Tensor, torch.Ten
         s = (hi - lo) / (cb.max_code + 1)
         z = torch.floor(-lo / torch.where(s > 0, s, torch.ones_like(s))).clamp(0, cb.max_code)
         return s, z
-    if cb.zero is None:  # affine: map [lo, hi] onto [0, max_code]
+    if cb.zero is None or cb.mins:  # affine (the min form too): map [lo, hi] onto [0, max_code]
         # a constant group has no range: scale |lo| and zero -sign(lo) store it exactly with code 0
         s = torch.where(hi > lo, (hi - lo) / cb.max_code, lo.abs())
         z = torch.where(s > 0, -lo / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
@@ -56,12 +57,21 @@ def _rtn_params(wg: torch.Tensor, cb: Codebook) -> tuple[torch.Tensor, torch.Ten
 
 
 def _store(s: torch.Tensor, z: torch.Tensor, cb: Codebook, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rounds scale/zero to their storage dtype (codes are then chosen for the stored values)."""
+    """Rounds scale/zero to their storage dtype (codes are then chosen for the stored values). The min form
+    stores ``m = s * (z0 - z)`` (its fixed zero ``z0``): ``z`` becomes the effective zero of the stored min."""
     s = s.to(dtype).float()
+    if cb.mins:
+        m = _mins(s, z, cb, dtype)
+        return s, torch.where(s > 0, cb.zero - m / torch.where(s > 0, s, torch.ones_like(s)), torch.full_like(s, cb.zero))
     if cb.integer_zero:
         z = torch.round(z).clamp(0, cb.max_code)
     z = z.to(dtype).float() if cb.zero is None else z
     return s, z
+
+
+def _mins(s: torch.Tensor, z: torch.Tensor, cb: Codebook, dtype: torch.dtype) -> torch.Tensor:
+    """The min form's stored min ``m = s * (z0 - z)`` of a group with effective zero point ``z``."""
+    return (s * (cb.zero - z)).to(dtype).float()
 
 
 def _finish(codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, cb: Codebook, G: int, K: int, dtype: torch.dtype) -> LowBitWeight:
@@ -69,7 +79,8 @@ def _finish(codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, cb: Codebook,
     return LowBitWeight(
         pack_codes(codes.reshape(N, K).to(torch.uint8), cb.bits),
         s.squeeze(-1).to(dtype).contiguous(),
-        z.squeeze(-1).to(dtype).contiguous() if cb.zero is None else None,
+        _mins(s, z, cb, dtype).squeeze(-1).to(dtype).contiguous() if cb.mins
+        else z.squeeze(-1).to(dtype).contiguous() if cb.zero is None else None,
         cb.name,
         G,
         K,
@@ -100,7 +111,7 @@ def _lstsq_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares scale (and zero) of ``w ~ s*(v - z)`` for fixed codes (v = cmul*c); groups
     where the fit is degenerate (all codes equal, non-positive scale) keep ``s_prev, z_prev``."""
-    if cb.zero is None:  # w ~ a*v + b with a = s, b = -s*z
+    if cb.zero is None or cb.mins:  # w ~ a*v + b with a = s, b = -s*z
         mv, mw = v.mean(-1, keepdim=True), wg.mean(-1, keepdim=True)
         var = ((v - mv) ** 2).sum(-1, keepdim=True)
         a = ((v - mv) * (wg - mw)).sum(-1, keepdim=True) / var.clamp_min(1e-12)
@@ -131,7 +142,7 @@ def quantize_optimized(
     for ratio in clip_ratios:
         if ratio == 1.0:  # RTN's own parameters (e0m4's zero is not the centred range's)
             s, z = s0, z0
-        elif cb.zero is None:  # shrink the range around its centre
+        elif cb.zero is None or cb.mins:  # shrink the range around its centre
             lo = wg.amin(-1, keepdim=True)
             mid = lo + s0 * cb.max_code / 2
             s = s0 * ratio

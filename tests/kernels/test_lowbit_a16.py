@@ -10,7 +10,7 @@ from aipc_kernels.quantizers import quantize_rtn, quantize_weight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
-FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4)
+FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4 and not cb.mins)  # the min form: W*A8 only
 
 
 def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
@@ -97,6 +97,11 @@ def test_bad_input_is_refused_naming_the_parameter():
         native.lowbit_linear_a16_into(torch.empty(1, 16), torch.randn(1, 128), p.qweight, p.scales, None, None, 48, 8.0, "int")
     with pytest.raises(ValueError, match=r"dequant='fp4' is unknown"):
         native.lowbit_linear_a16_into(torch.empty(1, 16), torch.randn(1, 128), p.qweight, p.scales, None, None, 32, 8.0, "fp4")
+    _, pm = _case(16, 128, "min4", 32, seed=0)  # the min form: the W*A8 kernels only, refused here and in C
+    with pytest.raises(ValueError, match=r"codebook='min4' is a min form.*use lowbit_linear"):
+        ops.lowbit_linear_a16(torch.randn(1, 128), pm)
+    with pytest.raises(RuntimeError, match=r"aipc_lowbit_linear_a16 failed"):
+        native.lowbit_linear_a16_into(torch.empty(1, 16), torch.randn(1, 128), pm.qweight, pm.scales, pm.zeros, None, 32, 0.0, "int")
 
 
 def test_reference_path_and_fake_kernel_under_torch_compile():

@@ -1,5 +1,6 @@
 """lowbit_linear: native CPU kernels (every ISA this CPU has) against float64 references."""
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 from aipc_kernels import native, ops, packing
 from aipc_kernels.formats import CODEBOOKS
 from aipc_kernels.quantizers import quantize_rtn
+
+NAN = math.nan  # the C entry's "zero points stored per group" (affine); a finite zero with zeros is the min form
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
@@ -105,9 +108,9 @@ def test_kernel_errors_name_the_parameter():
     for M in (1, 3):
         y = torch.empty(M, 16)
         with pytest.raises(RuntimeError, match=r"bad group size .*group_size=48"):
-            native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 2, 48, 1.0, 0.0, 128)
+            native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 2, 48, 1.0, NAN, 128)
         with pytest.raises(RuntimeError, match=r"bits must be 1, 2, 4 or 8"):
-            native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 3, 32, 1.0, 0.0, 128)
+            native.lowbit_linear_into(y, torch.randn(M, 128), p.qweight, p.scales, p.zeros, None, 3, 32, 1.0, NAN, 128)
 
 
 def test_isa_override_is_validated():
@@ -177,7 +180,7 @@ def test_native_entry_refuses_strided_buffers():
     _, p = _case(16, 64, "affine", 32, seed=0)
     y = torch.empty(1, 16)
     with pytest.raises(ValueError, match="must be contiguous"):
-        native.lowbit_linear_into(y, torch.randn(1, 64), p.qweight, p.scales.transpose(1, 2).contiguous().transpose(1, 2), p.zeros, None, 2, 32, 1.0, 0.0, 64)
+        native.lowbit_linear_into(y, torch.randn(1, 64), p.qweight, p.scales.transpose(1, 2).contiguous().transpose(1, 2), p.zeros, None, 2, 32, 1.0, NAN, 64)
 
 
 def test_timing_helpers_run_the_kernel_and_report_errors():
@@ -190,13 +193,13 @@ def test_timing_helpers_run_the_kernel_and_report_errors():
     sets = [_case(21, 128, "affine", 32, seed=s) for s in (1, 2)]
     x = torch.randn(1, 128)
     ys = [torch.full((1, 21), float("nan")) for _ in sets]
-    vectors = [native.lowbit_linear_args(y, x, p.qweight, p.scales, p.zeros, None, 2, 32, 1.0, 0.0, 128)
+    vectors = [native.lowbit_linear_args(y, x, p.qweight, p.scales, p.zeros, None, 2, 32, 1.0, NAN, 128)
                for y, (_, p) in zip(ys, sets)]
     t = probes.time_lowbit_linear(vectors, calls=3, min_seconds=0.0)
     assert 0 < t < 1
     for y, (w, p) in zip(ys, sets):
         torch.testing.assert_close(y, ops.lowbit_linear(x, p), rtol=0, atol=0)
-    bad = [native.lowbit_linear_args(ys[0], x, sets[0][1].qweight, sets[0][1].scales, sets[0][1].zeros, None, 2, 48, 1.0, 0.0, 128)]
+    bad = [native.lowbit_linear_args(ys[0], x, sets[0][1].qweight, sets[0][1].scales, sets[0][1].zeros, None, 2, 48, 1.0, NAN, 128)]
     with pytest.raises(RuntimeError, match="bad group size"):
         probes.time_lowbit_linear(bad, calls=1, min_seconds=0.0)
     assert 0 < probes.time_stream_read([torch.ones(4096, dtype=torch.uint8)] * 2, calls=2, min_seconds=0.0) < 1

@@ -62,7 +62,7 @@ def test_dtypes_leading_dims_strides_bias_and_amax(isa, dtype):
     assert planned(x[:, :0], bias).shape == (2, 0, 70)  # no token
 
 
-@pytest.mark.parametrize("codebook", sorted(n for n, c in CODEBOOKS.items() if c.bits == 4))
+@pytest.mark.parametrize("codebook", sorted(n for n, c in CODEBOOKS.items() if c.bits == 4 and not c.mins))
 @pytest.mark.parametrize("dequant", ["e0m4", "int"])
 def test_a16_equals_the_general_op(isa, codebook, dequant):
     _, p = _packed(codebook, 45, 384, 128, seed=9)

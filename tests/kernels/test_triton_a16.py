@@ -20,7 +20,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 a16, tuning = import_kernels("aipc_kernels.triton.lowbit.a16", "aipc_kernels.triton.lowbit.tuning")
 
-FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4)  # affine4, e0m4, int4
+FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4 and not cb.mins)  # affine4, e0m4, int4
 DEQUANTS = ("e0m4", "int")
 # the output dtype's rounding: half an ulp, twice (the interpreter truncates fp32 to bf16: a whole ulp)
 OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2**-7 if not ON_GPU else 2**-8, torch.float16: 2**-11}

@@ -23,6 +23,8 @@ tlin, common, registry, stream, tuning, dequant, cuda_mma, cuda_gemm = import_ke
     "aipc_kernels.triton.lowbit.cuda_mma", "aipc_kernels.triton.lowbit.cuda_gemm",
 )
 
+# the min form (GGUF's Q4_1 / Q5_1) has the dequantization pass only: the GEMV/GEMM kernels refuse it
+TRITON_CODEBOOKS = sorted(name for name, cb in CODEBOOKS.items() if not cb.mins)
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
 GROUP = {"KERNEL": "group", "BLOCK_N": 32, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "WA": 1}
 GROUP_B = dict(GROUP, BLOCK_N=16, BLOCK_M=32, WA=0)
@@ -81,7 +83,7 @@ def test_layout_round_trip(codebook, K, group):
     assert planes * 32 == kc
 
 
-@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("codebook", TRITON_CODEBOOKS)
 @pytest.mark.parametrize(
     "M, N, K, group",
     [(1, 37, 256, 32), (3, 33, 192, -1), (16, 50, 384, 128), (17, 40, 512, 64), (5, 19, 96, 32), (40, 70, 256, -1)],
@@ -655,7 +657,7 @@ def test_small_m_activation_pass_in_slices(codebook):
     _close(y, ops.reference_linear_w8(x, w), 2e-5)
 
 
-@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("codebook", TRITON_CODEBOOKS)
 @pytest.mark.parametrize("group", [64, -1], ids=["g64", "row"])
 @pytest.mark.parametrize("flag", ["AIPC_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"])
 def test_batch_invariant_mode_row_bits_independent_of_m(codebook, group, flag, monkeypatch):
@@ -858,3 +860,13 @@ def test_dequant_path_is_tuned_for_prompts_only_and_never_batch_invariant(monkey
     w, p = _case(40, 256, "int2", 64, seed=1)
     with pytest.raises(ValueError, match="out must be"):
         dequant.dequantize(p, torch.float32, out=torch.empty(40, 255, device=DEVICE))
+
+
+@pytest.mark.parametrize("codebook", sorted(name for name, cb in CODEBOOKS.items() if cb.mins))
+def test_min_form_is_refused_by_the_int8_kernels_naming_the_code_book(codebook):
+    """min4 / min8 (GGUF's Q4_1 / Q5_1 blocks): the dequantization pass takes them (tested above), the
+    W*A8 Triton kernels refuse them before any launch, pointing at the CPU kernels."""
+    _, p = _case(20, 128, codebook, 32, seed=1)
+    with pytest.raises(ValueError, match=rf"codebook='{codebook}' is a min form.*CPU kernels"):
+        tlin.lowbit_linear_triton(torch.randn(1, 128, device=DEVICE), p)
+

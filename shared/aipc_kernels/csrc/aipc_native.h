@@ -80,8 +80,9 @@ AIPC_API int aipc_bf16_dot_products(void);
 /*
  * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt`; scales and zeros use
  * `scale_dt` (AIPC_DT_BF16 or AIPC_DT_F16). Levels are cmul * code - zero point: zero_const for a code
- * book with a fixed zero point (zeros NULL, or ignored), NaN for one with per-group zero points (then
- * zeros is required). act_group: K for per-token activation scales, or the weight group size (or a
+ * book with a fixed zero point (zeros NULL), NaN for one with per-group zero points (then zeros is
+ * required). zeros given with a finite zero_const is the min form: zeros holds a min m per group and
+ * w = s * (cmul * code - zero_const) + m (GGUF's Q4_1 / Q5_1 blocks, exactly). act_group: K for per-token activation scales, or the weight group size (or a
  * multiple of it dividing K) for per-group ones. nthreads: 0 for OpenMP's default. bias may be NULL.
  * act_amax: NULL, or float32 [M] per-token activation absmax values used instead of each token's own
  * (act_group == K only): scale act_amax / 127, codes round(x * 127 / act_amax) clamped to [-127, 127];
@@ -109,7 +110,7 @@ typedef enum {
  * y[M][N] = x[M][K] @ dequant(w)^T + bias with the activations unquantized (float32 accumulation; bf16
  * activations on a CPU with AVX512-BF16 through vdpbf16ps, exact products). w: 4-bit codes (bits must be
  * 4) in the cpu_vnni16 layout; scales, zeros, zero_const, G as aipc_lowbit_linear (zeros may be any
- * float). dequant: an aipc_dequant. nthreads: 0 for OpenMP's default.
+ * float), except the min form (zeros with a finite zero_const), which it refuses (AIPC_ERR_CODEBOOK). dequant: an aipc_dequant. nthreads: 0 for OpenMP's default.
  */
 AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                                     const void *scales, const void *zeros, int scale_dt, int64_t G, float zero_const,

@@ -344,6 +344,7 @@ static int a16_check(const void *x, int dt, int64_t M, int64_t K, const uint8_t 
     if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || (scale_dt != AIPC_DT_BF16 && scale_dt != AIPC_DT_F16)) return AIPC_ERR_DTYPE;
     if (isinf(zero_const)) return AIPC_ERR_CODEBOOK;
     if (isnan(zero_const) && !zeros) return AIPC_ERR_ZEROS;
+    if (zeros && !isnan(zero_const)) return AIPC_ERR_CODEBOOK; /* the min form: W*A8 kernels only */
     if (dequant != AIPC_DEQUANT_E0M4 && dequant != AIPC_DEQUANT_INT) return AIPC_ERR_DEQUANT;
     if (nthreads < 0 || nthreads > AIPC_MAX_THREADS) return AIPC_ERR_THREADS;
     if (M == 0) return AIPC_OK;

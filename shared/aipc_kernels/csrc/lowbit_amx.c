@@ -92,13 +92,17 @@ static inline TAMX void amx_epilogue(const lowbit_args *a, const amx_plan *pl, i
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
     const __m512 s = load16_scales(a->scales, si, a->scale_dt);
     const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
+    const __m512 mn = a->mins ? load16_scales(a->mins, si, a->scale_dt) : _mm512_setzero_ps();
     const __m512 ls = _mm512_set1_ps(pl->level_scale);
     for (int i = 0; i < AMX_M; i++) {
         const int64_t mg = (m0 + i) * ng + g;
         const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N));
         const __m512 u = pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[mg]), d);
         const __m512 sw = a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s;
-        _mm512_store_ps(acc + i * BLOCK_N, _mm512_fmadd_ps(sw, u, _mm512_load_ps(acc + i * BLOCK_N)));
+        __m512 r = _mm512_fmadd_ps(sw, u, _mm512_load_ps(acc + i * BLOCK_N));
+        if (a->mins)
+            r = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn, _mm512_set1_ps(a->zq[mg]), r);
+        _mm512_store_ps(acc + i * BLOCK_N, r);
     }
 }
 

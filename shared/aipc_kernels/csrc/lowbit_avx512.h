@@ -40,12 +40,13 @@ static inline T512 __m512i plane512(__m512i w, int q, int bits) {
     return _mm512_and_si512(q ? _mm512_srli_epi16(w, (unsigned)(q * bits)) : w, mask);
 }
 
-/* The epilogue of group g for MT tokens (see lowbit_args): u = dot - z * zq; acc += s * ws * u. */
+/* The epilogue of group g for MT tokens (see lowbit_args): u = dot - z * zq; acc += s * ws * u (+ m * ws * zq). */
 static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
                                           const __m512i *dot, __m512 *acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
     const __m512 s = load16_scales(a->scales, si, a->scale_dt);
     const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
+    const __m512 mn = a->mins ? load16_scales(a->mins, si, a->scale_dt) : _mm512_setzero_ps();
     for (int i = 0; i < mt; i++) {
         const int64_t mg = (m0 + i) * ng + g;
         const __m512 zz = _mm512_set1_ps(a->zq[mg]);
@@ -53,6 +54,7 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
                              ? _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i], _mm512_cvtps_epi32(_mm512_mul_ps(z, zz))))
                              : _mm512_fnmadd_ps(z, zz, _mm512_cvtepi32_ps(dot[i]));
         acc[i] = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s, u, acc[i]);
+        if (a->mins) acc[i] = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn, zz, acc[i]);
     }
 }
 

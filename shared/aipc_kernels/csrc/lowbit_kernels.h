@@ -26,6 +26,7 @@
 #ifndef AIPC_LOWBIT_KERNELS_H
 #define AIPC_LOWBIT_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "aipc_native.h"
@@ -50,6 +51,7 @@ typedef struct {
     const uint8_t *w;   /* packed codes, [N/16][K/kc][64] */
     const void *scales; /* [N/16][K/G][16] */
     const void *zeros;  /* same layout, or NULL: then zero_const */
+    const void *mins;   /* same layout, or NULL: the min form's per-group mins m (then zeros is NULL) */
     int scale_dt;
     int bits;
     int64_t M, N, K, G;
@@ -60,6 +62,8 @@ typedef struct {
     /* The one epilogue every kernel computes (batch invariance: a row's bits do not depend on M, the
      * tile or the ISA), per token m, output n and group g, in group order, with fused multiply-adds:
      *   u = dot - z * zq[m,g];  acc = fma(s * ws[m,g], u, acc);  y = acc * outs[m] + bias
+     * and in the min form (w = s * (cmul * c - z) + m) one more term after it: acc = fma(m * ws[m,g], zq[m,g], acc)
+     * (zq = group sum of xq when cmul is 1, which the min form requires).
      * zq = (group sum of xq) / cmul is the zero term in code units; ws is the group's activation
      * scale (NULL with one scale per token: 1); outs[m] = cmul times the token's scale (per token) or
      * cmul (per group).
@@ -105,6 +109,11 @@ static inline void store_f(void *p, int64_t i, int dt, float v) {
     case AIPC_DT_F16: ((uint16_t *)p)[i] = f32_to_f16(v); break;
     default: ((float *)p)[i] = v;
     }
+}
+
+/* The min form's term of group g (see lowbit_args), scalar. */
+static inline float min_term(const lowbit_args *a, int64_t si, float w, float zq, float acc) {
+    return a->mins ? fmaf(load_f(a->mins, si, a->scale_dt) * w, zq, acc) : acc;
 }
 
 /* Writes 16 outputs of token m: acc * outs[m] + bias, in the output dtype (portable and 256-bit kernels).

@@ -9,7 +9,8 @@
 
 #include "lowbit_kernels.h"
 
-/* Every check of aipc_lowbit_linear before it touches memory; may set *zero_const to 0 (per-group zeros). */
+/* Every check of aipc_lowbit_linear before it touches memory; may set *zero_const to 0 (per-group zeros).
+ * zeros with a finite zero_const: the min form (zeros are per-group mins). */
 static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                       const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul, float *zero_const,
                       const void *y, int64_t act_group, int nthreads, const float *act_amax) {
@@ -30,6 +31,8 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
     if (isnan(*zero_const)) { /* per-group zero points: the kernels read zeros, never zero_const */
         if (!zeros) return AIPC_ERR_ZEROS;
         *zero_const = 0.f;
+    } else if (zeros && cmul != 1.f) {
+        return AIPC_ERR_CODEBOOK; /* the min form: its term m * zq needs zq = the group sum (cmul 1) */
     }
     if (nthreads < 0 || nthreads > AIPC_MAX_THREADS) return AIPC_ERR_THREADS;
     if (M == 0) return AIPC_OK;
@@ -77,6 +80,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
                                 const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
                                 float zero_const, const void *bias, void *y, int64_t act_group, int nthreads,
                                 const float *act_amax) {
+    const int min_form = zeros && !isnan(zero_const); /* zeros are per-group mins (see aipc_native.h) */
     int status = check_args(x, dt, M, K, w, bits, N, scales, zeros, scale_dt, G, cmul, &zero_const, y, act_group,
                             nthreads, act_amax);
     if (status != AIPC_OK || M == 0) return status;
@@ -118,7 +122,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
                 for (int64_t i = 0; i < T; i++)
                     xt[(t * K4 + kq) * T + i] = t * T + i < M ? rows[(t * T + i) * K4 + kq] : 0;
     }
-    const lowbit_args a = {w, scales, zeros, scale_dt, bits, M, N, K, G, cmul, zero_const, xq,
+    const lowbit_args a = {w, scales, min_form ? NULL : zeros, min_form ? zeros : NULL, scale_dt, bits, M, N, K, G, cmul, zero_const, xq,
                            xt ? xt : (const int32_t *)xq, T, zq, act_group == K ? NULL : sx, outs, bias, y, dt};
 #ifdef AIPC_AMX
     if (use_amx) {

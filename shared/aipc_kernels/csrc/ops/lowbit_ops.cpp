@@ -112,7 +112,7 @@ void raise_status(int status, const char* op, const Checked& c) {
 
 Tensor lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, std::optional<Tensor> zeros,
                          std::optional<Tensor> bias, int64_t bits, int64_t group_size, int64_t out_features,
-                         double cmul, double zero, int64_t act_group, std::optional<Tensor> act_amax) {
+                         double cmul, double zero, int64_t act_group, std::optional<Tensor> act_amax, bool mins) {
     const char* op = "aipc::lowbit_linear_cpu";
     Checked c = check(op, x, qweight, scales, zeros, bits, group_size, out_features);
     const float* amax = nullptr;
@@ -124,7 +124,8 @@ Tensor lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, std::optional<
     }
     Tensor y = output(c, bias, op);
     const int64_t span = act_group > 0 ? act_group : c.K;
-    const float zero_const = zeros.has_value() ? NAN : static_cast<float>(zero);  // NaN: per-group zero points
+    // NaN: zeros are per-group zero points; a finite zero with zeros: the min form (zeros are the mins)
+    const float zero_const = zeros.has_value() && !mins ? NAN : static_cast<float>(zero);
     const int status = g_lowbit(
         c.x.data_ptr(), c.dt, c.M, c.K, static_cast<const uint8_t*>(qweight.data_ptr()), static_cast<int>(bits),
         out_features, scales.data_ptr(), zeros.has_value() ? zeros->data_ptr() : nullptr, c.scale_dt, group_size,

@@ -43,10 +43,11 @@ SPACE = [
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KB, G, n_chunks,
                     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+                    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, MINS: tl.constexpr = False):  # fmt: skip
     """Program (n, c) writes rows [n * BLOCK_N, +BLOCK_N) of ``out [N, K]`` over chunks [c * CHUNKS,
     +CHUNKS): per bit-plane q of a chunk's 32 bytes, ``k = chunk * 32P + 32q + j``, the value
-    ``s[k // G, n] * (CMUL * code - zero)`` in fp32 (``zero``: the stored ``z[k // G, n]`` or ``ZERO``),
+    ``s[k // G, n] * (CMUL * code - zero)`` in fp32 (``zero``: the stored ``z[k // G, n]`` or ``ZERO``;
+    ``MINS``: ``ZERO``, and the stored ``z`` is the min form's min, added after the product),
     rounded to out's dtype; nothing is written past K (the padded codes) or N."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
@@ -66,11 +67,14 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KB, G, n_chunks,
             sg = (k // G)[None, :] * N + offs_n[:, None]
             code = ((wb >> (BITS * q)) & ((1 << BITS) - 1)).to(tl.float32)
             s = tl.load(s_ptr + sg, mask=mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
+            if HAS_ZEROS and not MINS:
                 v = code * CMUL - tl.load(z_ptr + sg, mask=mask, other=0.0).to(tl.float32)
             else:
                 v = code * CMUL - ZERO
-            tl.store(out_ptr + rows * K + k[None, :], round_to(s * v, out_ptr.dtype.element_ty), mask=mask)
+            w = s * v
+            if MINS:
+                w = w + tl.load(z_ptr + sg, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows * K + k[None, :], round_to(w, out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize(weight: PackedLowBit, dtype: torch.dtype, cfg: Optional[dict] = None,
@@ -92,6 +96,7 @@ def dequantize(weight: PackedLowBit, dtype: torch.dtype, cfg: Optional[dict] = N
         weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros, out,
         N, K, KB, weight.group_size, n_chunks, BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0),
         HAS_ZEROS=weight.zeros is not None, BLOCK_N=cfg["BLOCK_N"], CHUNKS=cfg["CHUNKS"], num_warps=cfg["num_warps"],
+        MINS=cb.mins,
     )  # fmt: skip
     return out
 

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from ...formats import get_codebook
 from ...lowbit_contract import check_operands
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from .common import dense_call
@@ -25,6 +26,11 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
         )
     if act_group > 0:
         raise ValueError(f"act_group={act_group}: the Triton kernels quantize activations per token; use act_group=0")
+    if get_codebook(weight.codebook).mins:
+        raise ValueError(
+            f"codebook={weight.codebook!r} is a min form (GGUF's Q4_1 / Q5_1 blocks): the Triton kernels do not take "
+            f"it yet; run it on the CPU kernels (aipc::lowbit_linear with a cpu_vnni16 weight)"
+        )
     if x.dim() and x.shape[-1] != weight.in_features:
         raise ValueError(f"lowbit_linear: weight of in_features={weight.in_features} does not match x's K={x.shape[-1]}")
     check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,

