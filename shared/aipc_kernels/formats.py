@@ -19,15 +19,16 @@ int4      4     {-8, ..., 7} (GPTQ symmetric)        8
 affine4   4     {0, ..., 15} - z (GPTQ/AWQ asym.)    per group, stored (``zeros``)
 int8      8     {-128, ..., 127}                     128 (``c`` is int8 ``w`` XOR 0x80)
 e0m4      4     {0, ..., 15} - z (Transformer-Lite)  per group, stored: an integer in [0, 15]
+min2      2     {0, 1, 2, 3}, plus a min per group  0; ``zeros`` holds the mins m
 min4      4     {0, ..., 15}, plus a min per group   0; ``zeros`` holds the mins m
 min8      8     {-128, ..., 127}, plus a min         128; ``zeros`` holds the mins m
 ========  ====  ==================================  =============================
 
-The min form (``min4``, ``min8``): ``W[n, k] = s[n, g] * (cmul * c[n, k] - z) + m[n, g]`` with a fixed
+The min form (``min2``, ``min4``, ``min8``): ``W[n, k] = s[n, g] * (cmul * c[n, k] - z) + m[n, g]`` with a fixed
 ``z`` and a stored min ``m`` per group (in the ``zeros`` slot, same shape and dtype as ``scales``). It
-is how GGUF stores Q4_1 / Q5_1 (``w = d * q + m``, fp16 ``d`` and ``m``; the K-quants' ``w = d * sc * q -
-dmin * mn`` too, once scales and mins may be float32): no zero point ``z = -m / s`` reproduces those
-values exactly, a stored min does (:mod:`aipc_kernels.gguf_format` re-lays GGUF blocks out onto it). The
+is how GGUF stores Q4_1 / Q5_1 (``w = d * q + m``, fp16 ``d`` and ``m``) and, with float32 scales and
+mins, the K-quants Q2_K / Q4_K / Q5_K (``w = d * sc * q - dmin * mn``): no zero point ``z = -m / s``
+reproduces those values exactly, a stored min does (:mod:`aipc_kernels.gguf_format` re-lays GGUF blocks out onto it). The
 kernels add ``m * (group sum of the activations)`` to the group's dot product.
 
 ``e0m4`` is Transformer-Lite's FP4 (Li et al.): a group is mapped by a scale and a bias into
@@ -67,8 +68,13 @@ import torch
 FORMAT_NAME = "lowbit2"
 FORMAT_VERSION = 1
 GROUP_SIZES = (32, 64, 128)  # or -1: one group per row
+#: group sizes a weight may also have: GGUF's K-quants scale 16-element sub-blocks (codes of 2 bits and more)
+FILE_GROUP_SIZES = (16,) + GROUP_SIZES
 #: storage dtypes of scales (and zeros), by the name configs and checkpoints use
 SCALE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: ... and what a weight may also hold: float32, for GGUF's K-quants (no 16-bit float holds d * sub-block
+#: scale exactly; float32 does). The W*A8 kernels take all three; configs name only SCALE_DTYPES.
+WEIGHT_SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ CODEBOOKS: dict[str, Codebook] = {
         Codebook("affine4", 4, 1.0, None, 15),
         Codebook("int8", 8, 1.0, 128.0, 255),
         Codebook("e0m4", 4, 1.0, None, 15, integer_zero=True),
+        Codebook("min2", 2, 1.0, 0.0, 3, mins=True),
         Codebook("min4", 4, 1.0, 0.0, 15, mins=True),
         Codebook("min8", 8, 1.0, 128.0, 255, mins=True),
     )
@@ -204,7 +211,11 @@ class LowBitWeight:
         """Checks shapes and dtypes; the error names the tensor and what was expected."""
         cb = get_codebook(self.codebook)
         N, K, G = self.qweight.shape[0], self.in_features, self.group_size
-        if G != K:
+        if G == 16 and G != K:  # GGUF's K-quant sub-blocks
+            if K % 32 or cb.bits == 1:
+                raise ValueError(f"{name}: group_size=16 needs codes of 2 bits or more and K a multiple of 32 "
+                                 f"(got {cb.bits}-bit codebook {self.codebook!r}, K={K})")  # fmt: skip
+        elif G != K:
             resolve_group_size(G, K)
         elif K % 32:
             raise ValueError(f"{name}: in_features K={K} must be a multiple of 32 for low-bit packing")
@@ -233,8 +244,8 @@ class LowBitWeight:
                     f"{name}.zeros: codebook {self.codebook!r} stores integer zero points in [0, {cb.max_code}] (its "
                     f"bias 1 + z/16 has no fraction bits below the code's); found {z[(z != z.round()) | (z < 0) | (z > cb.max_code)][:3].tolist()}"
                 )
-        if self.scales.dtype not in SCALE_DTYPES.values():
-            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use one of {sorted(SCALE_DTYPES)}")
+        if self.scales.dtype not in WEIGHT_SCALE_DTYPES:
+            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use one of {WEIGHT_SCALE_DTYPES}")
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes ``[N, K]`` (uint8)."""
@@ -255,7 +266,7 @@ class LowBitWeight:
         s = self.scales.to(work).repeat_interleave(self.group_size, dim=1)
         w = s * self.values().to(work)
         if self.cb.mins:
-            w = self.zeros.to(work).repeat_interleave(self.group_size, dim=1) + w  # m first: NumPy's NaN sign, as gguf
+            w = self.zeros.to(work).repeat_interleave(self.group_size, dim=1) + w  # NaN + NaN keeps gguf's (NumPy's) bits this way
         return w.to(dtype)
 
     def nbytes(self) -> int:

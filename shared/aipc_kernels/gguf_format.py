@@ -6,20 +6,38 @@ A GGUF weight ``W[N, K]`` is stored row by row, each row a run of K-contiguous b
 :class:`~aipc_kernels.formats.LowBitWeight` whose :meth:`~aipc_kernels.formats.LowBitWeight.dequantize`
 is bit-identical to ``gguf.quants.dequantize`` (same float32 operations in the same order):
 
-=======  ==============================  ========  =====  ===========================================
-type     GGUF value (fp16 d, m)          codebook  group  codes c, scales s, zeros
-=======  ==============================  ========  =====  ===========================================
-Q8_0     d * q, q int8                   int8      32     c = q XOR 0x80, s = d
-Q4_0     d * (q - 8), q 0..15            int4      32     c = q, s = d
-Q4_1     d * q + m, q 0..15              min4      32     c = q, s = d, zeros = m
-Q5_0     d * (q - 16), q 0..31           int8      32     c = q + 112, s = d
-Q5_1     d * q + m, q 0..31              min8      32     c = q + 128, s = d, zeros = m
-TQ2_0    d * (q - 1), q 0..2, d per 256  ternary   128    c = q, s = d (each d in its two groups)
-TQ1_0    as TQ2_0, base-3 packed         ternary   128    c = q, s = d (each d in its two groups)
-=======  ==============================  ========  =====  ===========================================
+=======  ==================================  ========  =====  =========================================
+type     GGUF value (fp16 d, m, dmin)        codebook  group  codes c, scales s, zeros
+=======  ==================================  ========  =====  =========================================
+Q8_0     d * q, q int8                       int8      32     c = q XOR 0x80, s = d
+Q4_0     d * (q - 8), q 0..15                int4      32     c = q, s = d
+Q4_1     d * q + m, q 0..15                  min4      32     c = q, s = d, zeros = m
+Q5_0     d * (q - 16), q 0..31               int8      32     c = q + 112, s = d
+Q5_1     d * q + m, q 0..31                  min8      32     c = q + 128, s = d, zeros = m
+TQ2_0    d * (q - 1), q 0..2, d per 256      ternary   128    c = q, s = d (each d in its two groups)
+TQ1_0    as TQ2_0, base-3 packed             ternary   128    c = q, s = d (each d in its two groups)
+Q2_K     (d*sc) * q - (dmin*mn), q 0..3,     min2      16     c = q, s = d*sc, zeros = -(dmin*mn)
+         sc, mn 4-bit per 16
+Q3_K     (d*(sc - 32)) * (q - 4), q 0..7,    int4      16     c = q + 4, s = d*(sc - 32)
+         sc 6-bit per 16, q's bit 2 hmask
+Q4_K     (d*sc) * q - (dmin*mn), q 0..15,    min4      32     c = q, s = d*sc, zeros = -(dmin*mn)
+         sc, mn 6-bit per 32
+Q5_K     as Q4_K, q 0..31                    min8      32     c = q + 128, s = d*sc, zeros = -(dmin*mn)
+Q6_K     (d*sc) * (q - 32), q 0..63,         int8      16     c = q + 96, s = d*sc
+         sc int8 per 16
+=======  ==================================  ========  =====  =========================================
 
-F32 / F16 / BF16 tensors come back as float tensors in the file's dtype. Every other type (the
-K-quants Q2_K..Q6_K, IQ*, ...) is refused naming the tensor and its type. :class:`GGUFCheckpoint`
+The first seven keep the file's fp16 ``d`` (and ``m``) as fp16 scales (and mins). The K-quants (256-element
+super-blocks of 16 or 8 sub-blocks) get float32 scales ``s = float32(d) * sc`` and mins, computed by
+the same float32 multiplication as gguf's (exact: an fp16 times a small integer fits float32), so the
+remaining ``s * (c - z)`` is gguf's own second product. gguf's ``x - dm`` (``dm = dmin * mn``) is stored
+as the min ``-dm`` and computed ``(-dm) + x``: the same IEEE result for every non-NaN operand (signed
+zeros included, as ``-dm`` is a sign flip). NaNs (a corrupt file) keep gguf's bit patterns too: a NaN
+``dm`` is stored unflipped, as gguf's subtraction passes it on unflipped, and where both operands are
+NaN, torch's CPU add passes its second operand's on (``x``'s), as NumPy's subtraction its first.
+
+F32 / F16 / BF16 tensors come back as float tensors in the file's dtype. Every other type (IQ*, Q8_K,
+MXFP4, ...) is refused naming the tensor and its type. :class:`GGUFCheckpoint`
 opens a file (refusing non-GGUF, unsupported versions, truncated files and split GGUFs with errors
 that name the file and the fix) and loads its tensors one at a time from the reader's memory map; it
 never writes anything. :func:`llama_unpermute` and :func:`permute_rows` undo the row order that
@@ -48,10 +66,16 @@ LOWBIT_TYPES: dict[T, tuple[str, int]] = {
     T.Q5_1: ("min8", 32),
     T.TQ2_0: ("ternary", 128),
     T.TQ1_0: ("ternary", 128),
+    T.Q2_K: ("min2", 16),
+    T.Q3_K: ("int4", 16),
+    T.Q4_K: ("min4", 32),
+    T.Q5_K: ("min8", 32),
+    T.Q6_K: ("int8", 16),
 }
 SUPPORTED_TYPES: frozenset[T] = frozenset(LOWBIT_TYPES) | FLOAT_TYPES
-#: the K-quants, planned next (their scales and mins fit the min form once they may be float32)
-K_QUANTS: frozenset[T] = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K})
+#: the K-quants re-laid out: 256-element super-blocks, whose weights get float32 scales (and mins)
+#: ``float32(d) * sub-block scale`` (Q8_K, llama.cpp's activation type, is no weight type: refused)
+K_QUANTS: frozenset[T] = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
 _FLOAT_NP = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.int16}
 #: llama.cpp's shard names: ``<prefix>-00001-of-00003.gguf``
 _SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
@@ -81,11 +105,10 @@ def _gguf_version() -> str:
 
 def unsupported_type_error(name: str, qtype: T) -> ValueError:
     """The refusal of a tensor whose GGML type has no exact re-layout (yet)."""
-    planned = " (K-quants are planned next)" if qtype in K_QUANTS else ""
     return ValueError(
-        f"GGUF tensor {name!r} has type {qtype.name}, which aipc-plugins does not yet support{planned}; supported "
+        f"GGUF tensor {name!r} has type {qtype.name}, which aipc-plugins does not yet support; supported "
         f"types are {_type_names(SUPPORTED_TYPES)}: re-quantize the model to one of them with llama.cpp's "
-        f"`llama-quantize` (e.g. Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0), or serve this file with llama.cpp"
+        f"`llama-quantize` (e.g. Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0), or serve this file with llama.cpp"
     )
 
 
@@ -132,6 +155,11 @@ def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0])
 
 
+def _f32(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block as float32 ``[N, K/block, 1]``, converted as gguf does."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).astype(np.float32)
+
+
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """GGUF's 4-bit layout: byte i of a 32-block holds element i (low) and i + 16 (high)."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
@@ -142,17 +170,23 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
-def _weight(codes: np.ndarray, scales: torch.Tensor, zeros: Optional[torch.Tensor], qtype: T, name: str,
-            groups_per_scale: int = 1) -> LowBitWeight:  # fmt: skip
-    """Codes ``[N, K/block, block]`` and per-block fp16 fields -> the :class:`LowBitWeight`."""
+def _weight(codes: np.ndarray, scales, zeros, qtype: T, name: str, groups_per_scale: int = 1) -> LowBitWeight:
+    """Codes ``[N, K/block, block]`` and per-block fp16 fields (a torch tensor ``[N, K/block]``), or per
+    sub-block float32 scales and mins (numpy ``[N, K/block, block/group]``) -> the :class:`LowBitWeight`."""
     codebook, group = LOWBIT_TYPES[qtype]
     N = codes.shape[0]
     codes_t = torch.from_numpy(np.ascontiguousarray(codes).reshape(N, -1))
     bits = get_codebook(codebook).bits
     qweight = codes_t if bits == 8 else pack_codes(codes_t, bits)
-    if groups_per_scale > 1:
-        scales = scales.repeat_interleave(groups_per_scale, dim=1)
-    return LowBitWeight(qweight, scales.contiguous(), zeros, codebook, group, codes_t.shape[1], name=name)
+
+    def per_group(t):
+        if t is None:
+            return None
+        t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+        t = t.reshape(N, -1)
+        return (t.repeat_interleave(groups_per_scale, dim=1) if groups_per_scale > 1 else t).contiguous()
+
+    return LowBitWeight(qweight, per_group(scales), per_group(zeros), codebook, group, codes_t.shape[1], name=name)
 
 
 def _q8_0(b, name):
@@ -204,8 +238,102 @@ def _tq1_0(b, name):
     return _weight(q, _f16(b, 52), None, T.TQ1_0, name, groups_per_scale=2)
 
 
+# ---------------------------------------------------------------- K-quants (256-element super-blocks)
+#
+# Each decoder takes the blocks ``[N, nb, type_size]`` and returns codes ``[N, nb, 256]`` in element order
+# with float32 scales (and mins) ``[N, nb, 256/group]``. Element ``e`` of a super-block: where gguf's
+# reshapes put it, spelled out below with ``e = 128*h + 32*j + i`` (h < 2, j < 4, i < 32) for the
+# 2-bit fields and ``e = 64*j + 32*t + i`` (j < 4, t < 2) for the nibbles.
+
+_SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+_SHIFT4 = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+_BITS8 = np.arange(8, dtype=np.uint8).reshape(8, 1)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """2-bit fields of 64 bytes: element 128*h + 32*j + i at bits 2j of byte 32*h + i."""
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> _SHIFT2) & np.uint8(3)).reshape(*qs.shape[:-1], 256)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """4-bit fields of 128 bytes: element 64*j + 32*t + i at bits 4t of byte 32*j + i."""
+    return ((qs.reshape(*qs.shape[:-1], 4, 1, 32) >> _SHIFT4) & np.uint8(0x0F)).reshape(*qs.shape[:-1], 256)
+
+
+def _bitplanes(qh: np.ndarray) -> np.ndarray:
+    """1-bit fields of 32 bytes: element 32*j + i at bit j of byte i."""
+    return ((qh.reshape(*qh.shape[:-1], 1, 32) >> _BITS8) & np.uint8(1)).reshape(*qh.shape[:-1], 256)
+
+
+def _scale_min_k4(sm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (llama.cpp's ``get_scale_min_k4``):
+    bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the
+    mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble)."""
+    d, m, md = sm[..., 0:4], sm[..., 4:8], sm[..., 8:12]
+    sc = np.concatenate([d & np.uint8(0x3F), (md & np.uint8(0x0F)) | ((d >> 2) & np.uint8(0x30))], axis=-1)
+    mn = np.concatenate([m & np.uint8(0x3F), (md >> 4) | ((m >> 2) & np.uint8(0x30))], axis=-1)
+    return sc, mn
+
+
+def _mins(dm: np.ndarray) -> np.ndarray:
+    """The stored mins of gguf's ``x - dm``: ``-dm`` (a sign flip: ``(-dm) + x`` is ``x - dm`` bit for bit,
+    signed zeros included), except a NaN ``dm``, kept as it is: the NaN that gguf's subtraction passes
+    on is ``dm``'s own, sign included."""
+    return np.where(np.isnan(dm), dm, -dm)
+
+
+def _q2_k(b, name):
+    # 16 bytes scales (low nibble sc, high nibble mn, per 16), 64 bytes 2-bit q, fp16 d, fp16 dmin
+    sm = b[..., :16]
+    s = _f32(b, 80) * (sm & np.uint8(0x0F)).astype(np.float32)
+    dm = _f32(b, 82) * (sm >> 4).astype(np.float32)
+    return _weight(_crumbs(b[..., 16:80]), s, _mins(dm), T.Q2_K, name)
+
+
+def _q3_k(b, name):
+    # 32 bytes hmask (bit 1: + 4), 64 bytes low 2 bits, 12 bytes 6-bit scales (biased by 32), fp16 d
+    # scales: byte j < 8 holds the low 4 bits of sub-blocks j (low nibble) and j + 8 (high nibble);
+    # byte 8 + j the top 2 bits of sub-blocks j, j + 4, j + 8, j + 12 (bits 0, 2, 4, 6)
+    sm = b[..., 96:108]
+    low = (sm[..., :8].reshape(*sm.shape[:-1], 1, 8) >> _SHIFT4) & np.uint8(0x0F)
+    high = (sm[..., 8:].reshape(*sm.shape[:-1], 1, 4) >> _SHIFT2) & np.uint8(0x03)
+    sc = low.reshape(*sm.shape[:-1], 16) | (high.reshape(*sm.shape[:-1], 16) << np.uint8(4))
+    s = _f32(b, 108) * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)
+    q = _crumbs(b[..., 32:96]) | (_bitplanes(b[..., :32]) << np.uint8(2))  # gguf's q - 4 = c - 8
+    return _weight(q + np.uint8(4), s, None, T.Q3_K, name)
+
+
+def _q4_k(b, name):
+    # fp16 d, fp16 dmin, 12 bytes 6-bit scales and mins, 128 bytes nibbles
+    sc, mn = _scale_min_k4(b[..., 4:16])
+    s = _f32(b, 0) * sc.astype(np.float32)
+    dm = _f32(b, 2) * mn.astype(np.float32)
+    return _weight(_k_nibbles(b[..., 16:144]), s, _mins(dm), T.Q4_K, name)
+
+
+def _q5_k(b, name):
+    # as Q4_K, with 32 bytes of fifth bits (bitplanes) before the 128 bytes of nibbles
+    sc, mn = _scale_min_k4(b[..., 4:16])
+    s = _f32(b, 0) * sc.astype(np.float32)
+    dm = _f32(b, 2) * mn.astype(np.float32)
+    q = _k_nibbles(b[..., 48:176]) | (_bitplanes(b[..., 16:48]) << np.uint8(4))
+    return _weight(q + np.uint8(128), s, _mins(dm), T.Q5_K, name)
+
+
+def _q6_k(b, name):
+    # 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales (per 16), fp16 d.
+    # Element e = 128*h + 64*u + 32*v + i (u, v < 2): low nibble at bits 4u of byte 64*h + 32*v + i,
+    # high bits at bits 2*(2u + v) of byte 32*h + i.
+    lead = b.shape[:-1]
+    ql = (b[..., :128].reshape(*lead, 2, 1, 64) >> _SHIFT4) & np.uint8(0x0F)
+    qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> _SHIFT2) & np.uint8(0x03)
+    q = ql.reshape(*lead, 256) | (qh.reshape(*lead, 256) << np.uint8(4))
+    s = _f32(b, 208) * b[..., 192:208].view(np.int8).astype(np.float32)
+    return _weight(q + np.uint8(96), s, None, T.Q6_K, name)
+
+
 _DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.TQ2_0: _tq2_0,
-             T.TQ1_0: _tq1_0}  # fmt: skip
+             T.TQ1_0: _tq1_0, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}  # fmt: skip
 
 
 def relayout(raw: Union[np.ndarray, torch.Tensor], ggml_type: int, shape: tuple[int, ...],

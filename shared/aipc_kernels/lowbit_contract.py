@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .formats import CODEBOOKS, GROUP_SIZES, SCALE_DTYPES
+from .formats import CODEBOOKS, FILE_GROUP_SIZES, SCALE_DTYPES, WEIGHT_SCALE_DTYPES
 from .packing import LAYOUTS, packed_shapes
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x (and y) dtypes of every path
@@ -48,10 +48,10 @@ def operand_plan(layout: str, codebook: str, group_size: int, out_features: int,
     if K < 32 or K % 32:
         raise ValueError(f"lowbit_linear: x has K={K} features (last dim); low-bit weights need a positive multiple of 32")
     G = group_size
-    if not (G == K or G in GROUP_SIZES) or K % G:
+    if not (G == K or G in FILE_GROUP_SIZES) or K % G or (G == 16 and cb.bits == 1):
         raise ValueError(
-            f"lowbit_linear: group_size={G} must be one of {GROUP_SIZES} dividing x's K={K}, or K itself (one "
-            f"group per row)"
+            f"lowbit_linear: group_size={G} must be one of {FILE_GROUP_SIZES} dividing x's K={K} (16: codes of 2 "
+            f"bits and more), or K itself (one group per row)"
         )
     if act_group < 0 or (act_group and (act_group % G or K % act_group)):
         raise ValueError(
@@ -95,10 +95,10 @@ def check_operands(
             f"K={x.shape[-1]} and out_features={out_features}: expected torch.uint8 {plan.qweight_shape} ({layout}, "
             f"{plan.bits}-bit codebook {codebook!r})"
         )
-    if scales.dtype not in SCALE_DTYPES.values() or scales.shape != plan.group_shape:
+    if scales.dtype not in WEIGHT_SCALE_DTYPES or scales.shape != plan.group_shape:
         raise ValueError(
             f"lowbit_linear: scales of shape {tuple(scales.shape)} and dtype {scales.dtype}: expected {plan.group_shape} "
-            f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {tuple(SCALE_DTYPES.values())}"
+            f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {WEIGHT_SCALE_DTYPES}"
         )
     if plan.per_group_zeros or plan.mins:
         if zeros is None or zeros.dtype != scales.dtype or zeros.shape != plan.group_shape:
@@ -171,6 +171,11 @@ def check_operands_a16(
         raise ValueError(
             f"lowbit_linear_a16: codebook={codebook!r} is a min form (w = s*c + m, GGUF's Q4_1); the W4A16 kernels "
             f"do not take it: use lowbit_linear (W*A8)"
+        )
+    if scales.dtype not in SCALE_DTYPES.values():
+        raise ValueError(
+            f"lowbit_linear_a16: scales have dtype {scales.dtype}; the W4A16 kernels take {tuple(SCALE_DTYPES.values())} "
+            f"(float32 scales: use lowbit_linear, W*A8)"
         )
     if dequant not in A16_DEQUANTS:
         raise ValueError(f"lowbit_linear_a16: dequant={dequant!r} is unknown; use one of {A16_DEQUANTS}")

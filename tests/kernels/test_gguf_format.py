@@ -1,8 +1,9 @@
 """``aipc_kernels.gguf_format`` against the ``gguf`` package's own reference (``gguf.quants``): every
 supported GGML type re-laid out onto the canonical format dequantizes BIT-IDENTICALLY (float32 bit
-patterns, so -0.0 and NaN show) to ``gguf.quants.dequantize``, on gguf-quantized random data and on
-random blocks, odd row counts; the refusals (types, files); the llama q/k row order against
-transformers' own ``reverse_permute_weights``; every supported tensor of two real GGUF files."""
+patterns, so -0.0 and NaN show) to ``gguf.quants.dequantize``, on gguf-quantized random data (the types
+gguf can quantize: not the K-quants) and on random blocks, odd row counts; the refusals (types, files);
+the llama q/k row order against transformers' own ``reverse_permute_weights``; every tensor of two real
+GGUF files (SmolLM2's Q4_1 / Q8_0, Gemma-3's Q4_K / Q6_K / Q5_0 / Q8_0)."""
 from __future__ import annotations
 
 import os
@@ -21,13 +22,35 @@ from aipc_kernels.formats import LowBitWeight
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
-QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.TQ2_0, T.TQ1_0]
+K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+#: the types gguf quantizes itself (gguf.quants has no K-quant quantizer)
+GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.TQ2_0, T.TQ1_0]
+QUANTIZED = GGUF_QUANTIZES + K_QUANTS
 CODEBOOK = {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "min4", T.Q5_0: "int8", T.Q5_1: "min8", T.TQ2_0: "ternary",
-            T.TQ1_0: "ternary"}  # fmt: skip
-#: byte offsets of the fp16 fields of a block: d (and m for the min form)
-FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.TQ2_0: (64,), T.TQ1_0: (52,)}
-#: gguf's integer grid of a block with d = 1, m = 0: code -> value offset
-OFFSET = {T.Q8_0: 0, T.Q4_0: -8, T.Q4_1: 0, T.Q5_0: -16, T.Q5_1: 0, T.TQ2_0: -1, T.TQ1_0: -1}
+            T.TQ1_0: "ternary", T.Q2_K: "min2", T.Q3_K: "int4", T.Q4_K: "min4", T.Q5_K: "min8",
+            T.Q6_K: "int8"}  # fmt: skip
+GROUP = {**{q: 32 for q in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K)}, T.TQ2_0: 128, T.TQ1_0: 128,
+         T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16}  # fmt: skip
+#: byte offsets of the fp16 fields of a block: d (and m for the min form, dmin for the K-quants')
+FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.TQ2_0: (64,), T.TQ1_0: (52,),
+               T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # fmt: skip
+#: gguf's integer grid of a block with d = 1, m = 0 (K-quants: and every sub-block scale 1, min 0): its lowest value
+OFFSET = {T.Q8_0: -128, T.Q4_0: -8, T.Q4_1: 0, T.Q5_0: -16, T.Q5_1: 0, T.TQ2_0: -1, T.TQ1_0: -1,
+          T.Q2_K: 0, T.Q3_K: -4, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: -32}  # fmt: skip
+#: K-quant byte fields (bytes per block: ``(start, stop, byte)``) that set every sub-block scale to 1 and
+#: every min to 0 (UNIT), every code to gguf's integer 1 (ONE) or 0 (ZERO); Q3_K's scales are biased by 32
+#: (33 = 0b10_0001: low nibbles 1, 2-bit high fields 0b10), Q6_K's codes by 32 (33: nibble 1, high 0b10)
+UNIT = {T.Q2_K: [(0, 16, 0x01)], T.Q3_K: [(96, 104, 0x11), (104, 108, 0xAA)],
+        T.Q4_K: [(4, 8, 0x01), (8, 12, 0x00), (12, 16, 0x01)], T.Q5_K: [(4, 8, 0x01), (8, 12, 0x00), (12, 16, 0x01)],
+        T.Q6_K: [(192, 208, 0x01)]}  # fmt: skip
+ONE = {T.Q2_K: [(16, 80, 0x55)], T.Q3_K: [(0, 32, 0xFF), (32, 96, 0x55)], T.Q4_K: [(16, 144, 0x11)],
+       T.Q5_K: [(16, 48, 0x00), (48, 176, 0x11)], T.Q6_K: [(0, 128, 0x11), (128, 192, 0xAA)]}  # fmt: skip
+ZERO = {T.Q2_K: [(16, 80, 0x00)], T.Q3_K: [(0, 32, 0xFF), (32, 96, 0x00)], T.Q4_K: [(16, 144, 0x00)],
+        T.Q5_K: [(16, 176, 0x00)], T.Q6_K: [(0, 128, 0x00), (128, 192, 0xAA)]}  # fmt: skip
+#: the sub-block scales' (and mins') integer ranges
+SUB_SCALES = {T.Q2_K: range(0, 16), T.Q3_K: range(-32, 32), T.Q4_K: range(0, 64), T.Q5_K: range(0, 64),
+              T.Q6_K: range(-128, 128)}  # fmt: skip
+SUB_MINS = {T.Q2_K: range(0, 16), T.Q4_K: range(0, 64), T.Q5_K: range(0, 64)}
 SHAPES = [(17, 256), (33, 768), (1, 512)]
 SMALL_K = [(3, 32), (5, 96)]  # 32-blocks only
 
@@ -45,8 +68,8 @@ def _shapes(qtype):
     return SHAPES + ([] if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else SMALL_K)
 
 
-def _cases():
-    return [pytest.param(q, s, id=f"{q.name}-{s[0]}x{s[1]}") for q in QUANTIZED for s in _shapes(q)]
+def _cases(types=QUANTIZED):
+    return [pytest.param(q, s, id=f"{q.name}-{s[0]}x{s[1]}") for q in types for s in _shapes(q)]
 
 
 def _finite_fp16(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -57,8 +80,9 @@ def _finite_fp16(rng: np.random.Generator, n: int) -> np.ndarray:
     return np.clip(v, -65504, 65504).astype(np.float16)
 
 
-def _random_blocks(qtype, shape, rng, fp16=_finite_fp16) -> np.ndarray:
-    """Random bytes ``[N, row_bytes]`` with the fp16 fields set from ``fp16`` (TQ2_0: no code 3)."""
+def _random_blocks(qtype, shape, rng, fp16=_finite_fp16, fields=()) -> np.ndarray:
+    """Random bytes ``[N, row_bytes]`` with the fp16 fields set from ``fp16`` (TQ2_0: no code 3), then the
+    byte ``fields`` (``(start, stop, byte)`` within each block, as :data:`UNIT`)."""
     n, k = shape
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
@@ -67,7 +91,17 @@ def _random_blocks(qtype, shape, rng, fp16=_finite_fp16) -> np.ndarray:
         qs ^= qs & (qs >> 1) & np.uint8(0x55)
     for at in FP16_FIELDS[qtype]:
         b[..., at:at + 2] = fp16(rng, n * (k // block)).view(np.uint8).reshape(n, k // block, 2)
+    for start, stop, byte in fields:
+        b[..., start:stop] = byte
     return b.reshape(n, -1)
+
+
+def _set_fp16(raw: np.ndarray, qtype, which: int, value: float) -> np.ndarray:
+    """``raw`` with fp16 field ``which`` (0: d, 1: m / dmin) of every block set to ``value``."""
+    at = FP16_FIELDS[qtype][which]
+    b = raw.reshape(raw.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    b[..., at:at + 2] = np.full(b.shape[:2], value, np.float16)[..., None].view(np.uint8)
+    return raw
 
 
 def _reference(raw: np.ndarray, qtype) -> torch.Tensor:
@@ -83,10 +117,10 @@ def _assert_bits(ours: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
 
 def _check(raw, qtype, shape, name="w") -> LowBitWeight:
     w = gf.relayout(raw, qtype, shape, name)
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
     assert isinstance(w, LowBitWeight) and w.name == name and w.shape == shape
-    assert w.codebook == CODEBOOK[qtype] and w.group_size == min(block, 128, shape[1])
-    assert w.scales.dtype == torch.float16
+    assert w.codebook == CODEBOOK[qtype] and w.group_size == gf.LOWBIT_TYPES[qtype][1] == GROUP[qtype]
+    assert w.scales.dtype == (torch.float32 if qtype in K_QUANTS else torch.float16)
+    assert w.zeros is None or w.zeros.dtype == w.scales.dtype
     _assert_bits(w.dequantize(), _reference(raw, qtype), f"{qtype.name} {shape}")
     return w
 
@@ -96,9 +130,11 @@ def _check(raw, qtype, shape, name="w") -> LowBitWeight:
 
 def test_supported_types():
     assert gf.SUPPORTED_TYPES == frozenset(QUANTIZED) | {T.F32, T.F16, T.BF16}
+    assert gf.K_QUANTS == frozenset(K_QUANTS) <= gf.SUPPORTED_TYPES
+    assert {q: gf.LOWBIT_TYPES[q] for q in QUANTIZED} == {q: (CODEBOOK[q], GROUP[q]) for q in QUANTIZED}
 
 
-@pytest.mark.parametrize("qtype, shape", _cases())
+@pytest.mark.parametrize("qtype, shape", _cases(GGUF_QUANTIZES))
 def test_gguf_quantized_data_is_bit_identical(qtype, shape):
     rng = np.random.default_rng(shape[0] * shape[1] + int(qtype))
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 3, (shape[0], 1))).astype(np.float32)
@@ -109,24 +145,46 @@ def test_gguf_quantized_data_is_bit_identical(qtype, shape):
 @pytest.mark.parametrize("qtype, shape", _cases())
 def test_random_blocks_are_bit_identical(qtype, shape):
     """Every code (int8 q = -128 too, which the quantizer never writes) and fp16 d / m from 0 and -0 over
-    subnormals to +-65504: the float32 products (and the min form's ``+ m``) round as gguf's do."""
+    subnormals to +-65504: the float32 products (and the min form's ``+ m``) round as gguf's do. K-quants:
+    every sub-block scale and min too (random bytes; their coverage is checked below), the float32
+    ``d * sc`` then ``* q``, and ``(-dmin*mn) + x`` as gguf's ``x - dmin*mn``."""
     _check(_random_blocks(qtype, shape, np.random.default_rng(7 + int(qtype))), qtype, shape)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf's numpy on inf * 0
 def test_non_finite_scales_are_bit_identical(qtype):
-    """inf / NaN d and m (a corrupt file) give gguf's bit patterns, NaN signs included (the min form adds
-    ``m + s*v`` in that operand order, as NumPy keeps the first operand's NaN)."""
+    """inf / NaN d and m / dmin (a corrupt file: NaNs of both signs, quiet and signalling) give gguf's bit
+    patterns, NaN signs included: the min form adds ``m + s*v``, which keeps the NaN gguf's ``(d*q) + m``
+    keeps (NumPy passes on its first operand's NaN, torch's CPU add its second's); the K-quants' stored
+    min of a NaN ``dmin * mn`` is that NaN unflipped (gguf's ``x - dm`` passes ``dm``'s NaN on as it is)."""
     def fp16(rng, n):
-        return rng.choice(np.array([np.inf, -np.inf, np.nan, 1.5, -0.0], dtype=np.float16), n)
+        bits = np.array([0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0xFD55, 0x3E00, 0x8000], dtype=np.uint16)
+        return rng.choice(bits, n).view(np.float16)
 
-    shape = (4, 512)
+    shape = (8, 1024)
     raw = _random_blocks(qtype, shape, np.random.default_rng(3), fp16)
+    assert _reference(raw, qtype).isnan().any()
     _check(raw, qtype, shape)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q4_K, T.Q5_K], ids=lambda q: q.name)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_k_mins_keep_a_nan_unflipped(qtype):
+    """A NaN ``dmin`` (finite d): gguf's ``x - dm`` is ``dm``'s NaN as it is; mins of plain ``-dm`` would
+    flip its sign, the re-layout's do not."""
+    shape = (4, 512)
+    raw = _set_fp16(_random_blocks(qtype, shape, np.random.default_rng(8)), qtype, 1, np.nan)
+    w = _check(raw, qtype, shape)
+    ref = _reference(raw, qtype)
+    nan = ref.isnan()
+    assert nan.any() and not torch.signbit(ref[nan]).any()
+    flipped = LowBitWeight(w.qweight, w.scales, -w.zeros, w.codebook, w.group_size, w.in_features)
+    got = flipped.dequantize()
+    assert torch.signbit(got[nan]).all() and not torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES, ids=lambda q: q.name)
 def test_codes_and_scales_are_the_gguf_integers_and_d(qtype):
     """With d = 1, m = 0 gguf's values are its integer grid, and ours are the code book's values;
     the scales are the blocks' d, unrounded (ternary: each d in its two 128-groups)."""
@@ -135,7 +193,7 @@ def test_codes_and_scales_are_the_gguf_integers_and_d(qtype):
     raw = _random_blocks(qtype, shape, rng, lambda r, n: np.ones(n, np.float16))
     if len(FP16_FIELDS[qtype]) == 2:  # m = 0
         raw.reshape(shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])[..., 2:4] = 0
-    assert _reference(raw, qtype).min() == OFFSET[qtype] - (128 if qtype == T.Q8_0 else 0)
+    assert _reference(raw, qtype).min() == OFFSET[qtype]
     w = gf.relayout(raw, qtype, shape, "w")
     assert torch.equal(w.values(), _reference(raw, qtype))
     d = _random_blocks(qtype, shape, rng)
@@ -150,16 +208,59 @@ def test_codes_and_scales_are_the_gguf_integers_and_d(qtype):
         assert torch.equal(w.zeros.view(torch.int16), m.view(torch.int16))
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_k_codes_sub_scales_and_mins_are_the_gguf_integers(qtype):
+    """K-quants, 256 super-blocks with random sub-block scales and mins that take every value (checked):
+    with every code at gguf's integer 1, d = 1 and dmin = 0, gguf's values are the sub-block scales, and
+    ours are the stored scales; with codes 0, d = 0 and dmin = 1 they are the mins negated, and so are
+    ours; with random fp16 d they are gguf's float32 ``d * sc`` (some no fp16 holds); with every sub-block
+    scale 1, min 0, gguf's values are its integer grid and ours the code book's values."""
+    shape, rng = (32, 2048), np.random.default_rng(12)
+    G = GROUP[qtype]
+
+    def per_group(raw):
+        return _reference(raw, qtype)[:, ::G]
+
+    raw = _set_fp16(_random_blocks(qtype, shape, rng, fields=ONE[qtype]), qtype, 0, 1.0)
+    if qtype in SUB_MINS:
+        _set_fp16(raw, qtype, 1, 0.0)
+    w = _check(raw, qtype, shape)
+    assert torch.equal(w.scales.view(torch.int32), per_group(raw).view(torch.int32))
+    assert set(w.scales.unique().int().tolist()) == set(SUB_SCALES[qtype])  # every sub-block scale value
+
+    if qtype in SUB_MINS:
+        raw = _set_fp16(_set_fp16(_random_blocks(qtype, shape, rng, fields=ZERO[qtype]), qtype, 0, 0.0), qtype, 1, 1.0)
+        w = _check(raw, qtype, shape)
+        assert torch.equal(w.zeros, per_group(raw))  # -mn (as values: gguf's +0 - +0 is +0, the min -0)
+        assert set((-w.zeros).unique().int().tolist()) == set(SUB_MINS[qtype])  # every min value
+
+    raw = _random_blocks(qtype, shape, rng, fields=ONE[qtype])
+    if qtype in SUB_MINS:
+        _set_fp16(raw, qtype, 1, 0.0)
+    w = _check(raw, qtype, shape)
+    assert torch.equal(w.scales.view(torch.int32), per_group(raw).view(torch.int32))  # float32 d * sc, unrounded
+    assert not torch.equal(w.scales.half().float(), w.scales)  # fp16 scales would not do
+
+    raw = _set_fp16(_random_blocks(qtype, shape, rng, fields=UNIT[qtype]), qtype, 0, 1.0)
+    if qtype in SUB_MINS:
+        _set_fp16(raw, qtype, 1, 0.0)
+    w = _check(raw, qtype, shape)
+    ref = _reference(raw, qtype)
+    assert torch.equal(w.values(), ref) and torch.equal(w.scales, torch.ones_like(w.scales))
+    grid = range(OFFSET[qtype], OFFSET[qtype] + 2 ** {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}[qtype])
+    assert set(ref.unique().int().tolist()) == set(grid)  # every code
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K], ids=lambda q: q.name)
 def test_min_form_rounds_as_gguf(qtype):
-    """gguf computes ``(d * q) + m`` in float32; the min form's ``s * (c - z)`` then ``+ m`` is bit-identical
-    (checked above), while the same values as a zero point (``s * (c - z')``, ``z' = -m / s``) are not:
-    the data here tells the two orders apart."""
+    """gguf computes ``(d * q) + m`` (K-quants: ``(d*sc) * q - dmin*mn``) in float32; the min form's
+    ``s * (c - z)`` then ``+ m`` is bit-identical (checked above), while the same values as a zero point
+    (``s * (c - z')``, ``z' = -m / s``) are not: the data here tells the two orders apart."""
     shape = (16, 1024)
     raw = _random_blocks(qtype, shape, np.random.default_rng(5))
     w = _check(raw, qtype, shape)
-    s = w.scales.float().repeat_interleave(32, 1)
-    m = w.zeros.float().repeat_interleave(32, 1)
+    s = w.scales.float().repeat_interleave(w.group_size, 1)
+    m = w.zeros.float().repeat_interleave(w.group_size, 1)
     nz = s != 0
     zero_point = torch.where(nz, s * (w.values() + (m / s)), m)
     assert not torch.equal(zero_point, _reference(raw, qtype))
@@ -173,8 +274,12 @@ def test_op_on_relaid_blocks_matches_float64(isa, qtype, M):
     tolerance of the kernels' exact math in float64 on those weights, and within the int8 activation
     error of ``x @ dequantize(blocks)^T`` (gguf's own values)."""
     N, K = 37, 512
-    data = np.random.default_rng(int(qtype)).standard_normal((N, K)).astype(np.float32) * 0.05
-    raw = gguf.quants.quantize(data, qtype)
+    rng = np.random.default_rng(int(qtype))
+    if qtype in K_QUANTS:  # gguf cannot quantize them: random blocks, d and dmin for weights up to about 0.1
+        top = {T.Q2_K: 45, T.Q3_K: 128, T.Q4_K: 945, T.Q5_K: 1953, T.Q6_K: 4096}[qtype]  # max |sc * q|
+        raw = _random_blocks(qtype, (N, K), rng, lambda r, n: (r.uniform(0.5, 1.0, n) * 0.1 / top).astype(np.float16))
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, qtype)
     w = gf.relayout(raw, qtype, (N, K), "w")
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
     bias = torch.randn(N)
@@ -208,19 +313,17 @@ def test_torch_raw_input():
 # ---------------------------------------------------------------- refusals of tensors
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q2_K])
-def test_k_quants_refused_as_not_yet_supported(qtype):
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
+@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ2_XXS, T.IQ4_XS, T.Q8_K, T.MXFP4], ids=lambda q: q.name)
+def test_other_types_refused(qtype):
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
     with pytest.raises(ValueError, match=rf"GGUF tensor 'blk\.3\.ffn_up\.weight' has type {qtype.name}, which "
-                                         r"aipc-plugins does not yet support \(K-quants are planned next\); "
-                                         r"supported types are F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16, "
-                                         r"TQ1_0, TQ2_0: .*llama-quantize"):  # fmt: skip
-        gf.relayout(np.zeros((2, size), np.uint8), qtype, (2, 256), "blk.3.ffn_up.weight")
+                                         r"aipc-plugins does not yet support; supported types are F32, F16, Q4_0, "
+                                         r"Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, TQ1_0, "
+                                         r"TQ2_0: re-quantize .*`llama-quantize` \(e\.g\. Q4_K_M"):  # fmt: skip
+        gf.relayout(np.zeros((2, size), np.uint8), qtype, (2, block), "blk.3.ffn_up.weight")
 
 
-def test_other_types_refused():
-    with pytest.raises(ValueError, match=r"'w' has type IQ4_NL, which aipc-plugins does not yet support; supported"):
-        gf.relayout(np.zeros((2, 18), np.uint8), T.IQ4_NL, (2, 32), "w")
+def test_unknown_type_refused():
     with pytest.raises(ValueError, match=r"GGUF tensor 'w': ggml_type=999 is no GGML type known to gguf"):
         gf.relayout(np.zeros((2, 18), np.uint8), 999, (2, 32), "w")
 
@@ -233,6 +336,10 @@ def test_malformed_tensors_refused():
         gf.relayout(raw, T.Q4_0, (2, 2, 64), "w")
     with pytest.raises(ValueError, match=r"'n' \(F32, shape \(5,\)\) needs 20 bytes, got 16"):
         gf.relayout(np.ones(4, np.float32), T.F32, (5,), "n")
+    with pytest.raises(ValueError, match=r"'w' \(Q6_K\): in_features K=128 is not a multiple of the block size 256"):
+        gf.relayout(np.zeros((2, 105), np.uint8), T.Q6_K, (2, 128), "w")
+    with pytest.raises(ValueError, match=r"'w' \(Q4_K, shape \(2, 512\)\) needs 576 bytes, got 288"):
+        gf.relayout(np.zeros((2, 144), np.uint8), T.Q4_K, (2, 512), "w")
     tq2 = gguf.quants.quantize(np.ones((2, 256), np.float32), T.TQ2_0)
     tq2[1, 5] |= 0b1100
     with pytest.raises(ValueError, match=r"'t' \(TQ2_0\) holds the 2-bit code 3"):
@@ -257,12 +364,14 @@ def test_llama_unpermute_matches_transformers(n_rows, n_head):
     assert torch.equal(gf.permute_rows(_hf_to_gguf(w, n_head), perm), w)  # undoes the converter
 
 
-def test_permute_rows_is_exact_and_checked():
-    raw = _random_blocks(T.Q4_1, (12, 64), np.random.default_rng(4))
-    w = gf.relayout(raw, T.Q4_1, (12, 64), "blk.0.attn_q.weight")
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q2_K, T.Q6_K], ids=lambda q: q.name)
+def test_permute_rows_is_exact_and_checked(qtype):
+    raw = _random_blocks(qtype, (12, 256), np.random.default_rng(4))
+    w = gf.relayout(raw, qtype, (12, 256), "blk.0.attn_q.weight")
     perm = gf.llama_unpermute(12, 2)
     p = gf.permute_rows(w, perm)
-    assert isinstance(p, LowBitWeight) and p.name == w.name and p.codebook == "min4"
+    assert isinstance(p, LowBitWeight) and p.name == w.name and p.codebook == CODEBOOK[qtype]
+    assert p.scales.dtype == w.scales.dtype and p.group_size == w.group_size
     assert torch.equal(p.dequantize().view(torch.int32), w.dequantize()[perm].view(torch.int32))
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight: perm must be a 1-D integer permutation of its 12"):
         gf.permute_rows(w, torch.zeros(12, dtype=torch.long))
@@ -293,7 +402,8 @@ def small_file(tmp_path) -> Path:
     tensors = {
         "blk.0.attn_q.weight": (gguf.quants.quantize(x, T.Q5_0), T.Q5_0),
         "blk.0.ffn_up.weight": (gguf.quants.quantize(x, T.TQ1_0), T.TQ1_0),
-        "blk.0.ffn_down.weight": (rng.integers(0, 256, (6, 144), dtype=np.uint8), T.Q4_K),
+        "blk.0.ffn_down.weight": (rng.integers(0, 256, (6, 144), dtype=np.uint8), T.IQ4_NL),
+        "blk.0.ffn_gate.weight": (_random_blocks(T.Q6_K, (6, 256), rng), T.Q6_K),
         "blk.0.attn_norm.weight": (x[0], None),
         "output.weight": (gguf.quants.quantize(x, T.BF16), T.BF16),
     }
@@ -315,13 +425,15 @@ def test_checkpoint_reads_a_file_without_writing(small_file):
     raw = ckpt.raw("blk.0.attn_q.weight")
     assert raw.shape == (6, 176) and raw.dtype == np.uint8
     assert not raw.flags.owndata and not raw.flags.writeable  # a read-only view of the memory map
-    for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.attn_norm.weight", "output.weight"):
+    assert ckpt.tensor_type("blk.0.ffn_gate.weight") == T.Q6_K
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_gate.weight", "blk.0.attn_norm.weight",
+                 "output.weight"):  # fmt: skip
         got = ckpt.load(name)
         got = got.dequantize() if isinstance(got, LowBitWeight) else got.float()
         _assert_bits(got, _reference(ckpt.raw(name), ckpt.tensor_type(name)).reshape(ckpt.tensor_shape(name)), name)
     assert ckpt.load("output.weight").dtype == torch.bfloat16
     with pytest.raises(ValueError, match=rf"GGUF file '{small_file}': GGUF tensor 'blk\.0\.ffn_down\.weight' has "
-                                         r"type Q4_K, which aipc-plugins does not yet support"):  # fmt: skip
+                                         r"type IQ4_NL, which aipc-plugins does not yet support"):  # fmt: skip
         ckpt.load("blk.0.ffn_down.weight")
     with pytest.raises(ValueError, match=r"has no tensor 'nope'"):
         ckpt.load("nope")
@@ -433,21 +545,18 @@ def test_smollm2_q_and_k_rows_match_transformers(smollm2):
         assert torch.equal(ours, torch.from_numpy(theirs)), name
 
 
-def test_gemma3_refuses_k_quants_and_reads_the_rest(gemma3):
-    types = {n: gemma3.tensor_type(n) for n in gemma3.tensor_names()}
-    k_quant = next(n for n, t in types.items() if t == T.Q4_K)
-    with pytest.raises(ValueError, match=rf"gemma-3-270m-q4_k_m\.gguf': GGUF tensor '{k_quant}' has type Q4_K, "
-                                         r"which aipc-plugins does not yet support \(K-quants are planned next\)"):  # fmt: skip
-        gemma3.load(k_quant)
-    checked = {T.Q5_0: 0, T.Q8_0: 0, T.F32: 0}
-    for name, qtype in types.items():
-        if qtype in checked:
-            # the 262144-row embedding: its first and last 4096 rows (rows are independent blocks)
-            big = gemma3.tensor_shape(name)[0] > 65536
-            for rows in ((slice(0, 4096), slice(-4096, None)) if big else (slice(None),)):
-                _assert_tensor_exact(gemma3, name, rows)
-            checked[qtype] += 1
-    assert checked == {T.Q5_0: 81, T.Q8_0: 10, T.F32: 109}
+def test_gemma3_every_tensor_is_bit_identical(gemma3):
+    """Q4_K_M: Q4_K (min4, float32 scales and mins) and Q6_K (int8, group 16) projections, Q5_0, Q8_0
+    (the embedding) and F32, every tensor bit-identical to gguf's."""
+    checked = {T.Q4_K: 0, T.Q6_K: 0, T.Q5_0: 0, T.Q8_0: 0, T.F32: 0}
+    for name in gemma3.tensor_names():
+        qtype = gemma3.tensor_type(name)
+        # the 262144-row embedding: its first and last 4096 rows (rows are independent blocks)
+        big = gemma3.tensor_shape(name)[0] > 65536
+        for rows in ((slice(0, 4096), slice(-4096, None)) if big else (slice(None),)):
+            _assert_tensor_exact(gemma3, name, rows)
+        checked[qtype] += 1
+    assert checked == {T.Q4_K: 27, T.Q6_K: 9, T.Q5_0: 81, T.Q8_0: 10, T.F32: 109}
 
 
 @pytest.mark.skipif(not native.available(), reason="native library not built")
@@ -461,3 +570,19 @@ def test_smollm2_layer_through_the_op(smollm2):
         ref = ops.reference_linear_w8(x, w)
         torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
 
+
+
+@pytest.mark.skipif(not native.available(), reason="native library not built")
+def test_gemma3_k_quant_layers_through_the_op(gemma3):
+    """Real K-quant layers through the op: a Q4_K projection (min4, float32 scales and mins) and a Q6_K
+    one (int8, group 16), against the kernels' exact math in float64 on the file's weights and within
+    the int8 activation error of gguf's own values."""
+    for name, qtype in (("blk.0.attn_output.weight", T.Q4_K), ("blk.0.ffn_down.weight", T.Q6_K)):
+        assert gemma3.tensor_type(name) == qtype
+        w = gemma3.load(name)
+        x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(1))
+        y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
+        ref = ops.reference_linear_w8(x, w)
+        torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+        exact = x.double() @ _reference(gemma3.raw(name), qtype).double().T
+        assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02, name

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aipc_kernels import native, ops, packing
-from aipc_kernels.formats import CODEBOOKS
+from aipc_kernels.formats import CODEBOOKS, LowBitWeight, pack_codes
 from aipc_kernels.quantizers import quantize_rtn
 
 NAN = math.nan  # the C entry's "zero points stored per group" (affine); a finite zero with zeros is the min form
@@ -293,3 +293,36 @@ def test_act_amax_fake_kernel_and_torch_compile():
     eager = ops.lowbit_linear(x, p, act_amax=amax)
     fn = torch.compile(lambda t: ops.lowbit_linear(t, p, act_amax=t.abs().amax(-1) * 2) * 2, fullgraph=True)
     torch.testing.assert_close(fn(x), eager * 2)
+
+
+def _random_weight(N, K, codebook, group, scale_dtype, seed):
+    """Random codes, scales and zeros / mins of ``codebook`` (any group the format allows, 16 included)."""
+    cb = CODEBOOKS[codebook]
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, cb.max_code + 1, (N, K), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(N, K // group, generator=g) * 0.02 + 1e-3).to(scale_dtype)
+    zeros = None
+    if cb.mins:
+        zeros = (torch.randn(N, K // group, generator=g) * 0.05).to(scale_dtype)
+    elif cb.zero is None:
+        zeros = torch.randint(0, cb.max_code + 1, (N, K // group), generator=g).to(scale_dtype)
+    return LowBitWeight(pack_codes(codes, cb.bits), scales, zeros, codebook, group, K)
+
+
+@pytest.mark.parametrize("codebook", sorted(n for n, c in CODEBOOKS.items() if c.bits >= 2))
+@pytest.mark.parametrize("group, scale_dtype", [(16, torch.float32), (16, torch.float16), (32, torch.float32)],
+                         ids=["g16-fp32", "g16-fp16", "g32-fp32"])
+@pytest.mark.parametrize("M", [1, 5, 20])  # decode, a 256-bit / AVX-512 tile, AMX's tiles (16 tokens on)
+def test_gguf_k_quant_groups_and_float32_scales(isa, codebook, group, scale_dtype, M):
+    """GGUF's K-quants: 16-element sub-blocks and float32 scales (d * sub-block scale) on every kernel."""
+    N, K = 37, 256
+    w = _random_weight(N, K, codebook, group, scale_dtype, seed=M + group)
+    x = torch.randn(M, K)
+    bias = torch.randn(N)
+    y = ops.lowbit_linear(x, packing.pack_for_cpu(w), bias)
+    ref = ops.reference_linear_w8(x, w, bias)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    if M == 20:  # and per-group activation scales over 16-element groups
+        y = ops.lowbit_linear(x, packing.pack_for_cpu(w), bias, act_group=group)
+        ref = ops.reference_linear_w8(x, w, bias, act_group=group)
+        torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())

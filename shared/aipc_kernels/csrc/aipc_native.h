@@ -79,7 +79,9 @@ AIPC_API int aipc_bf16_dot_products(void);
 
 /*
  * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt`; scales and zeros use
- * `scale_dt` (AIPC_DT_BF16 or AIPC_DT_F16). Levels are cmul * code - zero point: zero_const for a code
+ * `scale_dt` (AIPC_DT_BF16, AIPC_DT_F16, or AIPC_DT_F32: GGUF's K-quants, whose d * sub-block scale no
+ * 16-bit float holds). G: a multiple of the code's chunk (16 k for 2 bits, 8 for 4, 4 for 8; GGUF's
+ * 16-element sub-blocks included) dividing K. Levels are cmul * code - zero point: zero_const for a code
  * book with a fixed zero point (zeros NULL), NaN for one with per-group zero points (then zeros is
  * required). zeros given with a finite zero_const is the min form: zeros holds a min m per group and
  * w = s * (cmul * code - zero_const) + m (GGUF's Q4_1 / Q5_1 blocks, exactly). act_group: K for per-token activation scales, or the weight group size (or a

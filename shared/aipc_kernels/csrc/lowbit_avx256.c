@@ -14,11 +14,12 @@
 
 #include "prefetch.h"
 
-/* 8 fp16/bf16 scales at p[i..i+7] as float32. */
+/* 8 fp16/bf16/fp32 scales at p[i..i+7] as float32. */
 #define LOAD8_SCALES(p, i, dt)                                                                                \
-    ((dt) == AIPC_DT_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i))))       \
-                    : _mm256_castsi256_ps(_mm256_slli_epi32(                                                  \
-                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i)))), 16)))
+    ((dt) == AIPC_DT_F32   ? _mm256_loadu_ps((const float *)(p) + (i))                                          \
+     : (dt) == AIPC_DT_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i))))     \
+                           : _mm256_castsi256_ps(_mm256_slli_epi32(                                            \
+                                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i)))), 16)))
 
 #define TILE_FN block_avxvnni_tile
 #define BLOCK_FN block_avxvnni

@@ -25,8 +25,9 @@ static inline T512 __m512 half16_to_ps(__m256i h, int dt) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* 16 fp16/bf16 values at p[i..i+15] as float32. */
+/* 16 fp16/bf16/fp32 values at p[i..i+15] as float32. */
 static inline T512 __m512 load16_scales(const void *p, int64_t i, int dt) {
+    if (dt == AIPC_DT_F32) return _mm512_loadu_ps((const float *)p + i);
     return half16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)), dt);
 }
 

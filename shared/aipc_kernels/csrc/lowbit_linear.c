@@ -20,7 +20,7 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return AIPC_ERR_GROUP;
     if ((bits == 8 && G > MAX_G_8BIT) || (bits == 4 && zeros && G > MAX_G_4BIT_ZEROS)) return AIPC_ERR_GROUP;
     if (act_amax && act_group != K) return AIPC_ERR_AMAX;
-    if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || (scale_dt != AIPC_DT_BF16 && scale_dt != AIPC_DT_F16)) return AIPC_ERR_DTYPE;
+    if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || scale_dt < AIPC_DT_F32 || scale_dt > AIPC_DT_F16) return AIPC_ERR_DTYPE;
     if (!(isfinite(cmul) && cmul > 0.f) || isinf(*zero_const)) return AIPC_ERR_CODEBOOK;
     /* 8 bits, and 4 bits with a fixed zero: the integer zero correction (group_u_int) needs cmul 1 and an
      * integer zero point within the codes; 8 bits have no stored zeros */
@@ -88,7 +88,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     const int64_t ng = K / G;
     const int isa = aipc_get_isa();
 #ifdef AIPC_AMX
-    const int use_amx = isa == AIPC_ISA_AMX_INT8 && M >= AMX_MIN_M;
+    const int use_amx = isa == AIPC_ISA_AMX_INT8 && M >= AMX_MIN_M && G >= 32; /* a tile step spans 32 or 64 k */
 #else
     const int use_amx = 0;
 #endif

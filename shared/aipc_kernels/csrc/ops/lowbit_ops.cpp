@@ -60,7 +60,7 @@ void check_dense(const Tensor& t, const char* op, const char* name) {
 }
 
 Checked check(const char* op, const Tensor& x_in, const Tensor& qweight, const Tensor& scales,
-              const std::optional<Tensor>& zeros, int64_t bits, int64_t G, int64_t N) {
+              const std::optional<Tensor>& zeros, int64_t bits, int64_t G, int64_t N, bool a16) {
     STD_TORCH_CHECK(g_lowbit != nullptr, op, ": the native kernel library is not bound (aipc_kernels.native loads it)");
     STD_TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a feature dimension [..., K]");
     const int dt = dtype_code(x_in.scalar_type());
@@ -73,7 +73,8 @@ Checked check(const char* op, const Tensor& x_in, const Tensor& qweight, const T
     check_dense(scales, op, "scales");
     STD_TORCH_CHECK(qweight.scalar_type() == ScalarType::Byte, op, ": qweight must be uint8 (cpu_vnni16 layout)");
     const int scale_dt = dtype_code(scales.scalar_type());
-    STD_TORCH_CHECK(scale_dt == AIPC_DT_BF16 || scale_dt == AIPC_DT_F16, op, ": scales must be float16 or bfloat16");
+    STD_TORCH_CHECK(scale_dt == AIPC_DT_BF16 || scale_dt == AIPC_DT_F16 || (scale_dt == AIPC_DT_F32 && !a16),
+                    op, a16 ? ": scales must be float16 or bfloat16" : ": scales must be float16, bfloat16 or float32");
     // cpu_vnni16: [ceil(N/16), K*bits/32, 16, 4] codes, [ceil(N/16), K/G, 16] scales
     const int64_t padded = (N + kBlockN - 1) / kBlockN * kBlockN;
     STD_TORCH_CHECK(N > 0 && scales.numel() == padded * (K / G) && qweight.numel() == padded * K * bits / 8, op,
@@ -114,7 +115,7 @@ Tensor lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, std::optional<
                          std::optional<Tensor> bias, int64_t bits, int64_t group_size, int64_t out_features,
                          double cmul, double zero, int64_t act_group, std::optional<Tensor> act_amax, bool mins) {
     const char* op = "aipc::lowbit_linear_cpu";
-    Checked c = check(op, x, qweight, scales, zeros, bits, group_size, out_features);
+    Checked c = check(op, x, qweight, scales, zeros, bits, group_size, out_features, false);
     const float* amax = nullptr;
     if (act_amax.has_value()) {
         check_dense(*act_amax, op, "act_amax");
@@ -140,7 +141,7 @@ Tensor lowbit_linear_a16_cpu(Tensor x, Tensor qweight, Tensor scales, std::optio
                              int64_t dequant) {
     const char* op = "aipc::lowbit_linear_a16_cpu";
     STD_TORCH_CHECK(g_a16 != nullptr, op, ": the native kernel library is not bound (aipc_kernels.native loads it)");
-    Checked c = check(op, x, qweight, scales, zeros, 4, group_size, out_features);
+    Checked c = check(op, x, qweight, scales, zeros, 4, group_size, out_features, true);
     Tensor y = output(c, bias, op);
     const int status = g_a16(c.x.data_ptr(), c.dt, c.M, c.K, static_cast<const uint8_t*>(qweight.data_ptr()), 4,
                              out_features, scales.data_ptr(), zeros.has_value() ? zeros->data_ptr() : nullptr,

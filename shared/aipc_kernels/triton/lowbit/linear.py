@@ -26,6 +26,11 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
         )
     if act_group > 0:
         raise ValueError(f"act_group={act_group}: the Triton kernels quantize activations per token; use act_group=0")
+    if weight.group_size == 16 or weight.scales.dtype == torch.float32:
+        raise ValueError(
+            f"group_size={weight.group_size}, scales {weight.scales.dtype}: GGUF K-quant sub-blocks (16 elements, "
+            f"float32 scales) have no Triton kernel yet; run them on the CPU kernels (a cpu_vnni16 weight)"
+        )
     if get_codebook(weight.codebook).mins:
         raise ValueError(
             f"codebook={weight.codebook!r} is a min form (GGUF's Q4_1 / Q5_1 blocks): the Triton kernels do not take "
