@@ -85,8 +85,12 @@ _LIB.define(
 
 
 def _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features) -> torch.Tensor:
-    """The weight-only reference for operands that passed :func:`check_operands`."""
-    w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, x.shape[-1]))
+    """The weight-only reference for operands that passed :func:`check_operands` (which reads no values:
+    what only the values can break, e0m4's integer zero points, the canonical weight checks here)."""
+    try:
+        w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, x.shape[-1]))
+    except ValueError as e:
+        raise ValueError(f"lowbit_linear: zeros do not fit codebook {codebook!r}: {e}") from None
     return reference_linear(x, w, bias)
 
 
