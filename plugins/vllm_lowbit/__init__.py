@@ -1,7 +1,8 @@
 """vllm_lowbit: 2-bit weight quantization (``--quantization lowbit2``), 4-bit weights and GPTQ / AWQ
-checkpoints on the same kernels (``--quantization lowbit4``) and BitNet b1.58 checkpoints
-(``quant_method: bitnet``, served as published) for vLLM, and the model classes vLLM lacks for the
-low-bit checkpoints it serves (``BitNetForCausalLM``).
+checkpoints on the same kernels (``--quantization lowbit4``), BitNet b1.58 checkpoints
+(``quant_method: bitnet``, served as published) and llama.cpp GGUF files (``vllm serve ./X.gguf``,
+:mod:`vllm_lowbit.gguf_cpu`) for vLLM, and the model classes vLLM lacks for the low-bit checkpoints it
+serves (``BitNetForCausalLM``).
 
 Loaded by vLLM through the ``vllm.general_plugins`` entry point (in the API server, the engine core
 and every worker). Importing this package imports neither vLLM nor torch.
@@ -16,14 +17,15 @@ MODELS = {"BitNetForCausalLM": "vllm_lowbit.bitnet_model:BitNetForCausalLM"}
 
 
 def register() -> bool:
-    """vLLM plugin hook: imports ``vllm_lowbit.config``, ``vllm_lowbit.lowbit4`` and ``vllm_lowbit.bitnet``,
-    whose imports register the ``lowbit2``, ``lowbit4`` and ``bitnet`` quantization methods with vLLM
-    (``register_quantization_config``), and registers ``MODELS`` that vLLM does not know with its
-    ``ModelRegistry``; returns True once registered.
+    """vLLM plugin hook: imports ``vllm_lowbit.config``, ``vllm_lowbit.lowbit4``, ``vllm_lowbit.bitnet``
+    and ``vllm_lowbit.gguf_cpu``, whose imports register the ``lowbit2``, ``lowbit4``, ``bitnet`` and
+    ``gguf_cpu`` quantization methods with vLLM (``register_quantization_config``; ``gguf_cpu`` also its
+    model loader and the routing of ``.gguf`` models), and registers ``MODELS`` that vLLM does not know
+    with its ``ModelRegistry``; returns True once registered.
     """
     from aipc_kernels.plugin_hooks import import_integration
 
-    registered = all(import_integration(__name__, m) for m in ("config", "lowbit4", "bitnet"))
+    registered = all(import_integration(__name__, m) for m in ("config", "lowbit4", "bitnet", "gguf_cpu"))
     register_models()
     return registered
 

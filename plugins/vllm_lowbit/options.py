@@ -22,6 +22,10 @@ from aipc_kernels.quantizers import QUANTIZERS
 CONFIG_NAMING = Naming(f"{FORMAT_NAME} quantization_config", "json")
 #: errors about the converter's command-line options
 CLI_NAMING = Naming("python -m vllm_lowbit.quantize", "cli")
+#: the code books a config may name: the min form (min2 / min4 / min8) holds GGUF's blocks, which
+#: vllm_lowbit.gguf_cpu serves from the file as they are
+CONFIG_CODEBOOKS = tuple(sorted(name for name, cb in CODEBOOKS.items() if not cb.mins))
+
 #: errors about convert_checkpoint's keyword arguments
 API_NAMING = Naming("convert_checkpoint", "python")
 
@@ -30,7 +34,7 @@ API_NAMING = Naming("convert_checkpoint", "python")
 class LowBit2Options:
     """How weights are quantized: the options the converter and the server share."""
 
-    codebook: str = option("affine", choices=sorted(CODEBOOKS))
+    codebook: str = option("affine", choices=CONFIG_CODEBOOKS)
     group_size: int = option(64, choices=GROUP_SIZES + (-1,), note="-1: one group per row")
     quantizer: str = option("optimized", choices=QUANTIZERS)
     scale_dtype: str = option("float16", choices=tuple(SCALE_DTYPES))
@@ -57,7 +61,7 @@ class LowBit2Options:
 class LayerFormat:
     """One entry of ``layer_formats``: how a converted checkpoint stores that layer (all keys required)."""
 
-    codebook: str = option(None, choices=sorted(CODEBOOKS))
+    codebook: str = option(None, choices=CONFIG_CODEBOOKS)
     group_size: int = option(None, choices=GROUP_SIZES + (-1,), note="-1: one group per row")
     scale_dtype: str = option(None, choices=tuple(SCALE_DTYPES))
 
@@ -94,7 +98,7 @@ class QuantizationConfigOptions(LowBit2Options):
     def check(self, naming: Naming) -> None:
         super().check(naming)
         if self.activations == "float" and CODEBOOKS[self.codebook].bits != 4:
-            four = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4)
+            four = [name for name in CONFIG_CODEBOOKS if CODEBOOKS[name].bits == 4]
             raise naming.error(
                 "activations", self.activations,
                 f"needs a 4-bit {naming.ref('codebook')} ({four}); {self.codebook!r} has "

@@ -37,14 +37,15 @@ def startup_error(log: Path) -> str | None:
     return None
 
 
-def chat(server, n: int) -> dict:
-    """One streamed OpenAI chat completion (greedy, ``n`` tokens): its text, token ids and prompt ids."""
+def chat(server, n: int, messages: list[dict] = CHAT, ignore_eos: bool = True) -> dict:
+    """One streamed OpenAI chat completion of ``messages`` (greedy, ``n`` tokens, fewer where the model ends
+    its answer and ``ignore_eos`` is off): its text, token ids and prompt ids."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="EMPTY", timeout=120)
     stream = client.chat.completions.create(
-        model=server.model, messages=CHAT, max_tokens=n, temperature=0.0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        model=server.model, messages=messages, max_tokens=n, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": ignore_eos, "return_token_ids": True},
     )  # fmt: skip
     text, ids, prompt_ids = "", [], None
     for chunk in stream:
@@ -52,7 +53,7 @@ def chat(server, n: int) -> dict:
         for choice in chunk.choices:
             text += choice.delta.content or ""
             ids += getattr(choice, "token_ids", None) or []
-    if len(ids) != n or prompt_ids is None:
+    if (ignore_eos and len(ids) != n) or not ids or prompt_ids is None:
         raise RuntimeError(f"the server streamed {len(ids)} token ids of {n} (prompt ids: {prompt_ids is not None})")
     return dict(text=text, ids=ids, prompt_ids=list(prompt_ids))
 

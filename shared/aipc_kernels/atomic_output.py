@@ -79,6 +79,12 @@ def leftover_staging_dirs(dest: str | os.PathLike) -> list[Path]:
                   if p.name.startswith(prefix) and p.name[len(prefix):].isdigit())
 
 
+def abandoned_staging_dirs(dest: str | os.PathLike) -> list[Path]:
+    """Staging directories of ``dest`` whose writing process no longer runs (a cache may remove them and
+    write again; a user's output directory is reported instead, see :func:`atomic_output_dir`)."""
+    return [p for p in leftover_staging_dirs(dest) if _pid_alive(_pid_of(p, PARTIAL_MARK)) is False]
+
+
 def _label(dest: Path, param: str | None) -> str:
     return f"{param}={str(dest)!r}" if param else str(dest)
 

@@ -369,6 +369,26 @@ def permute_rows(w: Union[LowBitWeight, torch.Tensor], perm: torch.Tensor) -> Un
     return LowBitWeight(w.qweight[perm], w.scales[perm], zeros, w.codebook, w.group_size, w.in_features, name=w.name)
 
 
+def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
+    """``w`` (a fixed-zero or min-form code book, e.g. any re-laid-out GGUF type) as ``min8`` with groups
+    of ``group_size`` (dividing ``w``'s) and float32 scales and mins, exactly: the one form that holds
+    every GGUF type, so that tensors of different types can be one merged layer (Q4_K_M's Q4_K q / k
+    with a Q6_K v). Codes ``c`` become ``c - z + 128``; a group's scale and min repeat over its parts.
+    Costs 8-bit codes: use it only where the types differ."""
+    cb = w.cb
+    if cb.zero is None or cb.cmul != 1.0:
+        raise ValueError(f"{w.name}: codebook {w.codebook!r} has no exact min8 form (stored zero points or a level "
+                         f"multiplier); as_min8 takes fixed-zero and min-form code books")  # fmt: skip
+    if w.group_size % group_size:
+        raise ValueError(f"{w.name}: group_size={group_size} must divide the weight's group {w.group_size}")
+    codes = w.codes().to(torch.int16) - int(cb.zero) + 128
+    rep = w.group_size // group_size
+    scales = w.scales.to(torch.float32).repeat_interleave(rep, dim=1)
+    mins = (w.zeros.to(torch.float32) if cb.mins else torch.zeros_like(w.scales, dtype=torch.float32))
+    return LowBitWeight(codes.to(torch.uint8), scales, mins.repeat_interleave(rep, dim=1).contiguous(), "min8",
+                        group_size, w.in_features, name=w.name)  # fmt: skip
+
+
 def llama_unpermute(n_rows: int, n_head: int) -> torch.LongTensor:
     """The row order that undoes llama.cpp's ``convert_hf_to_gguf`` ``LlamaModel.permute`` of a q (``n_head``
     heads) or k (``n_head_kv`` heads) projection with ``n_rows`` output rows: GGUF stores each head's rows
@@ -504,6 +524,6 @@ class GGUFCheckpoint:
 
 
 __all__ = [
-    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "llama_unpermute", "permute_rows",
+    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "llama_unpermute", "permute_rows",
     "relayout", "unsupported_type_error",
 ]  # fmt: skip

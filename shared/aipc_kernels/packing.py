@@ -181,6 +181,47 @@ def to_canonical(p: PackedLowBit) -> LowBitWeight:
     return LowBitWeight(pack_codes(codes, p.bits), unpack_cpu_groups(p.scales, N), zeros, p.codebook, p.group_size, p.in_features)
 
 
+def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``rows`` (integer ids ``[M]``) of the weight ``p`` holds, dequantized: ``[M, in_features]`` with
+    the values of ``to_canonical(p).dequantize()[rows]`` (the same float32 operations), read from the device
+    layout itself, so a token embedding and the tied output projection share one packed tensor. Tensor
+    operations only (traceable by torch.compile)."""
+    cb = get_codebook(p.codebook)
+    bits, K, G = cb.bits, p.in_features, p.group_size
+    rows = rows.reshape(-1).long()
+    mask = (1 << bits) - 1
+    if p.layout == CPU_LAYOUT:
+        planes = _planes(bits)
+        blk, r = rows // BLOCK_N, rows % BLOCK_N
+        q = p.qweight[blk, :, r, :]  # [M, K/kc, 4]: byte kk of a chunk, bit-plane j: k = chunk*4*planes + 4j + kk
+        shifts = torch.arange(planes, dtype=torch.uint8, device=q.device) * bits
+        codes = ((q.unsqueeze(-1) >> shifts) & mask).transpose(-1, -2).reshape(rows.numel(), K)
+        scales = p.scales[blk, :, r]
+        zeros = p.zeros[blk, :, r] if p.zeros is not None else None
+    elif p.layout == TRITON_LAYOUT:
+        codes = unpack_triton_codes(p.qweight[rows], bits, K)
+        scales = p.scales[:, rows].t()
+        zeros = p.zeros[:, rows].t() if p.zeros is not None else None
+    elif p.layout == CANONICAL_LAYOUT:
+        per_byte = 8 // bits
+        shifts = torch.arange(per_byte, dtype=torch.uint8, device=p.qweight.device) * bits
+        codes = ((p.qweight[rows].unsqueeze(-1) >> shifts) & mask).reshape(rows.numel(), K)
+        scales = p.scales[rows]
+        zeros = p.zeros[rows] if p.zeros is not None else None
+    else:
+        raise ValueError(f"layout={p.layout!r} is not known to aipc_kernels.packing; use one of {LAYOUTS}")
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    values = cb.cmul * codes.to(torch.float32)
+    if cb.zero is not None:
+        values = values - cb.zero
+    else:
+        values = values - zeros.to(torch.float32).repeat_interleave(G, dim=1)
+    w = scales.to(work).repeat_interleave(G, dim=1) * values.to(work)
+    if cb.mins:
+        w = w + zeros.to(work).repeat_interleave(G, dim=1)
+    return w.to(dtype)
+
+
 def as_canonical_packed(w: LowBitWeight) -> PackedLowBit:
     """Wraps a canonical weight as a :class:`PackedLowBit` with layout ``canonical`` (reference path)."""
     return PackedLowBit(CANONICAL_LAYOUT, w.qweight, w.scales, w.zeros, w.codebook, w.group_size, w.out_features, w.in_features)
@@ -191,6 +232,7 @@ __all__ = [
     "CPU_LAYOUT",
     "CANONICAL_LAYOUT",
     "LAYOUTS",
+    "dequantize_rows",
     "packed_shapes",
     "PackedLowBit",
     "pack_cpu_codes",

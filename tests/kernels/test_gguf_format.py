@@ -586,3 +586,15 @@ def test_gemma3_k_quant_layers_through_the_op(gemma3):
         torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
         exact = x.double() @ _reference(gemma3.raw(name), qtype).double().T
         assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02, name
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_as_min8_is_exact(qtype):
+    """Every re-laid-out type as min8 with groups of 16 (float32 scales and mins): the same values (zero
+    signs aside: ``0 + s*v``), so a merged layer of two GGUF types is one exact weight."""
+    shape = (9, 512)
+    w = gf.relayout(_random_blocks(qtype, shape, np.random.default_rng(11)), qtype, shape, "w")
+    m = gf.as_min8(w, 16)
+    assert m.codebook == "min8" and m.group_size == 16 and m.scales.dtype == torch.float32
+    a, b = m.dequantize(), w.dequantize()
+    assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())

