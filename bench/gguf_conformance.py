@@ -12,7 +12,7 @@ Per model (``--model``, keys of ``aipc_kernels.registry_models.MODELS``):
   same positions (llama.cpp's own figure and ours), and top-1 agreement with llama.cpp's logits (a
   position whose llama.cpp top two are within its 16-bit step is counted apart as a tie).
 * **Chat.** The chat template's prompt for "What is the capital of France?" (the tokenizer from the
-  file), 16 greedy tokens from vLLM and from ``llama-server`` (``/completion`` with the prompt's token
+  file; a file without a chat template: "The capital of France is" as a completion), 16 greedy tokens from vLLM and from ``llama-server`` (``/completion`` with the prompt's token
   ids): equal prefix, and the top-two margin of vLLM's log-probabilities where they first differ.
 
 Text: ``bench/quality_real.english_text()`` (Python's pydoc topics; nothing downloaded).
@@ -42,6 +42,7 @@ from harness import llamacpp as lc  # noqa: E402
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT_TOKENS = 16
+COMPLETION = "The capital of France is"  # for a file without a chat template
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 
 
@@ -171,9 +172,12 @@ def chat_check(llm, gguf: Path, threads: int, isa: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     tok = llm.get_tokenizer()
-    prompt = list(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True))
-    if isinstance(prompt[0], list):  # a BatchEncoding-like nesting
-        prompt = prompt[0]
+    if tok.chat_template:
+        text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        prompt = list(tok(text, add_special_tokens=False)["input_ids"])  # the template writes BOS where needed
+    else:  # a base model (Gemma-3-270M's file has no chat template): the question as a completion
+        text = COMPLETION
+        prompt = list(tok(text)["input_ids"])
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
                        SamplingParams(max_tokens=CHAT_TOKENS, temperature=0.0, logprobs=2, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]  # fmt: skip
@@ -184,7 +188,7 @@ def chat_check(llm, gguf: Path, threads: int, isa: str) -> dict:
     if same < len(ours):
         lps = sorted((v.logprob for v in out.logprobs[same].values()), reverse=True)
         margin = lps[0] - lps[1] if len(lps) > 1 else None
-    return dict(prompt_tokens=len(prompt), vllm_text=tok.decode(ours), llamacpp_text=tok.decode(theirs), same=same,
+    return dict(prompt=text, prompt_tokens=len(prompt), vllm_text=tok.decode(ours), llamacpp_text=tok.decode(theirs), same=same,
                 n=CHAT_TOKENS, margin_at_first_difference=margin)  # fmt: skip
 
 
