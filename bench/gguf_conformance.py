@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -136,14 +135,10 @@ def float_scores(gguf: Path, wins: list[list[int]], ref: dict) -> dict:
     return score(np.array(top1), np.array(nll), ref)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def llama_server_greedy(gguf: Path, prompt: list[int], n: int, threads: int, isa: str) -> list[int]:
     """``n`` greedy tokens of ``llama-server`` for the token ids ``prompt`` (``/completion``)."""
+    from aipc_kernels.testing.vllm_server import free_port
+
     exe = lc.llamacpp_bin(lc.DEFAULT_CACHE, "llama-server", isa)
     port = free_port()
     cmd = [str(exe), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-c", "2048"]
@@ -193,11 +188,9 @@ def chat_check(llm, gguf: Path, threads: int, isa: str) -> dict:
 
 
 def run_model(name: str, args, tmp: Path) -> dict:
-    import gguf as gguf_pkg
     from vllm import LLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from quality_real import english_text
+    from quality_real import english_text, file_bos
 
     from aipc_kernels.registry_models import MODELS as REG, fetch
 
@@ -210,10 +203,7 @@ def run_model(name: str, args, tmp: Path) -> dict:
     ref = read_logits_file(logits)
     ppl_ref = math.exp(-float(ref["logprob_next"].mean()))  # llama.cpp's own log-probabilities, 16-bit stored
     t_ref = time.perf_counter() - t0
-    fields = gguf_pkg.GGUFReader(str(path)).fields
-    add_bos = fields.get("tokenizer.ggml.add_bos_token")
-    bos = int(fields["tokenizer.ggml.bos_token_id"].contents()) if add_bos is not None and add_bos.contents() else None
-    wins = windows(ref, bos)
+    wins = windows(ref, file_bos(path))
     t0 = time.perf_counter()
     llm = LLM(str(path), max_model_len=max(args.context, 1024), dtype=args.dtype, seed=0, max_num_seqs=4)
     t_load = time.perf_counter() - t0

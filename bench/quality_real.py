@@ -35,16 +35,21 @@ TEXTS = ("english", "code")
 def load(name: str):
     """``(model float32 eval, tokenizer, BOS id or None)`` with an untied output projection; the BOS id
     when the file says a text starts with it (``tokenizer.ggml.add_bos_token``, as llama.cpp reads it)."""
-    import gguf
-
     model, tok = load_transformers(name)
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     if head.weight is emb.weight:
         head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
-    fields = gguf.GGUFReader(str(fetch(name))).fields
+    return model, tok, file_bos(fetch(name))
+
+
+def file_bos(path) -> Optional[int]:
+    """The BOS id when the GGUF file says a text starts with it (``tokenizer.ggml.add_bos_token``, as
+    llama.cpp reads it), else None."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
     add_bos = fields.get("tokenizer.ggml.add_bos_token")
-    bos = int(fields["tokenizer.ggml.bos_token_id"].contents()) if add_bos is not None and add_bos.contents() else None
-    return model, tok, bos
+    return int(fields["tokenizer.ggml.bos_token_id"].contents()) if add_bos is not None and add_bos.contents() else None
 
 
 def english_text() -> str:

@@ -324,11 +324,26 @@ def _check_single_rank(layer: torch.nn.Module) -> None:
                          f"GGUF files are served with tensor_parallel_size=1 for now")  # fmt: skip
 
 
-class GGUFLinearMethod(LinearMethodBase):
-    """A linear layer's GGUF tensors -> exact re-layout -> ``aipc::lowbit_linear`` (float types: vLLM's own)."""
+class _GGUFMethod:
+    """What the linear and the embedding methods share: the config, the float types' vLLM method (set by
+    the subclass), and the multiplication, on the lowbit kernels or through that method."""
+
+    float_method: QuantizeMethodBase
 
     def __init__(self, config: GGUFCPUConfig):
         self.config = config
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if layer.gguf_float:
+            return self.float_method.apply(layer, x, bias)
+        return apply_lowbit(layer, x, bias)
+
+
+class GGUFLinearMethod(_GGUFMethod, LinearMethodBase):
+    """A linear layer's GGUF tensors -> exact re-layout -> ``aipc::lowbit_linear`` (float types: vLLM's own)."""
+
+    def __init__(self, config: GGUFCPUConfig):
+        super().__init__(config)
         self.float_method = UnquantizedLinearMethod()
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -349,20 +364,15 @@ class GGUFLinearMethod(LinearMethodBase):
             return
         install_packed(layer, w, self.config.layer_act_group(w))
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if layer.gguf_float:
-            return self.float_method.apply(layer, x, bias)
-        return apply_lowbit(layer, x, bias)
 
-
-class GGUFEmbeddingMethod(QuantizeMethodBase):
+class GGUFEmbeddingMethod(_GGUFMethod, QuantizeMethodBase):
     """The token embedding (and an untied output projection) from its GGUF tensor, packed once for the
     lowbit kernels: :meth:`embedding` dequantizes only the rows it looks up (exact values), :meth:`apply`
     (the output projection, also when tied: :meth:`tie_weights` hands back the embedding layer itself)
     multiplies the same packed tensor. Float tables: vLLM's unquantized embedding."""
 
     def __init__(self, config: GGUFCPUConfig):
-        self.config = config
+        super().__init__(config)
         self.float_method = UnquantizedEmbeddingMethod()
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -393,11 +403,6 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
                               layer.lowbit_group_size, layer.lowbit_out_features, layer.embedding_dim)  # fmt: skip
         rows = dequantize_rows(packed, input_, layer.gguf_params_dtype)
         return rows.reshape(*input_.shape, layer.embedding_dim)
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if layer.gguf_float:
-            return self.float_method.apply(layer, x, bias)
-        return apply_lowbit(layer, x, bias)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: VocabParallelEmbedding):
         return embed_tokens  # one packed tensor: the lookup reads its rows, the projection multiplies it

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from demo_parts.common import Refused, report, same_prefix
-from demo_parts.lowbit_serve import chat, server_timings, startup_error
+from demo_parts.lowbit_serve import chat, server_timings, wait_or_refuse
 
 MODEL = "smollm2-135m-instruct"  # aipc_kernels.registry_models key
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,13 +46,7 @@ def main(model: Path | None, new_tokens: int) -> str:
         log = Path(tmp) / "vllm-serve.log"
         with VllmServer(gguf, SERVE_ARGS, log) as server:
             print("$ " + " ".join(server.cmd), flush=True)
-            try:
-                server.wait_ready(START_TIMEOUT_S)
-            except RuntimeError:
-                err = startup_error(log)
-                if err is None or server.proc.poll() is None:
-                    raise
-                raise Refused(f"vllm serve exited before it was ready: {err}") from None
+            wait_or_refuse(server, log, START_TIMEOUT_S)
             print(f"server ready on {server.url} in {server.start_s:.1f} s (native kernel ISA: {native.get_isa()})", flush=True)
             got = chat(server, new_tokens, QUESTION, ignore_eos=False)
             ttft, decode_s = server_timings(server)

@@ -37,6 +37,20 @@ def startup_error(log: Path) -> str | None:
     return None
 
 
+def wait_or_refuse(server, log: Path, timeout: float) -> None:
+    """Waits for ``server``; a server that exited with an error before it was ready is a :class:`Refused`
+    naming the root cause (its log kept in a temporary folder)."""
+    try:
+        server.wait_ready(timeout)
+    except RuntimeError:
+        err = startup_error(log)
+        if err is None or server.proc.poll() is None:
+            raise
+        kept = Path(tempfile.mkdtemp(prefix="aipc-demo-vllm-log-")) / log.name
+        kept.write_bytes(log.read_bytes())
+        raise Refused(f"vllm serve exited before it was ready: {err} (log: {kept})") from None
+
+
 def chat(server, n: int, messages: list[dict] = CHAT, ignore_eos: bool = True) -> dict:
     """One streamed OpenAI chat completion of ``messages`` (greedy, ``n`` tokens, fewer where the model ends
     its answer and ``ignore_eos`` is off): its text, token ids and prompt ids."""
@@ -109,15 +123,7 @@ def main(args, model_dir: Path) -> str:
                 print("(the embedded model's weights are random: 2-bit post-training quantization is served with the "
                       "opt-in allow_2bit_ptq, which a real trained model should not get: bench/results/quality.md)",
                       flush=True)  # fmt: skip
-            try:
-                server.wait_ready(start_timeout)
-            except RuntimeError:
-                err = startup_error(log)
-                if err is None or server.proc.poll() is None:
-                    raise
-                kept = Path(tempfile.mkdtemp(prefix="aipc-demo-vllm-log-")) / log.name
-                kept.write_bytes(log.read_bytes())
-                raise Refused(f"vllm serve exited before it was ready: {err} (log: {kept})") from None
+            wait_or_refuse(server, log, start_timeout)
             print(f"server ready on {server.url} in {server.start_s:.1f} s (native kernel ISA: {native.get_isa()})", flush=True)
             got = chat(server, args.new_tokens)
             ttft, decode_s = server_timings(server)

@@ -175,6 +175,30 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
+def grid_values(codes: torch.Tensor, zeros: Optional[torch.Tensor], codebook: str, group_size: int) -> torch.Tensor:
+    """Per-element ``cmul * c - z`` in float32 of unpacked codes ``[..., K]`` (``zeros``: ``[..., K/G]``,
+    read where the code book stores zero points)."""
+    cb = get_codebook(codebook)
+    v = cb.cmul * codes.float()
+    if cb.zero is not None:
+        return v - cb.zero
+    return v - zeros.float().repeat_interleave(group_size, dim=-1)
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], codebook: str,
+                     group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """The weight values of unpacked codes ``[..., K]`` with per-group ``scales`` / ``zeros`` ``[..., K/G]``,
+    computed in float32 (float64 if asked): ``s * v``, plus ``m`` in the min form (each a float32 rounding,
+    as ``gguf.quants.dequantize`` computes GGUF blocks). The one place of this arithmetic: its order
+    decides the bits that :mod:`aipc_kernels.gguf_format` promises."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    s = scales.to(work).repeat_interleave(group_size, dim=-1)
+    w = s * grid_values(codes, zeros, codebook, group_size).to(work)
+    if get_codebook(codebook).mins:
+        w = zeros.to(work).repeat_interleave(group_size, dim=-1) + w  # NaN + NaN keeps gguf's (NumPy's) bits this way
+    return w.to(dtype)
+
+
 @dataclass
 class LowBitWeight:
     """A quantized weight in the canonical format. ``zeros`` only for code books with stored zero points
@@ -253,21 +277,11 @@ class LowBitWeight:
 
     def values(self) -> torch.Tensor:
         """Per-element ``cmul * c - z`` in float32 (the integer grid before scaling)."""
-        cb = self.cb
-        v = cb.cmul * self.codes().float()
-        if cb.zero is not None:
-            return v - cb.zero
-        return v - self.zeros.float().repeat_interleave(self.group_size, dim=1)
+        return grid_values(self.codes(), self.zeros, self.codebook, self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[N, K]`` the codes stand for, computed in float32 (float64 if asked): ``s * v``, plus
-        ``m`` in the min form (each a float32 rounding, as ``gguf.quants.dequantize`` computes GGUF blocks)."""
-        work = torch.float64 if dtype == torch.float64 else torch.float32
-        s = self.scales.to(work).repeat_interleave(self.group_size, dim=1)
-        w = s * self.values().to(work)
-        if self.cb.mins:
-            w = self.zeros.to(work).repeat_interleave(self.group_size, dim=1) + w  # NaN + NaN keeps gguf's (NumPy's) bits this way
-        return w.to(dtype)
+        """The weight ``[N, K]`` the codes stand for (:func:`dequantize_codes`)."""
+        return dequantize_codes(self.codes(), self.scales, self.zeros, self.codebook, self.group_size, dtype)
 
     def nbytes(self) -> int:
         """Bytes of codes, scales and zeros."""

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .formats import LowBitWeight, get_codebook, pack_codes
+from .formats import LowBitWeight, dequantize_codes, get_codebook, pack_codes, unpack_codes
 
 BLOCK_N = 16
 CPU_LAYOUT = "cpu_vnni16"
@@ -189,9 +189,8 @@ def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = to
     cb = get_codebook(p.codebook)
     bits, K, G = cb.bits, p.in_features, p.group_size
     rows = rows.reshape(-1).long()
-    mask = (1 << bits) - 1
     if p.layout == CPU_LAYOUT:
-        planes = _planes(bits)
+        planes, mask = _planes(bits), (1 << bits) - 1
         blk, r = rows // BLOCK_N, rows % BLOCK_N
         q = p.qweight[blk, :, r, :]  # [M, K/kc, 4]: byte kk of a chunk, bit-plane j: k = chunk*4*planes + 4j + kk
         shifts = torch.arange(planes, dtype=torch.uint8, device=q.device) * bits
@@ -203,23 +202,12 @@ def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = to
         scales = p.scales[:, rows].t()
         zeros = p.zeros[:, rows].t() if p.zeros is not None else None
     elif p.layout == CANONICAL_LAYOUT:
-        per_byte = 8 // bits
-        shifts = torch.arange(per_byte, dtype=torch.uint8, device=p.qweight.device) * bits
-        codes = ((p.qweight[rows].unsqueeze(-1) >> shifts) & mask).reshape(rows.numel(), K)
+        codes = unpack_codes(p.qweight[rows], bits)
         scales = p.scales[rows]
         zeros = p.zeros[rows] if p.zeros is not None else None
     else:
         raise ValueError(f"layout={p.layout!r} is not known to aipc_kernels.packing; use one of {LAYOUTS}")
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    values = cb.cmul * codes.to(torch.float32)
-    if cb.zero is not None:
-        values = values - cb.zero
-    else:
-        values = values - zeros.to(torch.float32).repeat_interleave(G, dim=1)
-    w = scales.to(work).repeat_interleave(G, dim=1) * values.to(work)
-    if cb.mins:
-        w = w + zeros.to(work).repeat_interleave(G, dim=1)
-    return w.to(dtype)
+    return dequantize_codes(codes, scales, zeros, p.codebook, G, dtype)
 
 
 def as_canonical_packed(w: LowBitWeight) -> PackedLowBit:
