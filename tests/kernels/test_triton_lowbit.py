@@ -23,7 +23,7 @@ tlin, common, registry, stream, tuning, dequant, cuda_mma, cuda_gemm = import_ke
     "aipc_kernels.triton.lowbit.cuda_mma", "aipc_kernels.triton.lowbit.cuda_gemm",
 )
 
-# the min form (GGUF's Q4_1 / Q5_1) has the dequantization pass only: the GEMV/GEMM kernels refuse it
+# the min form (GGUF's Q4_1 / Q5_1 / K-quants) is tested on its own (test_triton_gguf_forms.py, below)
 TRITON_CODEBOOKS = sorted(name for name, cb in CODEBOOKS.items() if not cb.mins)
 # the 'group' kernel: weights as the dot's A operand (WA=1) or B; int32 per group, magic-number rescale
 GROUP = {"KERNEL": "group", "BLOCK_N": 32, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "WA": 1}
@@ -863,10 +863,10 @@ def test_dequant_path_is_tuned_for_prompts_only_and_never_batch_invariant(monkey
 
 
 @pytest.mark.parametrize("codebook", sorted(name for name, cb in CODEBOOKS.items() if cb.mins))
-def test_min_form_is_refused_by_the_int8_kernels_naming_the_code_book(codebook):
-    """min4 / min8 (GGUF's Q4_1 / Q5_1 blocks): the dequantization pass takes them (tested above), the
-    W*A8 Triton kernels refuse them before any launch, pointing at the CPU kernels."""
-    _, p = _case(20, 128, codebook, 32, seed=1)
-    with pytest.raises(ValueError, match=rf"codebook='{codebook}' is a min form.*CPU kernels"):
-        tlin.lowbit_linear_triton(torch.randn(1, 128, device=DEVICE), p)
-
+def test_min_form_runs_on_the_int8_kernels(codebook):
+    """min2 / min4 / min8 (GGUF's Q4_1 / Q5_1 / K-quant blocks): the W*A8 Triton kernels add m * (group sum of
+    the int8 activations) per group, as the native kernels; GGUF's own forms (groups of 16, float32
+    scales) in test_triton_gguf_forms.py."""
+    w, p = _case(20, 128, codebook, 32, seed=1)
+    x = torch.randn(1, 128)
+    _close(tlin.lowbit_linear_triton(x.to(DEVICE), p), ops.reference_linear_w8(x, w), 2e-5)

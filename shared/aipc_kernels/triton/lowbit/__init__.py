@@ -7,6 +7,12 @@ codes, one fp32 rescale per weight group::
 
     y[m, n] = sx[m] * sum_g s[g, n] * (cmul * sum_{k in g} xq[m, k] c[n, k] - z[g, n] * sum_{k in g} xq[m, k])
 
+GGUF's forms run on the same kernels: the min form (``min2``/``min4``/``min8``: a fixed z and a stored min
+``m``) adds ``m[g, n] * sum_{k in g} xq[m, k]`` inside the sum, float32 scales load like 16-bit ones, and
+groups of 16 (the K-quants' sub-blocks) split each 32-k plane into two dots (``stream``: two halves of its
+words). The CUDA C kernels (``cuda_*``) take neither the min form nor float32 scales; a cached config of
+one meeting such a weight runs the heuristic's Triton kernel instead (:func:`.registry.runs`).
+
 Modules: :mod:`.common` (path rule, rounding, split-K), :mod:`.activation` (the activation pass),
 one module per kernel (:mod:`.stream`: M == 1; :mod:`.group`: M > 1 and the batch-invariant mode),
 :mod:`.registry` (kernels by name, heuristic and batch-invariant choice), :mod:`.tuning` (shipped

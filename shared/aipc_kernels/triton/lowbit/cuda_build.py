@@ -26,7 +26,7 @@ def nvrtc_available(device: torch.device) -> bool:
 def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available: bool) -> None:
     """The refusals the 2-bit tensor-core kernels (``cuda_mma``, ``cuda_gemm``) share, each a ValueError naming
     the Triton ``group`` kernel: no compiled CUDA, not 2-bit codes in groups of 32/64/128, N % 8, misaligned or
-    unsupported operands. ``weight`` is a :class:`~aipc_kernels.packing.PackedLowBit`."""
+    unsupported operands, the min form and float32 scales (GGUF's forms). ``weight`` is a :class:`~aipc_kernels.packing.PackedLowBit`."""
     cb = get_codebook(weight.codebook)
     G, N, K = weight.group_size, weight.out_features, x2.shape[1]
     if not available:
@@ -34,6 +34,9 @@ def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available:
     if cb.bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
         raise ValueError(f"config {cfg}: {name} takes 2-bit codes in groups of 32, 64 or 128 and N % 8 == 0 "
                          f"({weight.codebook}, {cb.bits} bits, group {G}, N={N}); use KERNEL='group'")
+    if cb.mins or weight.scales.dtype == torch.float32:
+        raise ValueError(f"config {cfg}: {name} takes neither the min form nor float32 scales (GGUF's Q4_1 / K-quants: "
+                         f"{weight.codebook}, scales {weight.scales.dtype}); use KERNEL='group'")
     if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS
             or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
         raise ValueError(f"config {cfg}: {name} needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "

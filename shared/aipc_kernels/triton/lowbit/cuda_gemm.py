@@ -8,7 +8,7 @@ activation pass (:func:`~.activation.quantize_rows`, k order), each block comput
 BM x BN tile of y, its warps' fragments read from a ring of STAGES chunks in shared memory filled by
 ``cp.async`` (``cuda_gemm.cu`` says how), the codes as the int8 levels of ``group`` (the fixed zero point
 folded in), one FADD and one FFMA per output and group (one FFMA more with stored zeros). 2-bit code
-books with groups of 32, 64 or 128 (fixed or stored zeros), N % 8 == 0; anything else raises a ValueError
+books with groups of 32, 64 or 128 (fixed or stored zeros, fp16/bf16 scales; not the min form), N % 8 == 0; anything else raises a ValueError
 naming the Triton ``group`` kernel. Compiled at first use by NVRTC (``cuda_build.compiled``); never runs in
 the Triton interpreter: its tests need a GPU.
 

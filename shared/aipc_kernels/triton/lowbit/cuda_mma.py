@@ -6,7 +6,7 @@ Issue 20 allows a vendor kernel behind the same op. After the Triton activation 
 each block streams NT tiles of 8 weight rows over its chunk range, its warps taking the chunks in turn,
 D chunks of loads ahead of the math: per bit-plane one ``mma.sync.m16n8k32`` of the masked codes (u8) against the
 activation codes (s8) per 16 tokens, no shared memory on the way (``cuda_mma.cu`` says how). 2-bit code
-books with groups of 32, 64 or 128 (fixed or stored zeros), N % 8 == 0; anything else raises a ValueError
+books with groups of 32, 64 or 128 (fixed or stored zeros, fp16/bf16 scales; not the min form), N % 8 == 0; anything else raises a ValueError
 naming the Triton ``group`` kernel. Compiled at first use by NVRTC through ``torch.cuda._compile_kernel``
 (no CUDA toolkit needed, one compile per variant and process); never runs in the Triton interpreter:
 its tests need a GPU.

@@ -4,7 +4,7 @@ Issue 20 allows a vendor kernel behind the same op. This one is a single launch:
 the activation row into shared memory itself (the pre-pass's codes, bit for bit), then its warps stream
 blocks of RW rows, each lane one row and every (32 / RW)-th 16-byte unit of it, D units of loads ahead of
 the ``dp4a``s (``cuda_stream.cu`` says how). 2-bit code books with groups of 32, 64 or 128 (fixed or
-stored zeros); anything else raises a ValueError naming the Triton ``stream`` kernel. The source is
+stored zeros, fp16/bf16 scales; not the min form); anything else raises a ValueError naming the Triton ``stream`` kernel. The source is
 compiled at first use by NVRTC through ``torch.cuda._compile_kernel`` (no CUDA toolkit needed, one
 compile per variant and process) and never runs in the Triton interpreter: its tests need a GPU.
 
@@ -70,6 +70,9 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
     if cb.bits != 2 or G not in (32, 64, 128) or G == K:
         raise ValueError(f"config {cfg}: cuda_stream takes 2-bit codes in groups of 32, 64 or 128 "
                          f"({weight.codebook}, {cb.bits} bits, group {G}); use KERNEL='stream'")
+    if cb.mins or weight.scales.dtype == torch.float32:
+        raise ValueError(f"config {cfg}: cuda_stream takes neither the min form nor float32 scales (GGUF's Q4_1 / K-quants: "
+                         f"{weight.codebook}, scales {weight.scales.dtype}); use KERNEL='stream'")
     if Kp > MAX_KP:
         raise ValueError(f"config {cfg}: cuda_stream keeps the activation codes in shared memory, K <= {MAX_KP} (K={K}); use KERNEL='stream'")
     if weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS:

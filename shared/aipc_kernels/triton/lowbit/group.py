@@ -74,6 +74,38 @@ def _plane_codes(wb, q: tl.constexpr, BITS: tl.constexpr, CA: tl.constexpr, CB: 
 
 
 @triton.jit
+def _half_term(acc, dh, xt, hm, sc_cur, z_cur, og, gi, HAS_ZEROS: tl.constexpr,
+               ZFIRST: tl.constexpr, MINS: tl.constexpr, WA: tl.constexpr):
+    """``acc`` plus one 16-k group's term (groups of 16, two per plane): ``dh`` the int32 dot of the half
+    ``hm`` (started at the magic 0x4B400000: its bits less 1.5 * 2**23 are the dot), ``xt`` the [BLOCK_M, 32] int8 activations (their
+    half's sum: the zero or min term), ``gi`` the group's column in the chunk's scale (zero / min) tiles."""
+    df = dh.to(tl.float32, bitcast=True) - 12582912.0
+    sc = tl.sum(tl.where(og[None, :] == gi, sc_cur, 0.0), axis=1)
+    if HAS_ZEROS or MINS:
+        gxs = tl.sum(tl.where(hm[None, :], xt, 0).to(tl.int32), axis=1).to(tl.float32)
+        zg = tl.sum(tl.where(og[None, :] == gi, z_cur, 0.0), axis=1)
+        if ZFIRST:  # u = dot - z * sum, then the scale (4-bit stored zeros)
+            if WA:
+                return acc + (df - zg[:, None] * gxs[None, :]) * sc[:, None]
+            else:
+                return acc + (df - gxs[:, None] * zg[None, :]) * sc[None, :]
+        elif HAS_ZEROS:  # s * dot - s * z * sum
+            if WA:
+                return acc + df * sc[:, None] - (sc * zg)[:, None] * gxs[None, :]
+            else:
+                return acc + df * sc[None, :] - gxs[:, None] * (sc * zg)[None, :]
+        else:  # the min form: s * dot + m * sum
+            if WA:
+                return acc + df * sc[:, None] + zg[:, None] * gxs[None, :]
+            else:
+                return acc + df * sc[None, :] + gxs[:, None] * zg[None, :]
+    elif WA:
+        return acc + df * sc[:, None]
+    else:
+        return acc + df * sc[None, :]
+
+
+@triton.jit
 def _group_kernel(
     xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, Kp, NG, KB, CHUNKS_PER_SPLIT,
@@ -82,7 +114,7 @@ def _group_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WA: tl.constexpr, HW_ASM: tl.constexpr,
     ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
-    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr, MINS: tl.constexpr = False,
 ):
     """One [BLOCK_N, BLOCK_M] output tile (weights as the dot's A operand with ``WA``, else
     [BLOCK_M, BLOCK_N]): the int32 accumulator starts at 0x4B400000, so its bits read as fp32 are
@@ -94,15 +126,23 @@ def _group_kernel(
     program's whole K range, from 0, converted once at the end); stored zeros of 4-bit codes are
     taken off the converted dot before the scale (``ZFIRST``, the native kernels' ``u``). ``PDL``: a
     programmatic dependent launch after the activation pass; nothing the pass writes (nor the split-K
-    buffers) is touched before ``gdc_wait``."""
+    buffers) is touched before ``gdc_wait``. ``MINS`` (the min form, GGUF's Q4_1 / K-quants): ``z`` holds
+    the mins, each group adds ``m * (its int8 activation sum)`` after the scaled dot (the reference's
+    and the native kernels' term). ``G == 16`` (``HALF``, the K-quants' sub-blocks): each 32-k plane is
+    two groups, two dots against the codes of one half each (the other half's operand zeroed), their
+    activation sums taken from the loaded int8 tile. Neither changes the code of the other forms."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
-    RP: tl.constexpr = P if WHOLE_ROW or G >= KC else G // 32  # planes per rescale (the whole row: per chunk)
+    HALF: tl.constexpr = G == 16 and not WHOLE_ROW  # two groups per plane
+    RP: tl.constexpr = P if WHOLE_ROW or G >= KC else (1 if HALF else G // 32)  # planes per rescale (the whole row: per chunk)
     CPG: tl.constexpr = G // KC if not WHOLE_ROW and G > KC else 1  # chunks per group (8 bits: G // 32, 4 bits: G // 64)
     ROW_DOT: tl.constexpr = WHOLE_ROW and BITS >= 4
     ZFIRST: tl.constexpr = HAS_ZEROS and BITS == 4  # u = dot - z * group sum, then the scale
-    XRUN: tl.constexpr = ZFIRST and (CPG > 1 or ROW_DOT)  # activation sums carried over chunks
+    XRUN: tl.constexpr = (ZFIRST or MINS) and (CPG > 1 or ROW_DOT)  # activation sums carried over chunks
+    ZT: tl.constexpr = HAS_ZEROS or MINS  # a second per-group tensor (zero points or mins) at z_ptr
+    XS: tl.constexpr = ZT and not HALF  # the activation pass's 32-k sums are read
     tl.static_assert(not HAS_ZEROS or ZFIRST or (CPG == 1 and not ROW_DOT))
+    tl.static_assert(not (MINS and HAS_ZEROS))
     MAGIC: tl.constexpr = 0 if ROW_DOT else 0x4B400000
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,7 +168,7 @@ def _group_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         d0 = tl.full([BLOCK_M, BLOCK_N], MAGIC, tl.int32)
-    NGC: tl.constexpr = P // RP  # rescales per chunk: [BLOCK_N, NGC] scale tiles, [BLOCK_M, P] sum tiles
+    NGC: tl.constexpr = 2 * P if HALF else P // RP  # rescales per chunk: [BLOCK_N, NGC] scale tiles, [BLOCK_M, P] sum tiles
     og = tl.arange(0, NGC)
     op = tl.arange(0, P)
     last_g = NG - 1
@@ -148,14 +188,18 @@ def _group_kernel(
             z_row = tl.load(z_ptr + rn).to(tl.float32)
         elif HAS_ZEROS:
             zs_row = sc_row * tl.load(z_ptr + rn).to(tl.float32)
+        if MINS:
+            m_row = tl.load(z_ptr + rn).to(tl.float32)
     else:
         sc_nxt = tl.load(s_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
-        if HAS_ZEROS:
+        if ZT:
             z_nxt = tl.load(z_tile + tl.minimum(c_begin // CPG * NGC + og, last_g)[None, :] * N)
     if PDL:  # launched before the activation pass ended: the weights' first scales above, then wait
         tl.extra.cuda.gdc_wait()
-    if HAS_ZEROS:
+    if XS:
         xs_nxt = tl.load(xs_tile + c_begin * P)
+    else:  # never read (HALF takes its sums from the int8 tile), but the compiler must see the name
+        xs_cur = tl.zeros([BLOCK_M, P], dtype=tl.float32)
     d = d0
     gx_run = tl.zeros([BLOCK_M], dtype=tl.int32)  # XRUN: the int8 activation sum of the group (row) so far
     for c in range(c_begin, c_end):
@@ -164,13 +208,13 @@ def _group_kernel(
         if not WHOLE_ROW:
             sc_cur = sc_nxt.to(tl.float32) * FMUL
             sc_nxt = tl.load(s_tile + tl.minimum(cn // CPG * NGC + og, last_g)[None, :] * N)
-            if HAS_ZEROS:
+            if ZT:
                 z_cur = z_nxt.to(tl.float32)
                 z_nxt = tl.load(z_tile + tl.minimum(cn // CPG * NGC + og, last_g)[None, :] * N)
         if XRUN:
             gx_run += tl.sum(xs_nxt, axis=1)
             xs_nxt = tl.load(xs_tile + cn * P)
-        elif HAS_ZEROS:
+        elif XS:
             xs_cur = xs_nxt.to(tl.float32)
             xs_nxt = tl.load(xs_tile + cn * P)
         if CPG == 1 and not ROW_DOT:
@@ -193,11 +237,23 @@ def _group_kernel(
             else:
                 code = _plane_codes(wb, 7, BITS, CA, CB, HW_ASM, ASM7)
             xt = tl.load(x_rows + (c * KC + q * 32))  # [BLOCK_M, 32] int8
-            if WA:
+            if HALF:  # groups of 16: one dot, scale (and zero / min term) per half of the plane
+                for h in tl.static_range(2):
+                    hm = (j >= 16) if h == 1 else (j < 16)
+                    ch = tl.where(hm[None, :], code, 0).to(tl.int8)
+                    if WA:
+                        dh = tl.dot(ch, tl.trans(xt), d0, out_dtype=tl.int32)
+                    else:
+                        dh = tl.dot(xt, tl.trans(ch), d0, out_dtype=tl.int32)
+                    acc = _half_term(acc, dh, xt, hm, sc_cur, z_cur if ZT else sc_cur, og, q * 2 + h,
+                                     HAS_ZEROS=HAS_ZEROS, ZFIRST=ZFIRST, MINS=MINS, WA=WA)
+            elif WA:
                 d = tl.dot(code, tl.trans(xt), d, out_dtype=tl.int32)
             else:
                 d = tl.dot(xt, tl.trans(code), d, out_dtype=tl.int32)
-            if CPG == 1:  # end of a group (whole row: of a chunk; ROW_DOT: after the loop)
+            if HALF:
+                flush = False
+            elif CPG == 1:  # end of a group (whole row: of a chunk; ROW_DOT: after the loop)
                 flush = (q + 1) % RP == 0 and not ROW_DOT
             else:
                 flush = (c + 1) % CPG == 0  # the group's last chunk (8 bits)
@@ -236,6 +292,20 @@ def _group_kernel(
                         acc -= zs[:, None] * gxs[None, :]
                     else:
                         acc -= gxs[:, None] * zs[None, :]
+                if MINS:  # the min form: + m * (sum of the group's int8 activations)
+                    if XRUN:
+                        gxs = gx_run.to(tl.float32)
+                        gx_run = tl.zeros([BLOCK_M], dtype=tl.int32)
+                    else:
+                        gxs = tl.sum(tl.where((op[None, :] // RP) == gi, xs_cur, 0.0), axis=1)
+                    if WHOLE_ROW:
+                        mg = m_row
+                    else:
+                        mg = tl.sum(tl.where(og[None, :] == gi, z_cur, 0.0), axis=1)
+                    if WA:
+                        acc += mg[:, None] * gxs[None, :]
+                    else:
+                        acc += gxs[:, None] * mg[None, :]
                 d = d0
     if ROW_DOT:  # the exact int32 dot of the whole K range (|dot| < 2**31), one conversion
         df = d.to(tl.float32)
@@ -248,6 +318,11 @@ def _group_kernel(
             acc += df * sc_row[:, None]
         else:
             acc += df * sc_row[None, :]
+        if MINS:
+            if WA:
+                acc += m_row[:, None] * gx_run.to(tl.float32)[None, :]
+            else:
+                acc += gx_run.to(tl.float32)[:, None] * m_row[None, :]
     sx = tl.load(sx_ptr + rm)
     if WA:
         acc = acc * sx[None, :]
@@ -322,7 +397,8 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     Kp = weight.qweight.shape[1] * (8 // cb.bits)
     whole = weight.group_size == K
     pdl = bool(cfg.get("PDL", 0)) and pdl_ok(x2.device)
-    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None, act_amax=act_amax, pdl=pdl)
+    half = weight.group_size == 16 and not whole  # groups of 16: the kernel sums its own activation halves
+    xq, sx, xsum = quantize_rows(x2, Kp, sums=weight.zeros is not None and not half, act_amax=act_amax, pdl=pdl)
     bn, bm = cfg["BLOCK_N"], cfg.get("BLOCK_M", GEMV_MAX_M)  # M > 16: check_config asked for BLOCK_M
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     chunk = triton_chunk(cb.bits)
@@ -339,8 +415,8 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
         M=M, N=N, Kp=Kp, NG=weight.scales.shape[0], KB=weight.qweight.shape[1], CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
-        HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        HAS_ZEROS=weight.zeros is not None and not cb.mins, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
         SPLIT_K=split, ATOMIC=atomic, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
-        **({"launch_pdl": True} if pdl else {}),
+        **({"MINS": True} if cb.mins else {}), **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

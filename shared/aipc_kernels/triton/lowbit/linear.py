@@ -9,7 +9,7 @@ from ...formats import get_codebook
 from ...lowbit_contract import check_operands
 from ...packing import TRITON_LAYOUT, PackedLowBit, triton_chunk
 from .common import dense_call
-from .registry import batch_invariant, invariant_config, launch
+from .registry import batch_invariant, heuristic_config, invariant_config, launch, runs
 from .tuning import select_config
 
 MAX_G_8BIT = 65536  # 8-bit codes: |dot| <= G * 128 * 127 stays below 2**31 (the native kernels' bound)
@@ -26,26 +26,18 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
         )
     if act_group > 0:
         raise ValueError(f"act_group={act_group}: the Triton kernels quantize activations per token; use act_group=0")
-    if weight.group_size == 16 or weight.scales.dtype == torch.float32:
-        raise ValueError(
-            f"group_size={weight.group_size}, scales {weight.scales.dtype}: GGUF K-quant sub-blocks (16 elements, "
-            f"float32 scales) have no Triton kernel yet; run them on the CPU kernels (a cpu_vnni16 weight)"
-        )
-    if get_codebook(weight.codebook).mins:
-        raise ValueError(
-            f"codebook={weight.codebook!r} is a min form (GGUF's Q4_1 / Q5_1 blocks): the Triton kernels do not take "
-            f"it yet; run it on the CPU kernels (aipc::lowbit_linear with a cpu_vnni16 weight)"
-        )
     if x.dim() and x.shape[-1] != weight.in_features:
         raise ValueError(f"lowbit_linear: weight of in_features={weight.in_features} does not match x's K={x.shape[-1]}")
     check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
                    weight.group_size, weight.out_features, act_group, act_amax)  # fmt: skip
     K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
-    if G != K and chunk % G and G % chunk:  # 4/8 bits: a group may span G // chunk chunks
+    if G == 16 and G != K and weight.bits == 1:
+        raise ValueError(f"group_size=16 takes codes of 2 bits or more (GGUF's K-quants), not {weight.codebook!r}")
+    if G != K and chunk % G and G % chunk:  # 4/8 bits: a group may span G // chunk chunks (16: half a plane)
         raise ValueError(f"group_size={G} must divide {chunk}, be a multiple of it or be the whole row for {TRITON_LAYOUT}")
     if weight.bits == 8 and G > MAX_G_8BIT:
         raise ValueError(f"group_size={G}: 8-bit codes take groups of at most {MAX_G_8BIT} (int32 dots); use group_size=128")
-    if weight.bits == 4 and weight.zeros is not None and G > MAX_G_4BIT_ZEROS:
+    if weight.bits == 4 and weight.zeros is not None and not get_codebook(weight.codebook).mins and G > MAX_G_4BIT_ZEROS:
         raise ValueError(
             f"group_size={G}: 4-bit codes with stored zeros take groups of at most {MAX_G_4BIT_ZEROS} "
             f"(exact fp32 zero correction); use group_size=128"
@@ -77,6 +69,9 @@ def lowbit_linear_triton(
         cfg = config
     else:
         cfg = select_config(x2, weight, bias, y)
+        if not runs(cfg, x2, weight):  # a cached config (keyed by shape, group and bits) of a kernel that refuses
+            # this weight's form (e.g. a CUDA C kernel and GGUF's min form or float32 scales): the portable one
+            cfg = heuristic_config(M, N, K, weight.bits, x.device)
         if batch_invariant():
             cfg = invariant_config(cfg, M, N, K, weight.bits, x.device)
     launch(x2, weight, bias, y, cfg, None if act_amax is None else act_amax.reshape(-1).contiguous())

@@ -56,6 +56,23 @@ def usable(cfg: dict, device: torch.device) -> bool:
     return kernel is not None and getattr(kernel, "usable", lambda d: True)(device)
 
 
+def runs(cfg: dict, x2: torch.Tensor, weight: PackedLowBit) -> bool:
+    """Whether ``cfg``'s kernel takes this weight and ``x2`` (a kernel module's optional ``check(x2, weight,
+    cfg)``, which raises a ValueError naming what it refuses): the CUDA C kernels take 2-bit codes with
+    16-bit scales and no min form; every Triton kernel's heuristic config takes every valid weight."""
+    kernel = KERNELS.get(cfg.get("KERNEL"))
+    if kernel is None:
+        return False
+    check = getattr(kernel, "check", None)
+    if check is None:
+        return True
+    try:
+        check(x2, weight, cfg)
+    except ValueError:
+        return False
+    return True
+
+
 def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     """The untuned default: ``stream`` at M == 1, ``dequant`` from M = ``dequant.MIN_M``, ``group``
     otherwise (each module's own rule)."""
