@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,14 +51,13 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from aipc_kernels.config_schema import to_dict
-from aipc_kernels.formats import SCALE_DTYPES
 from aipc_kernels.modules import DEFAULT_SKIP
 from aipc_kernels.output_projection import head_act_group
 
 from . import PLUGIN_NAME
 from .linear_method import LoadReport, LowBit2LinearMethod, LowBit2OnlineLinearMethod, QuantizedLMHeadMethod
-from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, QuantizationConfigOptions, parse_quantization_config,
-                      quantization_config_dict)  # fmt: skip
+from .options import (CHECKPOINT_KEYS, CHECKPOINT_SCALE_DTYPES, CONFIG_NAMING, GGUF_SOURCE, QuantizationConfigOptions,
+                      parse_quantization_config, quantization_config_dict)  # fmt: skip
 
 #: --hf-overrides keys that carry a quantization_config in a file or a JSON string
 OVERRIDE_FILE_KEYS = ("quantization_config_file", "quantization_config_dict_json")
@@ -86,7 +86,7 @@ class LowBit2Config(QuantizationConfig):
         self.group_size = o.group_size
         self.quantizer = o.quantizer
         self.scale_dtype_name = o.scale_dtype
-        self.scale_dtype = SCALE_DTYPES[o.scale_dtype]
+        self.scale_dtype = CHECKPOINT_SCALE_DTYPES[o.scale_dtype]
         self.act_group = o.act_group
         self.activations = o.activations
         self.modules_to_not_convert = list(o.modules_to_not_convert)
@@ -193,9 +193,8 @@ class LowBit2Config(QuantizationConfig):
         d = quantization_config_dict(
             self.codebook, self.group_size, self.quantizer, self.scale_dtype_name, self.act_group,
             self.modules_to_not_convert, self.prequantized, self.options.source, self.layer_formats,
+            lm_head=None if self.head_format == "int8" else self.head_format,
         )  # fmt: skip
-        if self.head_format != "int8":
-            d["lm_head"] = self.head_format
         if not self.detect_grid:
             d["detect_grid"] = False
         if self.allow_2bit_ptq:
@@ -235,12 +234,17 @@ class LowBit2Config(QuantizationConfig):
                 f"layer {prefix!r}, different formats {formats}; convert the model again with python -m "
                 f"vllm_lowbit.quantize (it gives merged layers one format)"
             )
-        if formats[0] is None:
+        if formats[0] is None and self.options.source != GGUF_SOURCE:
             return self
         layer = copy.copy(self)
-        layer.codebook, layer.group_size = formats[0]["codebook"], formats[0]["group_size"]
-        layer.scale_dtype_name = formats[0]["scale_dtype"]
-        layer.scale_dtype = SCALE_DTYPES[layer.scale_dtype_name]
+        if formats[0] is not None:
+            layer.codebook, layer.group_size = formats[0]["codebook"], formats[0]["group_size"]
+            layer.scale_dtype_name = formats[0]["scale_dtype"]
+            layer.scale_dtype = CHECKPOINT_SCALE_DTYPES[layer.scale_dtype_name]
+        if self.options.source == GGUF_SOURCE and layer.act_group and layer.group_size != -1:
+            # as serving the GGUF file does (gguf_cpu.GGUFCPUConfig.layer_act_group): a layer whose group is
+            # larger than act_group (TQ1_0 / TQ2_0: 128) takes its group
+            layer.act_group = math.lcm(layer.act_group, layer.group_size)
         return layer
 
 

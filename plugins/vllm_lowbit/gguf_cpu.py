@@ -271,10 +271,10 @@ def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: t
         weights.append(w)
         formats.add((w.codebook, w.group_size))  # e.g. Q5_0 and Q8_0 are both int8 g32: one layer
     if len(formats) > 1 and ("float",) not in formats:  # e.g. Q4_K_M's Q4_K q / k and Q6_K v: one exact form
-        from aipc_kernels.gguf_format import as_min8
+        from aipc_kernels.gguf_format import common_form
 
-        group = math.gcd(*(g for _, g in formats))
-        weights, formats = [as_min8(w, group) for w in weights], {("min8", group)}
+        weights = common_form(weights)
+        formats = {(w.codebook, w.group_size) for w in weights}
     if len(formats) > 1:  # float and quantized: open_gguf refuses such files before loading; the layer's own check
         import gguf
 
@@ -290,13 +290,16 @@ def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: t
 
 
 def _cat_rows(ws: list[LowBitWeight], name: str) -> LowBitWeight:
-    """Weights of one code book and group stacked along N (the shards of a merged layer); scales (and
-    mins) of different dtypes, e.g. Q4_1's fp16 and Q4_K's float32, are held in float32 (exact)."""
+    """Weights of one code book and group stacked along N (the shards of a merged layer), in their common
+    stored form (:func:`aipc_kernels.gguf_format.common_form`: scales of different dtypes, e.g. a Q4_1
+    part's fp16 and a Q4_K part's float32, held in float32, exactly)."""
+    from aipc_kernels.gguf_format import common_form
+
     if len(ws) == 1:
         return ws[0]
-    dtype = ws[0].scales.dtype if len({w.scales.dtype for w in ws}) == 1 else torch.float32
-    zeros = None if ws[0].zeros is None else torch.cat([w.zeros.to(dtype) for w in ws])
-    return LowBitWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales.to(dtype) for w in ws]), zeros,
+    ws = common_form(ws)
+    zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws])
+    return LowBitWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), zeros,
                         ws[0].codebook, ws[0].group_size, ws[0].in_features, name=name)  # fmt: skip
 
 

@@ -76,7 +76,12 @@ def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_p
     per (K, group), and -1 stays -1 (the quantizers' spelling of one group per row); a checkpoint's
     tensors fix their group, so it is never refitted."""
     try:
-        G = fitting_group_size(config.group_size, k_part) if fit else resolve_group_size(config.group_size, k_part)
+        if not fit and config.group_size == 16:  # a GGUF conversion's K-quant sub-blocks (formats.FILE_GROUP_SIZES)
+            if k_part % 32:
+                raise ValueError(f"group_size=16 needs in_features K a multiple of 32, got K={k_part}")
+            G = 16
+        else:
+            G = fitting_group_size(config.group_size, k_part) if fit else resolve_group_size(config.group_size, k_part)
     except ValueError as e:
         tp = "" if k_part == layer.input_size else f" (this tensor-parallel rank holds K={k_part} of {layer.input_size})"
         raise ValueError(
@@ -241,7 +246,7 @@ class LowBit2LinearMethod(LinearMethodBase):
             weight_loader=self._checked_loader(layer, "qweight", weight_loader),
         )
         layer.register_parameter("qweight", qweight)
-        names = ("scales", "zeros") if self.cb.zero is None else ("scales",)
+        names = ("scales", "zeros") if self.cb.per_group_tensor else ("scales",)  # zeros: zero points or mins
         for name in names:
             loader = self._checked_loader(layer, name, weight_loader)
             if cfg.group_size == -1:  # one scale per row: replicated across row-parallel ranks
@@ -253,7 +258,7 @@ class LowBit2LinearMethod(LinearMethodBase):
                     data=torch.empty(N, K // G, dtype=cfg.scale_dtype), output_dim=0, input_dim=1, weight_loader=loader
                 )
             layer.register_parameter(name, p)
-        if self.cb.zero is not None:
+        if not self.cb.per_group_tensor:
             layer.register_parameter("zeros", None)
 
     # ------------------------------------------------------------------ checkpoint checks
@@ -295,7 +300,7 @@ class LowBit2LinearMethod(LinearMethodBase):
 
     def _check_loaded(self, layer: torch.nn.Module) -> LowBitWeight:
         """The layer's canonical weight, after checking every tensor arrived and holds valid codes."""
-        pnames = ["qweight", "scales"] + (["zeros"] if self.cb.zero is None else [])
+        pnames = ["qweight", "scales"] + (["zeros"] if self.cb.per_group_tensor else [])
         missing = [self._checkpoint_name(layer, p, s) for p in pnames for s in layer_shards(layer) if (p, s) not in layer.lowbit_loaded]
         if missing:
             raise ValueError(
@@ -305,7 +310,7 @@ class LowBit2LinearMethod(LinearMethodBase):
             )
         K = layer.lowbit_k_partition
         G = effective_group_size(self.config, layer, K)
-        zeros = layer.zeros.data if self.cb.zero is None else None
+        zeros = layer.zeros.data if self.cb.per_group_tensor else None
         w = LowBitWeight(layer.qweight.data, layer.scales.data, zeros, self.config.codebook, G, K, name=layer.prefix)
         for pname, t in (("scales", w.scales), ("zeros", w.zeros)):
             if t is not None and not torch.isfinite(t).all():

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from aipc_kernels.config_schema import Naming, field_names, option, parse, to_dict
-from aipc_kernels.formats import CODEBOOKS, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
+import torch
+
+from aipc_kernels.formats import CODEBOOKS, FILE_GROUP_SIZES, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
 from aipc_kernels.output_projection import HEAD_FORMATS
 from aipc_kernels.quantizers import QUANTIZERS
 
@@ -25,6 +27,15 @@ CLI_NAMING = Naming("python -m vllm_lowbit.quantize", "cli")
 #: the code books a config may name: the min form (min2 / min4 / min8) holds GGUF's blocks, which
 #: vllm_lowbit.gguf_cpu serves from the file as they are
 CONFIG_CODEBOOKS = tuple(sorted(name for name, cb in CODEBOOKS.items() if not cb.mins))
+#: what a checkpoint converted from a GGUF file (``source: gguf``, written by
+#: :mod:`vllm_lowbit.gguf_convert`) may also store: the min form, GGUF's K-quant sub-blocks of 16 and their
+#: float32 scales. Never offered for quantizing float weights (the converter's options and on-the-fly
+#: quantization keep :data:`CONFIG_CODEBOOKS`, :data:`~aipc_kernels.formats.GROUP_SIZES`, ``SCALE_DTYPES``).
+GGUF_SOURCE = "gguf"
+CHECKPOINT_CODEBOOKS = tuple(sorted(CODEBOOKS))
+CHECKPOINT_GROUP_SIZES = FILE_GROUP_SIZES + (-1,)
+#: scale dtypes by name, float32 included (``source: gguf`` checkpoints only)
+CHECKPOINT_SCALE_DTYPES: dict[str, torch.dtype] = {**SCALE_DTYPES, "float32": torch.float32}
 
 #: errors about convert_checkpoint's keyword arguments
 API_NAMING = Naming("convert_checkpoint", "python")
@@ -67,6 +78,16 @@ class LayerFormat:
 
 
 @dataclass(frozen=True)
+class GGUFLayerFormat(LayerFormat):
+    """A ``layer_formats`` entry of a checkpoint converted from a GGUF file: also the min form, GGUF's
+    K-quant sub-blocks of 16 and their float32 scales."""
+
+    codebook: str = option(None, choices=CHECKPOINT_CODEBOOKS)
+    group_size: int = option(None, choices=CHECKPOINT_GROUP_SIZES, note="-1: one group per row")
+    scale_dtype: str = option(None, choices=tuple(CHECKPOINT_SCALE_DTYPES))
+
+
+@dataclass(frozen=True)
 class QuantizationConfigOptions(LowBit2Options):
     """The ``quantization_config`` entry of a ``lowbit2`` checkpoint or ``--hf-overrides``."""
 
@@ -82,7 +103,10 @@ class QuantizationConfigOptions(LowBit2Options):
     #: only: the activation-exact W4A16 kernels, ``aipc::lowbit_linear_a16``, E0M4 dequantization); layers
     #: that ``detect_grid`` stores in a 1-/2-bit code book and the output projection stay W*A8
     activations: str = option("int8", choices=("int8", "float"))
-    source: Optional[str] = option(None, choices=(None, "bitnet"))
+    #: what the converter read: a BitNet checkpoint, or a GGUF file (its blocks re-laid out exactly: the
+    #: only checkpoints that may store the min form, groups of 16 and float32 scales; int8 activation
+    #: groups widened per layer to the layer's group where that is larger, as serving the GGUF does)
+    source: Optional[str] = option(None, choices=(None, "bitnet", GGUF_SOURCE))
     #: checkpoint layer name -> LayerFormat keys, overriding codebook/group_size/scale_dtype for it
     #: (the converter writes it for layers recovered from a grid)
     layer_formats: dict[str, Any] = option({}, example={"model.layers.0.mlp.up_proj": {
@@ -96,7 +120,14 @@ class QuantizationConfigOptions(LowBit2Options):
         return "lowbit" if self.quantize_lm_head else "float"
 
     def check(self, naming: Naming) -> None:
-        super().check(naming)
+        gguf = self.source == GGUF_SOURCE
+        if not gguf:  # a GGUF conversion's layers widen act_group to their group (vllm_lowbit.config.for_layer)
+            super().check(naming)
+        elif type(self) is not GGUFQuantizationConfigOptions:
+            raise naming.error("source", self.source, "is read by parse_quantization_config only")
+        elif not self.prequantized:
+            raise naming.error("source", self.source, f"marks a checkpoint converted from a GGUF file; it needs "
+                                                      f"{naming.ref('prequantized')}=true")  # fmt: skip
         if self.activations == "float" and CODEBOOKS[self.codebook].bits != 4:
             four = [name for name in CONFIG_CODEBOOKS if CODEBOOKS[name].bits == 4]
             raise naming.error(
@@ -116,7 +147,7 @@ class QuantizationConfigOptions(LowBit2Options):
             )  # fmt: skip
         for layer, fmt in self.layer_formats.items():
             inner = Naming(f"{naming.key('layer_formats')}[{layer!r}]", naming.style)
-            parse(LayerFormat, fmt, inner)
+            parse(GGUFLayerFormat if gguf else LayerFormat, fmt, inner)
             missing = [k for k in field_names(LayerFormat) if k not in fmt]
             if missing:
                 raise naming.error("layer_formats", {layer: fmt}, f"lacks {missing}: each layer needs "
@@ -126,6 +157,17 @@ class QuantizationConfigOptions(LowBit2Options):
                 "format_version", self.format_version,
                 f"is newer than this aipc-plugins ({FORMAT_VERSION}); upgrade aipc-plugins",
             )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GGUFQuantizationConfigOptions(QuantizationConfigOptions):
+    """The ``quantization_config`` of a checkpoint converted from a GGUF file (``source: gguf``, written by
+    :mod:`vllm_lowbit.gguf_convert`): its stored forms may also be the min form, groups of 16 and float32
+    scales (:class:`GGUFLayerFormat`); never offered for quantizing float weights."""
+
+    codebook: str = option("affine", choices=CHECKPOINT_CODEBOOKS)
+    group_size: int = option(64, choices=CHECKPOINT_GROUP_SIZES, note="-1: one group per row")
+    scale_dtype: str = option("float16", choices=tuple(CHECKPOINT_SCALE_DTYPES))
 
 
 #: keys fixed by the tensors of a converted checkpoint (an override may not change them)
@@ -142,8 +184,9 @@ class ConverterOptions(LowBit2Options):
 
 def parse_quantization_config(config: dict[str, Any], naming: Naming = CONFIG_NAMING) -> QuantizationConfigOptions:
     """A ``quantization_config`` dict -> checked options (errors name ``lowbit2 quantization_config.KEY``, or
-    the method's own ``naming``)."""
-    return parse(QuantizationConfigOptions, config, naming)
+    the method's own ``naming``); ``source: gguf`` (a converted GGUF file) admits its stored forms too."""
+    gguf = isinstance(config, dict) and config.get("source") == GGUF_SOURCE
+    return parse(GGUFQuantizationConfigOptions if gguf else QuantizationConfigOptions, config, naming)
 
 
 def quantization_config_dict(
@@ -156,19 +199,22 @@ def quantization_config_dict(
     prequantized: bool = True,
     source: Optional[str] = None,
     layer_formats: Optional[dict[str, Any]] = None,
+    lm_head: Optional[str] = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json (``detect_grid``,
-    ``allow_2bit_ptq``, ``lm_head``, ``quantize_lm_head`` and empty ``source``/``layer_formats`` left
-    out: the server's defaults apply)."""
+    ``allow_2bit_ptq``, ``lm_head`` unless given, ``quantize_lm_head`` and empty ``source``/``layer_formats``
+    left out: the server's defaults apply)."""
     d = to_dict(
         parse_quantization_config(dict(
             codebook=codebook, group_size=group_size, quantizer=quantizer, scale_dtype=scale_dtype,
             act_group=act_group, modules_to_not_convert=list(modules_to_not_convert or []),
             prequantized=prequantized, source=source, layer_formats=dict(layer_formats or {}),
+            **({} if lm_head is None else {"lm_head": lm_head}),
         ))
     )  # fmt: skip
     d.pop("quantize_lm_head")
-    d.pop("lm_head")
+    if lm_head is None:
+        d.pop("lm_head")
     d.pop("detect_grid")
     d.pop("allow_2bit_ptq")  # the converter's decision, taken before the tensors were written
     if source is None:
@@ -179,6 +225,7 @@ def quantization_config_dict(
 
 
 __all__ = [
-    "CHECKPOINT_KEYS", "ConverterOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
+    "CHECKPOINT_CODEBOOKS", "CHECKPOINT_GROUP_SIZES", "CHECKPOINT_KEYS", "CHECKPOINT_SCALE_DTYPES", "ConverterOptions",
+    "GGUF_SOURCE", "GGUFLayerFormat", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
     "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

@@ -5,6 +5,11 @@ without flags.
     python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --allow-2bit-ptq   # 2-bit after training: see --help
     python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary --verify   # BitNet b1.58 import
     python -m vllm_lowbit.quantize PARETOQ_DIR OUT_DIR   # weights on a 1/1.58/2-bit grid: written exactly
+    python -m vllm_lowbit.quantize X.gguf OUT_DIR --verify   # a llama.cpp GGUF file, its blocks re-laid out exactly
+
+A .gguf file is converted as it is stored (vllm_lowbit.gguf_convert: the reader that serves it; token
+embedding and an untied output projection written as float32, exact); the quantization options do not
+apply to it, and --verify checks that every written weight equals gguf.quants.dequantize of the file's.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from .options import CLI_NAMING, ConverterOptions
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_lowbit.quantize", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model_dir", help="Hugging Face model directory (safetensors; bf16/fp16/fp32, or BitNet b1.58)")
+    ap.add_argument("model_dir", help="Hugging Face model directory (safetensors; bf16/fp16/fp32, or BitNet b1.58), "
+                                      "or a llama.cpp .gguf file")
     ap.add_argument("out_dir", help="new or empty output directory")
     ap.add_argument("--codebook", default="affine", choices=choices_of(ConverterOptions, "codebook"))
     ap.add_argument("--group-size", type=int, default=64, choices=choices_of(ConverterOptions, "group_size"),
@@ -43,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", action="store_true",
-                    help="print the largest reconstruction error max|W - Wq| / max|W| against the source's weights")
+                    help="print the largest reconstruction error max|W - Wq| / max|W| against the source's weights "
+                         "(a .gguf file: the largest |written - gguf.quants.dequantize| per type, which must be 0)")
     args = ap.parse_args(argv)
+    if str(args.model_dir).lower().endswith(".gguf"):
+        return _convert_gguf(ap, args)
     try:  # the checks the server applies to the same keys, before any work
         opts = parse(ConverterOptions, {k: getattr(args, k) for k in field_names(ConverterOptions)}, CLI_NAMING)
     except OptionError as e:
@@ -62,6 +71,31 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress, detect_grid=args.detect_grid, verify=args.verify,
             allow_2bit_ptq=args.allow_2bit_ptq,
         )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"done in {time.time() - t0:.1f} s; serve with: vllm serve {args.out_dir}")
+    return 0
+
+
+def _convert_gguf(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """A .gguf file: written as it is stored; the quantization options are refused (they would be ignored)."""
+    given = [f"--{k.replace('_', '-')}" for k in ("codebook", "group_size", "quantizer", "scale_dtype",
+             "modules_to_not_convert", "act_group", "detect_grid", "allow_2bit_ptq") if getattr(args, k) != ap.get_default(k)]  # fmt: skip
+    if given:
+        ap.error(f"{args.model_dir} is a GGUF file, converted as it is stored (its blocks re-laid out exactly, "
+                 f"act_group 32 as serving it); drop {' '.join(given)}")  # fmt: skip
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads={args.threads} must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from .gguf_convert import convert_gguf
+
+    t0 = time.time()
+    try:
+        convert_gguf(args.model_dir, args.out_dir, verify=args.verify, progress=not args.no_progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -389,6 +389,21 @@ def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
                         group_size, w.in_features, name=w.name)  # fmt: skip
 
 
+def common_form(ws: list[LowBitWeight]) -> list[LowBitWeight]:
+    """The re-laid-out tensors of one merged layer (vLLM's q / k / v or gate / up) in one stored form,
+    exactly: different code books or groups become ``min8`` with groups of their gcd (:func:`as_min8`),
+    scales (and mins) of different dtypes float32 (e.g. Q4_1's fp16 with Q4_K's float32)."""
+    import math
+
+    if len({(w.codebook, w.group_size) for w in ws}) > 1:
+        group = math.gcd(*(w.group_size for w in ws))
+        ws = [as_min8(w, group) for w in ws]
+    if len({w.scales.dtype for w in ws}) > 1:
+        ws = [LowBitWeight(w.qweight, w.scales.float(), None if w.zeros is None else w.zeros.float(), w.codebook,
+                           w.group_size, w.in_features, name=w.name) for w in ws]  # fmt: skip
+    return ws
+
+
 def llama_unpermute(n_rows: int, n_head: int) -> torch.LongTensor:
     """The row order that undoes llama.cpp's ``convert_hf_to_gguf`` ``LlamaModel.permute`` of a q (``n_head``
     heads) or k (``n_head_kv`` heads) projection with ``n_rows`` output rows: GGUF stores each head's rows
@@ -524,6 +539,6 @@ class GGUFCheckpoint:
 
 
 __all__ = [
-    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "llama_unpermute", "permute_rows",
-    "relayout", "unsupported_type_error",
+    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "common_form", "llama_unpermute",
+    "permute_rows", "relayout", "unsupported_type_error",
 ]  # fmt: skip

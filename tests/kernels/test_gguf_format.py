@@ -598,3 +598,19 @@ def test_as_min8_is_exact(qtype):
     assert m.codebook == "min8" and m.group_size == 16 and m.scales.dtype == torch.float32
     a, b = m.dequantize(), w.dequantize()
     assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0), (T.Q4_1, T.Q4_K), (T.Q8_0,)],
+                         ids=lambda ts: "+".join(t.name for t in ts))
+def test_common_form_of_a_merged_layer_is_exact(types):
+    """The parts of one merged layer (Q4_K_M's q / k / v, mixed 8-bit types, fp16 with float32 scales) in
+    one stored form: one code book, group and scale dtype, each part's values unchanged."""
+    rng = np.random.default_rng(5)
+    parts = [gf.relayout(_random_blocks(t, (7, 256), rng), t, (7, 256), f"w{i}") for i, t in enumerate(types)]
+    common = gf.common_form(parts)
+    assert len({(w.codebook, w.group_size, w.scales.dtype) for w in common}) == 1
+    if len({(w.codebook, w.group_size) for w in parts}) > 1:
+        assert common[0].codebook == "min8"
+    for before, after in zip(parts, common):
+        a, b = after.dequantize(), before.dequantize()
+        assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())

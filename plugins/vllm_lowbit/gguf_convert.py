@@ -1,0 +1,227 @@
+"""A llama.cpp GGUF file -> a ``lowbit2`` checkpoint that ``vllm serve OUT`` loads without flags (no vLLM
+needed): ``python -m vllm_lowbit.quantize X.gguf OUT [--verify]``.
+
+The same reader as serving the file (``vllm serve X.gguf``, :mod:`vllm_lowbit.gguf_cpu`), not a second one:
+:func:`vllm_lowbit.gguf_source.open_gguf` checks the file (the same refusals, naming file and tensor),
+:func:`~vllm_lowbit.gguf_source.config_folder` gives config.json, tokenizer and chat template (transformers'
+GGUF conversion of the metadata, cached), :class:`~vllm_lowbit.gguf_source.GGUFTensors` the tensors under
+Hugging Face names (llama's q / k rows put back in Hugging Face order), and
+:func:`aipc_kernels.gguf_format.relayout` re-lays each quantized tensor out exactly onto the canonical
+format. What is written:
+
+* every quantized linear as its exact re-layout (``X.qweight``/``X.scales``/``X.zeros``): Q4_1 as ``min4``
+  g32 fp16, Q8_0 as ``int8`` g32, the K-quants with groups of 16 or 32 and float32 scales, ...; the
+  linears vLLM merges (q / k / v, gate / up) given one form as serving does (different code books: all
+  ``min8`` with float32 scales, :func:`~aipc_kernels.gguf_format.as_min8`; fp16 with float32 scales: float32),
+  exact either way. ``quantization_config`` (``source: gguf``, ``prequantized: true``) records the most
+  common form as ``codebook`` / ``group_size`` / ``scale_dtype`` and every other linear's in
+  ``layer_formats``; the min form, groups of 16 and float32 scales are accepted in such checkpoints only;
+* ``act_group: 32``, as serving the GGUF (int8 activation scales per 32 inputs, as llama.cpp's CPU dot
+  products; a layer whose group is larger takes its group);
+* float tensors (norms, biases, F16 / F32 linears: listed in ``modules_to_not_convert``) as transformers'
+  GGUF processing gives them, in the file's dtype where that is exact, else float32;
+* the token embedding and an untied output projection **as float32**, and ``lm_head: float``: the
+  ``lowbit2`` checkpoint path serves embeddings as a float gather and has no stored quantized head, and
+  float32 holds the file's values exactly (bf16 would not). Memory cost: 4 bytes per value instead of
+  the file's ~1.06 (Q8_0), e.g. SmolLM2-135M's 49152 x 576 embedding 113 MB instead of 30 MB. The
+  logits then come from the file's exact head values without int8 activation rounding, where serving
+  the .gguf runs the head on the W·A8 kernels: the one place the two can differ (near ties only).
+
+``verify``: every written weight, read back from the output files and dequantized
+(:meth:`aipc_kernels.formats.LowBitWeight.dequantize`, or the float tensor), is compared with
+``gguf.quants.dequantize`` of the file's original blocks (rows in Hugging Face order); the largest
+difference is logged per GGUF type and overall, and anything but 0 fails the conversion (nothing written).
+The output appears whole or not at all (:func:`aipc_kernels.atomic_output.atomic_output_dir`); an
+existing non-empty ``out_dir`` is refused.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
+from aipc_kernels.formats import FORMAT_NAME, LowBitWeight, load_lowbit
+from aipc_kernels.modules import DEFAULT_SKIP
+
+from .checkpoint import CONVERTER, _linear_names, _progress, _ShardWriter
+from .options import GGUF_SOURCE, quantization_config_dict
+
+#: int8 activation scales per this many inputs, as serving the GGUF file (vllm_lowbit.gguf_cpu.ACT_GROUP,
+#: not imported: that module needs vLLM, the converter does not)
+ACT_GROUP = 32
+#: the Hugging Face linears that vLLM loads as one merged layer (qkv_proj, gate_up_proj)
+MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_FILE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def _siblings(prefix: str, linears: set[str]) -> tuple[str, ...]:
+    """The linears merged with ``prefix`` by vLLM (itself included), in merge order."""
+    parent, _, leaf = prefix.rpartition(".")
+    for group in MERGED:
+        if leaf in group:
+            names = tuple(f"{parent}.{g}" for g in group if f"{parent}.{g}" in linears)
+            return names or (prefix,)
+    return (prefix,)
+
+
+def _form(w: LowBitWeight) -> dict[str, Any]:
+    return {"codebook": w.codebook, "group_size": w.group_size, "scale_dtype": _DTYPE_NAMES[w.scales.dtype]}
+
+
+def convert_gguf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    verify: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Writes the ``lowbit2`` checkpoint of the GGUF file ``gguf_path`` to ``out_dir`` (new or empty) and
+    returns ``out_dir``. ``verify``: compares every written weight with ``gguf.quants.dequantize`` of the
+    file's blocks and raises (writing nothing) unless the largest difference is 0."""
+    from transformers import AutoConfig
+
+    from aipc_kernels.gguf_format import common_form, relayout
+
+    from . import gguf_source
+
+    ck = gguf_source.open_gguf(gguf_path)  # every refusal of serving, naming file and tensor
+    out = Path(out_dir)
+    folder = gguf_source.config_folder(ck)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = gguf_source.GGUFTensors(ck, AutoConfig.from_pretrained(folder))
+    if tensors.missing:
+        m = tensors.missing
+        raise ValueError(f"GGUF file {str(ck.path)!r} lacks the tensors of {m[0]}"
+                         + (f" and {len(m) - 1} more" if len(m) > 1 else "") + f" ({ck.architecture})")  # fmt: skip
+    linears = _linear_names(config, tuple(DEFAULT_SKIP))
+
+    def where(hf: str) -> str:
+        return f"GGUF file {str(ck.path)!r}: tensor {tensors.gguf_name(hf)!r} ({hf})"
+
+    with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
+        writer = _ShardWriter(part)
+        bar = _progress(len(ck.tensor_names()), "lowbit2 from GGUF") if progress else None
+        forms: dict[str, dict[str, Any]] = {}
+        held: dict[str, LowBitWeight] = {}  # linears waiting for their merged siblings
+        float_linears: list[str] = []
+        as_float: list[tuple[str, str, int]] = []  # quantized tensors written float32: (name, type, file bytes)
+        raw = None
+        for name, t in tensors.weights():
+            base, _, leaf = name.rpartition(".")
+            if leaf == "qweight":
+                raw = t
+                continue
+            if bar is not None:
+                bar.update(1)
+            if leaf != "qweight_type":  # a float tensor, as transformers' GGUF processing gives it
+                gname = tensors.gguf_name(name)
+                dtype = _FILE_DTYPES.get(ck.tensor_type(gname).name, torch.float32)
+                if not torch.equal(t.to(dtype).float(), t):
+                    dtype = torch.float32
+                writer.add(name, t.to(dtype))
+                if leaf == "weight" and base in linears:
+                    float_linears.append(base)
+                continue
+            gname = tensors.gguf_name(f"{base}.weight")
+            try:
+                w = relayout(raw, int(t), (raw.shape[0], ck.tensor_shape(gname)[1]), base)
+            except ValueError as e:
+                raise ValueError(f"{where(base + '.weight')}: {e}") from None
+            if base not in linears:  # the token embedding, an untied output projection: float32, exact
+                writer.add(f"{base}.weight", w.dequantize(torch.float32))
+                as_float.append((f"{base}.weight", ck.tensor_type(gname).name, raw.numel()))
+                continue
+            held[base] = w
+            group = _siblings(base, linears)
+            if all(s in held for s in group):
+                for s, one in zip(group, common_form([held.pop(s) for s in group])):
+                    writer.add_lowbit(s, one)
+                    forms[s] = _form(one)
+        if bar is not None:
+            bar.close()
+        if held:
+            first = sorted(held)[0]
+            raise ValueError(f"{where(first + '.weight')} is quantized but the layers vLLM merges it with "
+                             f"({list(_siblings(first, linears))}) are not all quantized in the file")  # fmt: skip
+        if not forms:
+            raise ValueError(f"GGUF file {str(ck.path)!r} has no quantized linear weight: nothing to convert "
+                             f"(serve the file itself, or its float model)")  # fmt: skip
+        writer.close()
+        worst = _verify(part, ck, tensors, log) if verify else None
+        for f in folder.iterdir():  # tokenizer files and chat template, as serving the file gets them
+            if f.is_file() and f.name not in ("config.json", RECORD_NAME, gguf_source.SOURCE_NAME):
+                shutil.copy2(f, part / f.name)
+        top = Counter(json.dumps(v, sort_keys=True) for v in forms.values()).most_common(1)[0][0]
+        top = json.loads(top)
+        config["quantization_config"] = quantization_config_dict(
+            top["codebook"], top["group_size"], scale_dtype=top["scale_dtype"], act_group=ACT_GROUP,
+            modules_to_not_convert=sorted(float_linears), source=GGUF_SOURCE, lm_head="float",
+            layer_formats={k: v for k, v in sorted(forms.items()) if v != top},
+        )  # fmt: skip
+        (part / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    kinds = Counter(f"{v['codebook']} g{v['group_size']} {v['scale_dtype']}" for v in forms.values())
+    log(f"wrote {len(forms)} {FORMAT_NAME} linears from {ck.path.name} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) "
+        f"to {out}" + (f"; kept float: {len(float_linears)} linears" if float_linears else ""))  # fmt: skip
+    for name, qtype, nbytes in as_float:
+        rows, cols = ck.tensor_shape(tensors.gguf_name(name))
+        log(f"{name} ({qtype} in the file) written as float32, exact: {rows * cols * 4 / 1e6:.1f} MB instead of "
+            f"{nbytes / 1e6:.1f} MB (the {FORMAT_NAME} checkpoint path serves embeddings and the output projection "
+            f"as float; lm_head: float)")  # fmt: skip
+    if worst is not None:
+        log(worst)
+    return out
+
+
+def _verify(part: Path, ck, tensors, log: Callable[[str], None]) -> str:
+    """The largest |written - gguf.quants.dequantize(original blocks)| per GGUF type and overall, every
+    written weight read back from the files in ``part``; raises unless it is 0."""
+    import gguf
+    import numpy as np
+
+    from aipc_kernels.gguf_format import FLOAT_TYPES, llama_unpermute
+
+    per_type: dict[str, list] = {}
+    for path in sorted(part.glob("*.safetensors")):
+        weights, plain = load_lowbit(str(path))
+        items = [(f"{p}.weight", w.dequantize(torch.float32)) for p, w in weights.items()]
+        items += [(n, t) for n, t in plain.items() if n.endswith(".weight")]
+        for hf, got in items:
+            gname = tensors.gguf_name(hf)
+            qtype = ck.tensor_type(gname)
+            if qtype in FLOAT_TYPES:  # written as transformers' GGUF processing gives them (e.g. Gemma's norms)
+                continue
+            ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(ck.raw(gname), qtype)))
+            ref = ref.reshape(ck.tensor_shape(gname)).float()
+            heads = tensors._unpermute_heads(gname)
+            if heads is not None:
+                ref = ref[llama_unpermute(ref.shape[0], heads)]
+            diff = (got.float() - ref).abs()
+            diff[torch.isnan(got) & torch.isnan(ref)] = 0.0
+            worst = float(diff.max()) if diff.numel() else 0.0
+            if got.shape != ref.shape:
+                worst = float("inf")
+            entry = per_type.setdefault(qtype.name, [0.0, 0, ""])
+            if not worst <= entry[0]:
+                entry[0], entry[2] = worst, gname
+            entry[1] += 1
+    values = [v[0] for v in per_type.values()]
+    overall = float("nan") if any(x != x for x in values) else max(values, default=0.0)
+    line = (f"verify: largest |written - gguf.quants.dequantize| per type: "
+            + ", ".join(f"{k} {v[0]:.3g} ({v[1]} tensors)" for k, v in sorted(per_type.items()))
+            + f"; overall {overall:.3g}")  # fmt: skip
+    if not overall == 0.0:
+        bad = max(per_type.items(), key=lambda kv: (kv[1][0] != kv[1][0], kv[1][0]))
+        raise ValueError(f"{line}\nverify failed: the written weights differ from the file's (largest at GGUF "
+                         f"tensor {bad[1][2]!r}, {bad[0]}); nothing was written. {CONVERTER} re-lays GGUF blocks "
+                         f"out exactly: please report this file")  # fmt: skip
+    return line
+
+
+__all__ = ["ACT_GROUP", "convert_gguf"]
