@@ -12,10 +12,11 @@ is the vLLM side).
   transformers' own GGUF conversion derives from the file's metadata (``AutoConfig`` /
   ``AutoTokenizer.from_pretrained(folder, gguf_file=name)``, chat template included; BOS / EOS added as
   the file's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say, which that conversion drops:
-  Gemma would lose its BOS) into a cache folder keyed by the file's identity (resolved path, size,
-  mtime, and the transformers / gguf versions that converted it): ``$AIPC_GGUF_CACHE`` or
-  ``~/.cache/aipc-plugins/gguf``, ``<stem>-<key>``. Nothing is written next to the .gguf; the folder
-  appears whole or not at all (:func:`aipc_kernels.atomic_output.atomic_output_dir`).
+  Gemma would lose its BOS; ``head_dim`` from the file's ``attention.key_length`` where transformers'
+  reader leaves its default, :func:`file_head_dim`) into a cache folder keyed by the file's identity
+  (resolved path, size, mtime, and the transformers / gguf versions that converted it):
+  ``$AIPC_GGUF_CACHE`` or ``~/.cache/aipc-plugins/gguf``, ``<stem>-<key>``. Nothing is written next to
+  the .gguf; the folder appears whole or not at all (:func:`aipc_kernels.atomic_output.atomic_output_dir`).
 * :class:`GGUFTensors` maps GGUF tensor names to Hugging Face ones with transformers' maintained
   mapping (``get_gguf_hf_weights_map``: gguf's ``TensorNameMap`` applied to the Hugging Face model's
   own parameter names, built on the meta device) and yields the weights as vLLM's ``load_weights``
@@ -40,7 +41,7 @@ from typing import Any, Iterator, Optional
 #: GGUF ``general.architecture`` values served (Mistral models are written as ``llama``)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 #: bumped when what :func:`config_folder` writes changes (old cache folders are then not reused)
-FOLDER_VERSION = 2
+FOLDER_VERSION = 3
 CACHE_ENV = "AIPC_GGUF_CACHE"
 SOURCE_NAME = "gguf_source.json"
 #: how long a process waits for another one that is writing the same config folder
@@ -163,6 +164,18 @@ def _complete(dest: Path) -> bool:
                 and (dest / SOURCE_NAME).is_file())  # fmt: skip
 
 
+def file_head_dim(ck, config) -> Optional[int]:
+    """The file's ``<arch>.attention.key_length`` where it differs from ``config.head_dim``, else None.
+    transformers' GGUF config reader maps that key for gemma3 only: a Qwen3 file then gets Qwen3Config's
+    default head_dim 128 whatever the file says (right for the published Qwen3 models, whose heads are 128
+    wide; wrong for any other width: vLLM's q / k / v layer then expects other shapes and the load fails)."""
+    key_length = ck.field(f"{ck.architecture}.attention.key_length")
+    current = getattr(config, "head_dim", None)
+    if key_length is None or current is None or int(current) == int(key_length):
+        return None
+    return int(key_length)
+
+
 def _write_folder(ck, out: Path, ident: dict[str, Any]) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -185,6 +198,9 @@ def _write_folder(ck, out: Path, ident: dict[str, Any]) -> None:
                          f"{config.model_type!r}, which has no causal-LM class")  # fmt: skip
     names = set(ck.tensor_names())
     updates: dict[str, Any] = {"architectures": [arch], "tie_word_embeddings": "output.weight" not in names}
+    head_dim = file_head_dim(ck, config)
+    if head_dim is not None:
+        updates["head_dim"] = head_dim
     if "token_embd.weight" in names:  # the weights decide (a tokenizer list may be shorter than the table)
         updates["vocab_size"] = ck.tensor_shape("token_embd.weight")[0]
     config.update(updates)
@@ -268,4 +284,4 @@ class GGUFTensors:
 
 
 __all__ = ["ARCHITECTURES", "CACHE_ENV", "MERGED", "GGUFTensors", "cache_root", "check_merges", "config_folder",
-           "is_gguf_reference", "layout_of", "merge_refusal", "open_gguf"]  # fmt: skip
+           "file_head_dim", "is_gguf_reference", "layout_of", "merge_refusal", "open_gguf"]  # fmt: skip
