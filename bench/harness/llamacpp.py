@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -55,11 +56,26 @@ def llamacpp_src(cache: Path) -> Path:
     return cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
+#: the tools every bench may run (llama-server needs LLAMA_BUILD_SERVER=ON)
+TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity", "llama-server")
+
+
+def cpu_key() -> str:
+    """A short key of this CPU's model name and flags: a native build (``-march=native``) made on one CPU
+    dies with SIGILL on another, so a cache moved between machines gets a native build per CPU."""
+    import hashlib
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
 def build_dir(cache: Path, isa: str = "native") -> Path:
-    """The build folder of llama.cpp for ``isa`` (a key of :data:`ISA_OPTIONS`)."""
+    """The build folder of llama.cpp for ``isa`` (a key of :data:`ISA_OPTIONS`); the native one is per CPU
+    (:func:`cpu_key`)."""
     if isa not in ISA_OPTIONS:
         raise ValueError(f"llama.cpp isa={isa!r}: use one of {sorted(ISA_OPTIONS)}")
-    return cache / ("build" if isa == "native" else f"build-{isa}")
+    return cache / (f"build-native-{cpu_key()}" if isa == "native" else f"build-{isa}")
 
 
 def llamacpp_bin(cache: Path, tool: str, isa: str = "native") -> Path:
@@ -73,18 +89,18 @@ def build_hint(cache: Path, isa: str = "native") -> str:
             f"python -m pip download --no-deps --no-binary :all: llama-cpp-python=={LLAMA_CPP_PYTHON} -d {cache}/src && "
             f"tar xzf {cache}/src/llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz -C {cache}/src && "
             f"cmake -S {src} -B {build} {' '.join(ISA_OPTIONS[isa])} -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
-            "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && "
-            f"nice -n 10 cmake --build {build} -j2 --target llama-bench llama-quantize")  # fmt: skip
+            "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release && "
+            f"nice -n 10 cmake --build {build} -j2 --target {' '.join(TOOLS)}")  # fmt: skip
 
 
 def llamacpp_ready(cache: Path, isa: str = "native") -> bool:
-    return all(llamacpp_bin(cache, t, isa).exists() for t in ("llama-bench", "llama-quantize")) and \
+    return all(llamacpp_bin(cache, t, isa).exists() for t in TOOLS) and \
         (llamacpp_src(cache) / "convert_hf_to_gguf.py").exists()
 
 
 def build_llamacpp(cache: Path, isa: str = "native") -> None:
     """Downloads the ``llama-cpp-python`` sdist from the package registry, unpacks it and builds
-    ``llama-bench`` and ``llama-quantize`` from its vendored llama.cpp (the recipe of
+    :data:`TOOLS` from its vendored llama.cpp (the recipe of
     ../shared/notes/peer_llamacpp.md)."""
     src_root = cache / "src"
     src_root.mkdir(parents=True, exist_ok=True)
@@ -98,9 +114,9 @@ def build_llamacpp(cache: Path, isa: str = "native") -> None:
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     subprocess.run(nice + ["cmake", "-S", str(llamacpp_src(cache)), "-B", str(build_dir(cache, isa)), *ISA_OPTIONS[isa],
                            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                           "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True)  # fmt: skip
+                           "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"], check=True)  # fmt: skip
     subprocess.run(nice + ["cmake", "--build", str(build_dir(cache, isa)), f"-j{os.cpu_count() or 1}",
-                           "--target", "llama-bench", "llama-quantize"], check=True)  # fmt: skip
+                           "--target", *TOOLS], check=True)  # fmt: skip
 
 
 def ensure_built(cache: Path, build: bool, isa: str = "native") -> Optional[str]:

@@ -1,0 +1,382 @@
+"""The same GGUF files served by vLLM-CPU + vllm_lowbit and by llama.cpp: decode, first token of a long
+prompt, and total tokens/s of concurrent streams, on random Llama weights of real geometry.
+
+    python bench/gguf_speed.py                          # takes the bench lock itself
+    python bench/gguf_speed.py --rows 'vllm_q4_0,llamacpp_q4_0' --reps 1 --out /tmp/g      # quick look
+
+Files: the bench's random bf16 Llama (``--preset``, Llama-3.2-1B geometry by default; the same model as
+bench/vllm_e2e.py) converted by llama.cpp's own ``convert_hf_to_gguf.py`` and quantized by its
+``llama-quantize`` to Q4_0, Q4_K_M, Q8_0 and TQ2_0 (``harness.llamacpp.ggufs``, cached). Each file is
+measured twice, on the same threads (``--threads``; default: every core):
+
+* ``vllm_<type>``: vLLM serving the file through the pack (``LLM("X.gguf")``, one process per row,
+  compiled mode, the CPU default). Decode: batch 1, (T(1 + D tokens) - T(1 token)) / D after a
+  32-token prompt; first token: T(1 token) of a ``--long-prompt``-token prompt (prefill + the first
+  sampled token); median of ``--reps``. Streams: ``vllm serve X.gguf`` and ``--streams`` requests sent
+  at once to ``/v1/completions`` (distinct 32-token prompts, ``--stream-tokens`` each, EOS ignored):
+  generated tokens / wall time.
+* ``llamacpp_<type>``: ``llama-bench -p 0 -n D`` (decode) and ``-p LONG -n 0`` (first token = LONG /
+  its rate: no sampling, no HTTP; a lower bound on llama.cpp's first token), and ``llama-server
+  --parallel STREAMS`` (continuous batching, its default) answering the same requests on
+  ``/completion``.
+
+Prefix caching is off on both sides. The bound: the run's read bandwidth on the same threads / the
+bytes a decode step reads (vLLM: the loaded linears + output projection as re-laid out; llama.cpp: the
+GGUF's); for S streams, S times that (weights read once per step for all streams). Targets (issue 38):
+decode >= 1.3x llama.cpp on each type, first token of a 512-token prompt >= 2x, and total tokens/s at 8
+concurrent streams >= 3x ``llama-server``. Results go to bench/results/gguf_speed.{md,json} with the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
+from harness import llamacpp
+
+ROOT = Path(__file__).resolve().parent.parent
+TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "TQ2_0")
+ROWS = [f"{side}_{t.lower()}" for t in TYPES for side in ("vllm", "llamacpp")]
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+SHORT_PROMPT = 32
+MAX_LEN = 1024
+# the issue's targets: (what, measure key, higher is better, ratio to reach)
+TARGETS = (("decode tok/s >= 1.3x llama-bench", "decode_tok_s", True, 1.3),
+           ("first token of the long prompt >= 2x faster than llama-bench", "ttft_s", False, 2.0),
+           ("total tok/s of the concurrent streams >= 3x llama-server", "streams_tok_s", True, 3.0))  # fmt: skip
+
+
+def qtype(row: str) -> str:
+    return next(t for t in TYPES if row.endswith("_" + t.lower()))
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A deterministic prompt of ``n`` token ids (BOS first), distinct per ``seed``."""
+    return [1] + [(37 * i + 101 * seed) % 1000 + 6 for i in range(n - 1)]
+
+
+# ---------------------------------------------------------------------- vLLM, in process (own process)
+
+
+def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int) -> dict:
+    """Decode and first-token times of ``LLM(gguf)`` and the bytes its model holds."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_e2e import _weight_bytes  # bench/ on sys.path
+
+    t0 = time.time()
+    llm = LLM(str(gguf), dtype="bfloat16", max_model_len=MAX_LEN, enable_prefix_caching=False, seed=0)
+    load_s = time.time() - t0
+    wbytes = llm.apply_model(_weight_bytes)[0]
+
+    def timed(n: int, prompt: list[int]) -> float:
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+        assert len(out[0].outputs[0].token_ids) == n
+        return time.perf_counter() - t
+
+    short, long_ = prompt_ids(SHORT_PROMPT, 0), prompt_ids(long_prompt, 1)
+    timed(4, short), timed(1, long_)  # warm-up (compiles the decode and prefill graphs)
+    threads = torch.get_num_threads()
+    bw = read_bandwidth(threads)
+    rates, ttft = [], []
+    for _ in range(reps):
+        t1, tn = timed(1, short), timed(1 + new_tokens, short)
+        rates.append(new_tokens / (tn - t1))
+        ttft.append(timed(1, long_))
+    return dict(model=str(gguf), load_s=load_s, weight_bytes=wbytes, threads=threads, read_bw_gbs=bw,
+                decode_tok_s_all=rates, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
+                ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
+
+
+def step_bytes(w: dict) -> int:
+    """Bytes one decode step reads from a vLLM model whose ``_weight_bytes`` are ``w``."""
+    return w["linear"] + (w["lm_head"] or w["embedding"])
+
+
+# ---------------------------------------------------------------------- concurrent streams (HTTP)
+
+
+def post(url: str, body: dict, timeout: float = 1800) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def concurrent(send: Callable[[int], int], streams: int) -> tuple[float, int]:
+    """Runs ``send(i)`` (one request, returns the tokens generated) for ``i < streams`` at once: (wall
+    seconds, tokens generated in all)."""
+    counts = [0] * streams
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            counts[i] = send(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {streams} requests failed: {errors[0]!r}")
+    return wall, sum(counts)
+
+
+def streams_rate(send: Callable[[int], int], streams: int, reps: int) -> dict:
+    """Total generated tokens/s of ``streams`` concurrent requests: one warm-up round, then ``reps``."""
+    concurrent(send, streams)
+    rates = []
+    for _ in range(reps):
+        wall, n = concurrent(send, streams)
+        rates.append(n / wall)
+    return dict(streams_tok_s_all=rates, streams_tok_s=statistics.median(rates), streams_tok_s_best=max(rates))
+
+
+def vllm_streams(gguf: Path, threads: int, streams: int, tokens: int, reps: int, log: Path) -> dict:
+    """``vllm serve gguf`` answering ``streams`` concurrent completions of ``tokens`` tokens."""
+    from aipc_kernels.testing.vllm_server import VllmServer, vllm_env
+
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    args = ["--dtype", "bfloat16", "--max-model-len", str(MAX_LEN), "--no-enable-prefix-caching",
+            "--max-num-seqs", str(max(streams, 8))]  # fmt: skip
+    with VllmServer(gguf, args, log, env=env) as srv:
+        srv.wait_ready(timeout=900)
+        model = post_json_get(srv.url + "/v1/models")["data"][0]["id"]
+
+        def send(i: int) -> int:
+            out = post(srv.url + "/v1/completions", dict(model=model, prompt=prompt_ids(SHORT_PROMPT, 10 + i),
+                                                         max_tokens=tokens, temperature=0.0, ignore_eos=True))  # fmt: skip
+            return int(out["usage"]["completion_tokens"])
+
+        return dict(streams_rate(send, streams, reps), server_start_s=srv.start_s, server_args=args,
+                    server_env=dict(VLLM_CPU_OMP_THREADS_BIND=env["VLLM_CPU_OMP_THREADS_BIND"]))  # fmt: skip
+
+
+def post_json_get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def llama_server_streams(gguf: Path, cache: Path, isa: str, threads: int, streams: int, tokens: int, reps: int,
+                         log: Path) -> dict:  # fmt: skip
+    """``llama-server --parallel streams`` answering the same requests on ``/completion``."""
+    from aipc_kernels.testing.vllm_server import free_port
+
+    port = free_port()
+    ctx = streams * (SHORT_PROMPT + tokens + 64)
+    cmd = [str(llamacpp.llamacpp_bin(cache, "llama-server", isa)), "-m", str(gguf), "-t", str(threads), "-tb",
+           str(threads), "--parallel", str(streams), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {log.read_text()[-1000:]}")
+            try:
+                if post_json_get(url + "/health").get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            if time.time() - t0 > 300:
+                raise RuntimeError("llama-server not ready after 300 s")
+            time.sleep(0.5)
+
+        def send(i: int) -> int:
+            out = post(url + "/completion", dict(prompt=prompt_ids(SHORT_PROMPT, 10 + i), n_predict=tokens,
+                                                 temperature=0.0, ignore_eos=True, cache_prompt=False))  # fmt: skip
+            return int(out["tokens_predicted"])
+
+        return dict(streams_rate(send, streams, reps), server_cmd=" ".join(cmd[1:]))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------- report
+
+
+def row_bytes(r: dict) -> int:
+    return step_bytes(r["weight_bytes"]) if "weight_bytes" in r else llamacpp.per_token_bytes(r["bytes"])
+
+
+def vs(r: dict, ref: Optional[dict], key: str, higher: bool) -> Optional[float]:
+    """How many times better ``r`` is than ``ref`` on ``key`` (a speed-up: > 1 is better)."""
+    if not ref or key not in r or key not in ref:
+        return None
+    return r[key] / ref[key] if higher else ref[key] / r[key]
+
+
+def report(rows: list[dict], meta: dict) -> str:
+    by = {r["row"]: r for r in rows}
+    bw = max(r["read_bw_gbs"] for r in rows)
+    S = meta["streams"]
+    lines = [f"| row | decode tok/s (median / best) | x llama-bench | first token, {meta['long_prompt']}-token prompt, s "
+             f"(median / best) | x llama-bench (speed-up) | {S} streams total tok/s (median / best) | x llama-server | "
+             "bytes read / token MB | decode bound tok/s | best % of bound | streams bound tok/s | resident MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        peer = by.get("llamacpp_" + r["qtype"].lower()) if r["side"] == "vllm" else None
+        db = row_bytes(r)
+        bound = llamacpp.bound_tok_s(bw, db)
+        resident = r["weight_bytes"]["total"] if "weight_bytes" in r else r["bytes"]["total"]
+
+        def cell(key: str, higher: bool) -> str:
+            x = vs(r, peer, key, higher)
+            return f"{x:.2f}" if x is not None else ""
+
+        st = (f"{r['streams_tok_s']:.1f} / {r['streams_tok_s_best']:.1f}" if "streams_tok_s" in r else "not run")
+        lines.append(f"| {r['label']} | {r['decode_tok_s']:.2f} / {r['decode_tok_s_best']:.2f} | {cell('decode_tok_s', True)} | "
+                     f"{r['ttft_s']:.3f} / {r['ttft_s_best']:.3f} | {cell('ttft_s', False)} | {st} | "
+                     f"{cell('streams_tok_s', True)} | {db / 1e6:.0f} | {bound:.1f} | "
+                     f"{100 * r['decode_tok_s_best'] / bound:.0f}% | {S * bound:.0f} | {resident / 1e6:.0f} |")  # fmt: skip
+    lines += ["", "## Targets (medians; vLLM row against the llama.cpp row of the same file)", ""]
+    for t in TYPES:
+        mine, peer = by.get(f"vllm_{t.lower()}"), by.get(f"llamacpp_{t.lower()}")
+        if not mine or not peer:
+            lines.append(f"- {t}: not measured ({'vLLM' if not mine else 'llama.cpp'} row did not run)")
+            continue
+        for what, key, higher, need in TARGETS:
+            x = vs(mine, peer, key, higher)
+            lines.append(f"- {t}, {what}: " + ("not measured" if x is None else
+                                               f"{x:.2f}x, **{'met' if x >= need else 'not met'}**"))  # fmt: skip
+    lines += ["", "Details:"]
+    for r in rows:
+        d = (f"- {r['row']}: decode over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}; first token "
+             f"{', '.join(f'{x:.3f}' for x in r['ttft_s_all'])} s; streams {', '.join(f'{x:.1f}' for x in r.get('streams_tok_s_all', []))}")  # fmt: skip
+        if "weight_bytes" in r:
+            d += f"; load {r['load_s']:.0f} s; server start {r.get('server_start_s') or 0:.0f} s; {r['threads']} threads"
+        else:
+            b = r["bytes"]
+            d += (f"; linear types {', '.join(b['linear_types'])}, output projection {b['output_type']}; {r['build']}; "
+                  f"`-t {r['threads']}`; `{r.get('server_cmd', '')}`")  # fmt: skip
+        if r.get("streams_error"):
+            d += f"; streams failed: {r['streams_error']}"
+        lines.append(d)
+    if meta["skipped"]:
+        lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items())]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = BenchParser("gguf_speed", __doc__.split("\n\n")[0], ROWS, what="rows")
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--long-prompt", type=int, default=512)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="every row's threads (default: all cores)")
+    ap.add_argument("--no-streams", action="store_true", help="skip the concurrent-streams measurement")
+    llamacpp.add_arguments(ap)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.long_prompt + 2 > MAX_LEN:
+        ap.error(f"--long-prompt {args.long_prompt}: at most {MAX_LEN - 2} (the served max_model_len is {MAX_LEN})")
+
+    if args.worker:
+        res = vllm_worker(Path(args.worker), args.new_tokens, args.reps, args.long_prompt)
+        print(RESULT_PREFIX + json.dumps(res), flush=True)
+        return
+
+    cache = args.llamacpp_cache.expanduser()
+    with bench_lock(enabled=not args.no_lock):
+        info = machine_info()
+        import vllm_e2e
+
+        bf16 = vllm_e2e.checkpoints(args.preset, set())["bf16"]
+        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa)
+        if no_llama:
+            sys.exit(f"llama.cpp is needed to make the GGUFs: {no_llama}")
+        want = sorted({qtype(r) for r in args.rows}, key=TYPES.index)
+        files = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(bf16, stage), cache, want, bf16.name,
+                               args.llamacpp_isa)  # fmt: skip
+        rows, skipped = [], {}
+        logs = Path(os.environ.get("TMPDIR", "/tmp"))
+        for name in ROWS:
+            if name not in args.rows:
+                continue
+            t = qtype(name)
+            side = name.split("_")[0]
+            gguf = files[t]
+            print(f"[{name}] {gguf} ...", flush=True)
+            if side == "vllm":
+                cmd = [sys.executable, __file__, "--worker", str(gguf), "--new-tokens", str(args.new_tokens),
+                       "--reps", str(args.reps), "--long-prompt", str(args.long_prompt)]  # fmt: skip
+                env = dict(os.environ, **VLLM_ENV, OMP_NUM_THREADS=str(args.threads))
+                row, reason = run_worker(name, cmd, env)
+                if row is None:
+                    skipped[name] = reason
+                    continue
+                label = f"vLLM + vllm_lowbit, {t} GGUF"
+            else:
+                try:
+                    row = llamacpp.run_row(gguf, cache, args.threads, args.new_tokens, args.reps, args.long_prompt,
+                                           args.reps, args.llamacpp_isa)  # fmt: skip
+                except (RuntimeError, ValueError) as e:
+                    skipped[name] = f"failed: {str(e)[:300]}"
+                    continue
+                label = f"llama.cpp {t} (llama-bench / llama-server)"
+            row.update(row=name, side=side, qtype=t, label=label)
+            if not args.no_streams:
+                log = logs / f"gguf_speed_{name}.log"
+                try:
+                    if side == "vllm":
+                        row.update(vllm_streams(gguf, args.threads, args.streams, args.stream_tokens, args.reps, log))
+                    else:
+                        row.update(llama_server_streams(gguf, cache, args.llamacpp_isa, args.threads, args.streams,
+                                                        args.stream_tokens, args.reps, log))  # fmt: skip
+                except (RuntimeError, OSError) as e:
+                    row["streams_error"] = str(e)[-500:]
+            rows.append(row)
+            print(f"[{name}] decode {row['decode_tok_s']:.2f} tok/s, first token {row['ttft_s']:.3f} s, streams "
+                  f"{row.get('streams_tok_s', float('nan')):.1f} tok/s", flush=True)  # fmt: skip
+        if not rows:
+            sys.exit("no row ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        import torch
+        import vllm
+
+        from aipc_kernels import native
+
+        meta = dict(software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}, llama.cpp from llama-cpp-python "
+                             f"{llamacpp.LLAMA_CPP_PYTHON} ({args.llamacpp_isa} build)",
+                    isa=native.get_isa() if native.available() else "none", aipc_isa_env=os.environ.get("AIPC_ISA"),
+                    preset=args.preset, threads=args.threads,
+                    new_tokens=args.new_tokens, long_prompt=args.long_prompt, streams=args.streams,
+                    stream_tokens=args.stream_tokens, reps=args.reps, skipped=skipped,
+                    ggufs={k: str(v) for k, v in files.items()})  # fmt: skip
+        notes = (f"{meta['software']}; our native ISA {meta['isa']}"
+                 f"{' (forced with AIPC_ISA)' if meta['aipc_isa_env'] else ''}. Model: random Llama, `{args.preset}` geometry, "
+                 f"converted by llama.cpp's convert_hf_to_gguf.py (bf16) and quantized by llama-quantize. Every row on "
+                 f"{args.threads} threads. Decode: {args.new_tokens} tokens after a {SHORT_PROMPT}-token prompt, batch 1. "
+                 f"Streams: {args.streams} concurrent requests of a {SHORT_PROMPT}-token prompt and {args.stream_tokens} "
+                 f"generated tokens each, over HTTP (vllm serve /v1/completions; llama-server /completion), one warm-up "
+                 f"round then {args.reps}. Median of {args.reps}.")  # fmt: skip
+        write_results(args.out, args.name, "GGUF speed: vLLM + vllm_lowbit against llama.cpp on the same files", info,
+                      rows, report(rows, meta), notes, extra=dict(meta=meta))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
