@@ -47,7 +47,10 @@ Recipe (everything fixed, nothing downloaded):
 Sections (``--rows``): ``weights``: every code book x group (32, 64, 128, row) x quantizer (rtn,
 optimized), float activations, bf16 head; ``activations``: A16 / A8 per token / A8 per 64-group for
 2-bit and 4-bit formats; ``head``: the output projection bf16 / int8 / lowbit (2-bit and 4-bit) with
-bf16 linears and with the plugins' default linears. ``--smoke``: a tiny model, a few steps, a few
+bf16 linears and with the plugins' default linears; ``gguf`` (real models): the file's own linears (as
+published) and lowbit4 int4 / affine4 / e0m4 and lowbit2 affine g64 re-quantized from them, each with
+A8 per token and per group (32 for the file's own: llama.cpp's, the GGUF serving default; 64, the
+weight group, for the re-quantized ones), float and int8 output projection. ``--smoke``: a tiny model, a few steps, a few
 files (seconds on a CPU; checks the script, measures nothing).
 """
 from __future__ import annotations
@@ -79,7 +82,7 @@ from aipc_kernels.quantizers import quantize_activations, quantize_weight
 from aipc_kernels.registry_models import MODELS as REGISTRY_MODELS
 from harness import BenchParser, bench_lock, gpu_info, machine_info, markdown_table, write_results  # bench/ on sys.path
 
-SECTIONS = ("weights", "activations", "head")
+SECTIONS = ("weights", "activations", "head", "gguf")
 GROUPS = (32, 64, 128, -1)  # -1: one group per row
 QUANTIZERS = ("rtn", "optimized")
 SCALE_DTYPE = torch.float16  # the plugins' default scale_dtype
@@ -317,7 +320,12 @@ class Row:
 
 def act_group(act: str) -> Optional[int]:
     """The ``quantize_activations`` group of an activation setting (None: per token), or -1 for A16."""
-    return {"A16": -1, "A8 token": None, "A8 g64": 64}[act]
+    return {"A16": -1, "A8 token": None, "A8 g64": 64, "A8 g32": 32}[act]
+
+
+#: the ``gguf`` section's linears: as published (None: the file's own values), and re-quantized from them
+GGUF_WEIGHTS = (None, WFmt("int4", 64, "optimized"), WFmt("affine4", 64, "optimized"), WFmt("e0m4", 64, "optimized"),
+                WFmt("affine", 64, "optimized"))
 
 
 def rows_for(sections: list[str]) -> list[Row]:
@@ -337,6 +345,10 @@ def rows_for(sections: list[str]) -> list[Row]:
                                                              ("lowbit", four))]
         for w in (two, four):  # the plugins' default linears (affine g64, A8 per token), and 4-bit ones
             rows += [Row("head", w, "A8 token", h, w if h == "lowbit" else None) for h in ("bf16", "int8", "lowbit")]
+    if "gguf" in sections:  # a GGUF as published (the float row's weights) against re-quantizing it (issue 38)
+        for w in GGUF_WEIGHTS:
+            per_group = "A8 g32" if w is None else "A8 g64"  # the kernels' activation groups span whole weight groups
+            rows += [Row("gguf", w, a, h) for a in ("A8 token", per_group) for h in ("bf16", "int8")]
     return rows
 
 
@@ -434,7 +446,7 @@ class Evaluator:
         for n in self.names:
             lin = self.model.get_submodule(n)
             lin.weight.data = deq[n]
-            if row.weights and row.act != "A16":
+            if row.act != "A16":
                 hooks.append(lin.register_forward_pre_hook(lambda m, a, act=row.act: (fake_quant_act(a[0], act),)))
         head_lw = None
         if row.head == "bf16":

@@ -159,7 +159,17 @@ def tables(model: str, rows: list[dict]) -> str:
     if h:
         body = [dict(weights=r["weights"], act=r["act"], head=r["head"], **_line(r, ref)) for r in h]
         parts.append(f"### {model}: output projection\n\n" + markdown_table(body, list(body[0])))
+    g = [r for r in rows if r["section"] == "gguf"]
+    if g:
+        body = [dict(linears=published(r), act=r["act"], head=r["head"], **_line(r, ref)) for r in g]
+        parts.append(f"### {model}: the GGUF as published against re-quantized (A8 per token / per group: 32 for the "
+                     f"file's own, 64 for the re-quantized; float / int8 output projection)\n\n" + markdown_table(body, list(body[0])))
     return "\n\n".join(parts)
+
+
+def published(r: dict) -> str:
+    """A row's linears: ``as published`` for the file's own values, else the re-quantized format."""
+    return "as published (GGUF)" if r["weights"] == "bf16" else r["weights"] + " (re-quantized)"
 
 
 def conclusions(model: str, rows: list[dict]) -> list[str]:
@@ -199,6 +209,16 @@ def conclusions(model: str, rows: list[dict]) -> list[str]:
         if tok:
             out.append(f"{weights}: A16 {d(find('activations', weights))}, A8 per token {d(tok)}"
                        + (f", A8 per 64-group {d(grp)}" if grp else "") + ".")
+    g = [r for r in rows if r["section"] == "gguf"]
+    if g:
+        pub = find("gguf", "bf16", "A8 g32")
+        out.append(f"GGUF as published (A8 per 32-group into the linears, the file's output projection on float "
+                   f"activations): {d(pub)}; "
+                   f"A8 per token {d(find('gguf', 'bf16', 'A8 token'))}; with an int8 output projection (A8 per 32) "
+                   f"{d(find('gguf', 'bf16', 'A8 g32', 'int8'))}. Re-quantized from it (A8 per 64-group, float output "
+                   f"projection): " + "; ".join(f"{w} {d(find('gguf', w, 'A8 g64'))}" for w in
+                                              ("affine4 g64 optimized", "int4 g64 optimized", "e0m4 g64 optimized",
+                                               "affine g64 optimized")) + ".")  # fmt: skip
     i8 = next((r for r in rows if r["section"] == "head" and r["weights"] == "bf16" and r["head"] == "int8"), None)
     if i8:
         out.append(f"Output projection int8 per output channel with float linears: {d(i8)}.")
