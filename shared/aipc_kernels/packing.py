@@ -9,7 +9,7 @@ operand of one VNNI dot product against four broadcast int8 activations (the pap
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -82,6 +82,11 @@ class PackedLowBit:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to(self, device: torch.device | str) -> "PackedLowBit":
+        """The same weight with its tensors on ``device``."""
+        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
+                       zeros=None if self.zeros is None else self.zeros.to(device))  # fmt: skip
 
 
 def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:

@@ -74,11 +74,7 @@ def _gguf_weight(qtype, N: int, K: int, seed: int):
     w = gf.relayout(raw, qtype, (N, K), "w")
     assert w.codebook == gf.LOWBIT_TYPES[qtype][0] and w.group_size == gf.LOWBIT_TYPES[qtype][1]
     assert w.scales.dtype == (torch.float32 if qtype in K_QUANTS else torch.float16)
-    p = packing.pack_for_triton(w)
-    on = packing.PackedLowBit(
-        p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None if p.zeros is None else p.zeros.to(DEVICE),
-        p.codebook, p.group_size, p.out_features, p.in_features,
-    )  # fmt: skip
+    on = packing.pack_for_triton(w).to(DEVICE)
     return w, on
 
 
@@ -133,9 +129,7 @@ def test_min_form_wide_groups_and_whole_rows(codebook, group):
     N, K = 21, 256
     w = quantize_rtn(torch.randn(N, K, generator=torch.Generator().manual_seed(5)), codebook, group)
     w = type(w)(w.qweight, w.scales.float(), w.zeros.float(), w.codebook, w.group_size, w.in_features)
-    p = packing.pack_for_triton(w)
-    p = packing.PackedLowBit(p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), p.zeros.to(DEVICE), p.codebook,
-                             p.group_size, p.out_features, p.in_features)  # fmt: skip
+    p = packing.pack_for_triton(w).to(DEVICE)
     for M, cfgs in ((1, CONFIGS[1][1:2]), (4, [dict(GROUP, BLOCK_N=16, SPLIT_K=2)]), (18, [dict(GROUP, WA=0, BLOCK_M=32)])):
         x = torch.randn(M, K)
         ref = ops.reference_linear_w8(x, w)

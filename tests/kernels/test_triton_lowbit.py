@@ -49,11 +49,7 @@ def _no_tuning(tmp_path, monkeypatch):
 def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
     g = torch.Generator().manual_seed(seed)
     w = quantize_rtn(torch.randn(N, K, generator=g), codebook, group, scale_dtype=scale_dtype)
-    p = packing.pack_for_triton(w)
-    on = packing.PackedLowBit(
-        p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None if p.zeros is None else p.zeros.to(DEVICE),
-        p.codebook, p.group_size, p.out_features, p.in_features,
-    )  # fmt: skip
+    on = packing.pack_for_triton(w).to(DEVICE)
     return w, on
 
 
@@ -699,11 +695,7 @@ def _cancelling(N, K, G, codebook, seed):
         return LowBitWeight(pack_codes((lv + z).to(torch.uint8), cb.bits), scales, zeros, codebook, span, K)
 
     w = weight(levels)
-    p = packing.pack_for_triton(w)
-    on = packing.PackedLowBit(
-        p.layout, p.qweight.to(DEVICE), p.scales.to(DEVICE), None if zeros is None else p.zeros.to(DEVICE),
-        p.codebook, p.group_size, N, K,
-    )  # fmt: skip
+    on = packing.pack_for_triton(w).to(DEVICE)
     return w, weight(levels.abs()), on
 
 
