@@ -109,7 +109,7 @@ def test_pipeline_on_a_tiny_llama(tiny_model, tmp_path):
     src = tiny_model("llama", hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2)
     cache = tmp_path / "llamacpp"  # the built tools, fresh GGUFs
     cache.mkdir()
-    for d in ("src", "build"):
+    for d in ("src", llamacpp.build_dir(llamacpp.DEFAULT_CACHE).name):
         (cache / d).symlink_to(llamacpp.DEFAULT_CACHE / d)
     gguf = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(src, stage), cache, ["Q4_0"], src.name)["Q4_0"]
     assert gguf.exists() and not (gguf.parent / "hf").exists()
@@ -129,8 +129,11 @@ def test_pipeline_on_a_tiny_llama(tiny_model, tmp_path):
 
 def test_builds_per_instruction_set(tmp_path):
     """Each forced instruction set builds into a folder of its own, with GGML_NATIVE off and AVX-512 off,
-    and the hint a user copies says the same; an unknown one is refused naming the choices."""
-    assert llamacpp.build_dir(tmp_path) == tmp_path / "build"
+    and the hint a user copies says the same; the native build is per CPU (a cache moved to another CPU
+    builds again); an unknown one is refused naming the choices."""
+    key = llamacpp.cpu_key()
+    assert len(key) == 12 and int(key, 16) >= 0 and key == llamacpp.cpu_key()
+    assert llamacpp.build_dir(tmp_path) == tmp_path / f"build-native-{key}"
     assert llamacpp.llamacpp_bin(tmp_path, "llama-bench", "avx2") == tmp_path / "build-avx2" / "bin" / "llama-bench"
     assert not llamacpp.llamacpp_ready(tmp_path, "avx_vnni")
     hint = llamacpp.build_hint(tmp_path, "avx_vnni")
