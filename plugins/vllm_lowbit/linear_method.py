@@ -47,7 +47,7 @@ from vllm.model_executor.parameter import (
 )
 
 import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
-from aipc_kernels.formats import LowBitWeight, fitting_group_size, get_codebook, resolve_group_size
+from aipc_kernels.formats import FILE_GROUP_SIZES, LowBitWeight, fitting_group_size, get_codebook, resolve_group_size
 from aipc_kernels import packing
 from aipc_kernels.grid_detect import GridWeight, detect_grid, recovered_summary
 from aipc_kernels.output_projection import quantize_output_projection
@@ -76,12 +76,10 @@ def effective_group_size(config: QuantizationConfig, layer: torch.nn.Module, k_p
     per (K, group), and -1 stays -1 (the quantizers' spelling of one group per row); a checkpoint's
     tensors fix their group, so it is never refitted."""
     try:
-        if not fit and config.group_size == 16:  # a GGUF conversion's K-quant sub-blocks (formats.FILE_GROUP_SIZES)
-            if k_part % 32:
-                raise ValueError(f"group_size=16 needs in_features K a multiple of 32, got K={k_part}")
-            G = 16
-        else:
-            G = fitting_group_size(config.group_size, k_part) if fit else resolve_group_size(config.group_size, k_part)
+        # a checkpoint's stored groups (a GGUF conversion's K-quant sub-blocks of 16 too; the config refuses
+        # them in any other checkpoint)
+        G = (fitting_group_size(config.group_size, k_part) if fit
+             else resolve_group_size(config.group_size, k_part, FILE_GROUP_SIZES))  # fmt: skip
     except ValueError as e:
         tp = "" if k_part == layer.input_size else f" (this tensor-parallel rank holds K={k_part} of {layer.input_size})"
         raise ValueError(

@@ -129,12 +129,14 @@ def get_codebook(name: str) -> Codebook:
         raise ValueError(f"codebook={name!r} is unknown; use one of {sorted(CODEBOOKS)}") from None
 
 
-def resolve_group_size(group_size: int, in_features: int) -> int:
-    """Validates ``group_size`` for a row of ``in_features`` and returns the effective size."""
+def resolve_group_size(group_size: int, in_features: int, sizes: tuple[int, ...] = GROUP_SIZES) -> int:
+    """Validates ``group_size`` for a row of ``in_features`` and returns the effective size. ``sizes``: the
+    groups accepted (:data:`GROUP_SIZES` for quantizing; :data:`FILE_GROUP_SIZES` for stored weights,
+    which include GGUF's K-quant sub-blocks of 16)."""
     if group_size == -1:
         group_size = in_features
-    elif group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size={group_size} is not supported; use one of {GROUP_SIZES} or -1 (whole row)")
+    elif group_size not in sizes:
+        raise ValueError(f"group_size={group_size} is not supported; use one of {sizes} or -1 (whole row)")
     if in_features % group_size:
         raise ValueError(
             f"group_size={group_size} does not divide in_features K={in_features}; "
@@ -235,12 +237,11 @@ class LowBitWeight:
         """Checks shapes and dtypes; the error names the tensor and what was expected."""
         cb = get_codebook(self.codebook)
         N, K, G = self.qweight.shape[0], self.in_features, self.group_size
-        if G == 16 and G != K:  # GGUF's K-quant sub-blocks
-            if K % 32 or cb.bits == 1:
-                raise ValueError(f"{name}: group_size=16 needs codes of 2 bits or more and K a multiple of 32 "
-                                 f"(got {cb.bits}-bit codebook {self.codebook!r}, K={K})")  # fmt: skip
-        elif G != K:
-            resolve_group_size(G, K)
+        if G == 16 and G != K and cb.bits == 1:  # GGUF's K-quant sub-blocks: 2-bit codes or wider
+            raise ValueError(f"{name}: group_size=16 needs codes of 2 bits or more (got {cb.bits}-bit codebook "
+                             f"{self.codebook!r})")  # fmt: skip
+        if G != K:
+            resolve_group_size(G, K, FILE_GROUP_SIZES)
         elif K % 32:
             raise ValueError(f"{name}: in_features K={K} must be a multiple of 32 for low-bit packing")
         expect = {
