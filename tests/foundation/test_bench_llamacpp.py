@@ -91,13 +91,20 @@ def test_per_token_bytes_and_bound():
 def test_vllm_e2e_targets():
     import vllm_e2e
 
-    row = lambda name, med, best: dict(variant=name, decode_tok_s=med, decode_tok_s_best=best)  # noqa: E731
-    rows = [row("bf16", 11.35, 11.64), row("lowbit2", 39.28, 39.87), row("lowbit4_gptq", 36.33, 37.87),
-            row("llamacpp_q4_0", 29.0, 30.0)]  # fmt: skip
+    def row(name, med, best, first=None, first_long=None):
+        return dict(variant=name, decode_tok_s=med, decode_tok_s_best=best, prefill_32_s=first, prefill_long_s=first_long)
+
+    rows = [row("bf16", 11.35, 11.64), row("lowbit2", 39.28, 39.87, 0.25, 4.0), row("lowbit4_gptq", 36.33, 37.87),
+            row("llamacpp_q4_0", 29.0, 30.0), row("llamacpp_tq2_0", 30.0, 31.0, 0.3, 3.2)]  # fmt: skip
     lines = vllm_e2e.targets(rows)
-    assert lines == ["- lowbit4 (lowbit4_gptq row) >= 1.3x llama.cpp Q4_0 decode: 1.25x (best 1.26x), **not met**",
-                     "- lowbit2 >= 3x vLLM bf16 decode: 3.46x (best 3.43x), **met**"]  # fmt: skip
-    assert vllm_e2e.targets(rows[:2])[0].endswith("not measured (lowbit4_gptq, llamacpp_q4_0 did not run)")
+    assert lines[:3] == ["- lowbit4 (lowbit4_gptq row) >= 1.3x llama.cpp Q4_0 decode: 1.25x (best 1.26x), **not met**",
+                         "- lowbit2 >= 3x vLLM bf16 decode: 3.46x (best 3.43x), **met**",
+                         "- lowbit2 >= 1.2x llama.cpp TQ2_0 decode: 1.31x (best 1.29x), **met**"]  # fmt: skip
+    # first token: the reference's seconds over the row's (>= 1: not slower); a row without the measure is named
+    assert "0.250 s against 0.300 s, 1.20x, **met**" in lines[4]
+    assert "4.000 s against 3.200 s, 0.80x, **not met**" in lines[5]
+    assert lines[6].endswith("not measured (lowbit4_gptq, llamacpp_q4_0 did not run or has no prefill_32_s)")
+    assert vllm_e2e.targets(rows[:2])[0].endswith("not measured (lowbit4_gptq, llamacpp_q4_0 did not run or has no decode_tok_s)")
     assert {"llamacpp_q4_0", "llamacpp_q4_k_m", "llamacpp_tq2_0"} <= set(vllm_e2e.VARIANTS)
 
 

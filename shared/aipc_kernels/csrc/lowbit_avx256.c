@@ -21,21 +21,66 @@
                            : _mm256_castsi256_ps(_mm256_slli_epi32(                                            \
                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i)))), 16)))
 
+/* Writes 16 outputs of token m from two 8-lane halves: acc * outs[m] + bias, in the output dtype, as
+ * store_block does it lane by lane (bf16 rounded to nearest even, NaN kept; fp16 by F16C, as the AVX-512
+ * kernels); a tail block of fewer than 16 rows goes through store_block. */
+static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store_block256(const lowbit_args *a,
+                                                                                       int64_t m, int64_t nb,
+                                                                                       const __m256 *acc) {
+    const int64_t n0 = nb * BLOCK_N;
+    if (a->N - n0 < BLOCK_N) {
+        float buf[BLOCK_N];
+        _mm256_storeu_ps(buf, acc[0]);
+        _mm256_storeu_ps(buf + 8, acc[1]);
+        store_block(a, m, n0, buf);
+        return;
+    }
+    const __m256 o = _mm256_set1_ps(a->outs[m]);
+    for (int h = 0; h < 2; h++) {
+        __m256 v = _mm256_mul_ps(acc[h], o);
+        if (a->bias) v = _mm256_add_ps(v, a->out_dt == AIPC_DT_F32 ? _mm256_loadu_ps((const float *)a->bias + n0 + 8 * h)
+                                                                   : LOAD8_SCALES(a->bias, n0 + 8 * h, a->out_dt));
+        const int64_t off = m * a->N + n0 + 8 * h;
+        if (a->out_dt == AIPC_DT_F32) {
+            _mm256_storeu_ps((float *)a->y + off, v);
+        } else if (a->out_dt == AIPC_DT_F16) {
+            _mm_storeu_si128((__m128i *)((uint16_t *)a->y + off), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+            const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+            r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* the 8 low halves in order */
+            _mm_storeu_si128((__m128i *)((uint16_t *)a->y + off), _mm256_castsi256_si128(r));
+        }
+    }
+}
+
+#define TILE_M 8 /* tokens per tile: 8 accumulators + the planes of one half fit the 16 ymm registers */
 #define TILE_FN block_avxvnni_tile
+#define CHUNK_HALF_FN chunk_half_avxvnni
+#define GROUP_HALF_FN group_half_avxvnni
 #define BLOCK_FN block_avxvnni
 #define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
 #define DOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #define DOT8(acc, w, x) DOT(acc, w, x)
 #define DOT8_LEVELS 0
+#define SUM16 0
 #include "lowbit_avx256_tile.inc"
 #undef TILE_FN
+#undef CHUNK_HALF_FN
+#undef GROUP_HALF_FN
 #undef BLOCK_FN
 #undef TARGET
 #undef DOT
 #undef DOT8
 #undef DOT8_LEVELS
+#undef SUM16
 
 #define TILE_FN block_avx2_tile
+#define CHUNK_HALF_FN chunk_half_avx2
+#define GROUP_HALF_FN group_half_avx2
 #define BLOCK_FN block_avx2
 #define TARGET __attribute__((target("avx2,f16c,fma")))
 #define DOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones16))
@@ -44,11 +89,15 @@
                                                                  _mm256_sign_epi8(x, _mm256_xor_si256(w, sign8))), \
                                             ones16))
 #define DOT8_LEVELS 1
+#define SUM16 1
 #include "lowbit_avx256_tile.inc"
 #undef TILE_FN
+#undef CHUNK_HALF_FN
+#undef GROUP_HALF_FN
 #undef BLOCK_FN
 #undef TARGET
 #undef DOT
 #undef DOT8
 #undef DOT8_LEVELS
+#undef SUM16
 #endif /* AIPC_X86 */
