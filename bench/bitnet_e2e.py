@@ -367,7 +367,7 @@ def main() -> None:
     cache = args.llamacpp_cache.expanduser()
     skipped: dict[str, str] = {name: "not asked for (--rows)" for name in ROWS if name not in args.rows}
     want_llama = [n for n in args.rows if ROWS[n]["kind"] == "llamacpp"]
-    not_built = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa) if want_llama else None
+    not_built = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa, llamacpp.BENCH_TOOLS) if want_llama else None
     if not_built:
         skipped.update({n: not_built for n in want_llama})
         want_llama = []

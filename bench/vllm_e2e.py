@@ -450,7 +450,7 @@ def main() -> None:
         info = machine_info()
         paths = checkpoints(args.preset, {VARIANTS[name]["model"] for name in args.rows})
         want_llama = [n for n in args.rows if VARIANTS[n].get("kind") == "llamacpp"]
-        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa) if want_llama else None
+        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa, llamacpp.BENCH_TOOLS) if want_llama else None
         files: dict[str, Path] = {}
         if want_llama and not no_llama:  # the bf16 model through llama.cpp's converter and quantizer (cached)
             try:

@@ -56,8 +56,10 @@ def llamacpp_src(cache: Path) -> Path:
     return cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
-#: the tools every bench may run (llama-server needs LLAMA_BUILD_SERVER=ON)
+#: the tools every bench may run (llama-server needs LLAMA_BUILD_SERVER=ON); a build makes them all
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity", "llama-server")
+#: what the decode benches (vllm_e2e, bitnet_e2e) run: a build folder made before the other tools were added serves them
+BENCH_TOOLS = ("llama-bench", "llama-quantize")
 
 
 def cpu_key() -> str:
@@ -93,8 +95,8 @@ def build_hint(cache: Path, isa: str = "native") -> str:
             f"nice -n 10 cmake --build {build} -j2 --target {' '.join(TOOLS)}")  # fmt: skip
 
 
-def llamacpp_ready(cache: Path, isa: str = "native") -> bool:
-    return all(llamacpp_bin(cache, t, isa).exists() for t in TOOLS) and \
+def llamacpp_ready(cache: Path, isa: str = "native", tools: tuple = TOOLS) -> bool:
+    return all(llamacpp_bin(cache, t, isa).exists() for t in tools) and \
         (llamacpp_src(cache) / "convert_hf_to_gguf.py").exists()
 
 
@@ -119,10 +121,10 @@ def build_llamacpp(cache: Path, isa: str = "native") -> None:
                            "--target", *TOOLS], check=True)  # fmt: skip
 
 
-def ensure_built(cache: Path, build: bool, isa: str = "native") -> Optional[str]:
-    """None when llama.cpp is (or, with ``build``, has just been) built in ``cache`` for ``isa``; otherwise
-    prints how to build it and returns the reason its rows are skipped."""
-    if llamacpp_ready(cache, isa):
+def ensure_built(cache: Path, build: bool, isa: str = "native", tools: tuple = TOOLS) -> Optional[str]:
+    """None when llama.cpp's ``tools`` are (or, with ``build``, have just been) built in ``cache`` for ``isa``;
+    otherwise prints how to build it and returns the reason its rows are skipped."""
+    if llamacpp_ready(cache, isa, tools):
         return None
     if build:
         build_llamacpp(cache, isa)
