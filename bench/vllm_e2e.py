@@ -8,7 +8,7 @@ where lowbit2's decode time goes.
     python bench/vllm_e2e.py --preset llama-150m --rows 'llamacpp*' --new-tokens 8 --reps 1 --out /tmp/v
 
 The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lowbit4_gptq``,
-``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_omp_active`` (OpenMP threads spinning between regions, as llama.cpp's pool polls), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
@@ -63,6 +63,9 @@ VARIANTS = {
     "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8) through the general op "
                                     "(AIPC_PLANNED_OPS=0: operands checked in Python per call)", model="lowbit2", llm={},
                                env=dict(AIPC_PLANNED_OPS="0")),
+    "lowbit2_omp_active": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), OMP_WAIT_POLICY=ACTIVE "
+                                    "(OpenMP threads spin between parallel regions instead of sleeping)", model="lowbit2",
+                               llm={}, env=dict(OMP_WAIT_POLICY="ACTIVE")),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},
