@@ -76,7 +76,6 @@ VARIANTS = {
     "llamacpp_tq2_0": dict(label="llama.cpp TQ2_0", model="bf16", kind="llamacpp", qtype="TQ2_0"),
 }  # fmt: skip
 PROMPT = 32  # the prompt's tokens (vLLM rows) = llama-bench's -p for the first-token figure
-# the issue's targets: (what, row, reference row, ratio of decode tokens/s to reach)
 # the issues' targets: (what, row, reference row, ratio to reach, measure): decode tokens/s of the row over the
 # reference's, or (first-token measures) the reference's first-token seconds over the row's: >= 1 is not slower
 TARGETS = (("lowbit4 (lowbit4_gptq row) >= 1.3x llama.cpp Q4_0 decode", "lowbit4_gptq", "llamacpp_q4_0", 1.3, "decode_tok_s"),
@@ -310,8 +309,9 @@ def fmt_s(v: Optional[float]) -> str:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """One line per target of ``TARGETS``: the measured ratio of median decode tokens/s (best of the
-    repetitions in parentheses) and met / not met on the median, or which row did not run."""
+    """One line per target of ``TARGETS``: the measured ratio on the medians (decode tokens/s with the best
+    repetitions' ratio in parentheses; first-token seconds with both rows' times) and met / not met, or which
+    row did not run or lacks the measure."""
     by = {r["variant"]: r for r in rows}
     out = []
     for what, row, ref, need, measure in TARGETS:

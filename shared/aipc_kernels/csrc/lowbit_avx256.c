@@ -38,8 +38,7 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
     const __m256 o = _mm256_set1_ps(a->outs[m]);
     for (int h = 0; h < 2; h++) {
         __m256 v = _mm256_mul_ps(acc[h], o);
-        if (a->bias) v = _mm256_add_ps(v, a->out_dt == AIPC_DT_F32 ? _mm256_loadu_ps((const float *)a->bias + n0 + 8 * h)
-                                                                   : LOAD8_SCALES(a->bias, n0 + 8 * h, a->out_dt));
+        if (a->bias) v = _mm256_add_ps(v, LOAD8_SCALES(a->bias, n0 + 8 * h, a->out_dt));
         const int64_t off = m * a->N + n0 + 8 * h;
         if (a->out_dt == AIPC_DT_F32) {
             _mm256_storeu_ps((float *)a->y + off, v);
@@ -83,7 +82,6 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define GROUP_HALF_FN group_half_avx2
 #define BLOCK_FN block_avx2
 #define TARGET __attribute__((target("avx2,f16c,fma")))
-#define DOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones16))
 #define DOT8(acc, w, x)                                                                                       \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, sign8)), \
                                                                  _mm256_sign_epi8(x, _mm256_xor_si256(w, sign8))), \
@@ -96,7 +94,6 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #undef GROUP_HALF_FN
 #undef BLOCK_FN
 #undef TARGET
-#undef DOT
 #undef DOT8
 #undef DOT8_LEVELS
 #undef SUM16
