@@ -185,24 +185,38 @@ def _signals_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _raise_for(signum: int, frame: Any) -> None:
+def _interruption(signum: int) -> BaseException:
+    """What a delivered SIGINT / SIGTERM raises: ``KeyboardInterrupt`` / ``SystemExit(128 + signum)``."""
     if signum == getattr(signal, "SIGINT", None):
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
+        return KeyboardInterrupt()
+    return SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
     """Inside the block, SIGTERM (and SIGINT, where it would kill the process) raise
     ``SystemExit(128 + signum)`` / ``KeyboardInterrupt`` in the main thread, so ``finally`` blocks
-    run; handlers an application installed are left alone; the previous ones come back after."""
+    run; handlers an application installed are left alone; the previous ones come back after.
+    Native code can swallow the handler's exception and fail with another one (torch turns it
+    into a ``ValueError``): any exception leaving the block after a signal arrived is re-raised
+    as that signal's interruption, so the process still ends as interrupted."""
     installed: dict[int, Any] = {}
+    received: list[int] = []
+
+    def _raise_for(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise _interruption(signum)
+
     if threading.current_thread() is threading.main_thread():
         for sig in _SIGNALS:
             if signal.getsignal(sig) is signal.SIG_DFL:
                 installed[sig] = signal.signal(sig, _raise_for)
     try:
         yield
+    except Exception as e:
+        if received:
+            raise _interruption(received[0]) from e
+        raise
     finally:
         with _signals_blocked():  # a signal arriving now is delivered to the restored handler
             for sig, handler in installed.items():

@@ -138,3 +138,30 @@ def test_running_writer_is_not_mistaken_for_a_leftover(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_signal_swallowed_by_native_code_still_ends_as_interrupted(tmp_path):
+    """torch can catch the handler's exception and raise a ValueError instead (seen mid-write in the
+    converter): the block still ends with SIGTERM's exit status, the staging directory removed."""
+    from aipc_kernels.atomic_output import signals_raise
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has an application handler here; signals_raise leaves it alone")
+
+    def swallowing_call() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a point where the handler runs
+        except BaseException:
+            pass
+        raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+
+    with pytest.raises(SystemExit) as e:
+        with atomic_output_dir(tmp_path / "out", **KW) as part:
+            (part / "a").write_text("1")
+            swallowing_call()
+    assert e.value.code == 128 + signal.SIGTERM and isinstance(e.value.__cause__, ValueError)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="no signal"):  # without a signal, the error is the error
+        with signals_raise():
+            raise ValueError("no signal")
