@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from aipc_kernels.config_schema import Naming, option, parse
 from aipc_kernels.segment_contract import SUPPORTED_DTYPES
+from aipc_kernels.weight_schemes import SCHEMES
 
 from .cache import DEFAULT_RESPONSE_STEP
 from . import fused_layers as fusion
 from .hook import install
+from . import weights as woq
 
 _PREVIOUS = "_aipc_segment_kv_previous_attn"
 NAMING = Naming("ipex_segment_kv.optimize", "python")
@@ -25,10 +27,14 @@ class OptimizeOptions:
     fuse_layers: bool = option(True, choices=(True, False))
     inplace: bool = option(True, choices=(True,), note="it would copy the weights; call optimize(model) "
                                                       "and undo(model) instead")  # fmt: skip
+    weights: Optional[str] = option(None, choices=(None, *SCHEMES), note="None keeps the float weights")
+    keep_float_weights: bool = option(False, choices=(True, False))
+    allow_2bit_ptq: bool = option(False, choices=(True, False))
 
 
 def optimize(
-    model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, fuse_layers: bool = True, inplace: bool = True
+    model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, fuse_layers: bool = True, inplace: bool = True,
+    weights: Optional[str] = None, keep_float_weights: bool = False, allow_2bit_ptq: bool = False,
 ) -> Any:
     """Switches a loaded transformers causal LM to the segment KV cache + fused segment SDPA for
     ``generate`` (beam search, sampling, greedy) and, with ``fuse_layers`` (the default), rewrites its
@@ -38,10 +44,17 @@ def optimize(
     (modified in place; ``inplace=False`` is refused rather than silently copying a model). Undo with
     :func:`undo`.
 
+    ``weights`` (``"int8"``, ``"int4"``, ``"lowbit2"``): quantizes every linear once, here
+    (:mod:`ipex_segment_kv.weights`; ``lowbit2`` on a trained model needs ``allow_2bit_ptq=True``); the
+    fused layers and the lm_head then run on ``aipc::lowbit_linear``. The float weights are released
+    unless ``keep_float_weights=True`` (then :func:`undo` restores them). What was quantized is in
+    ``model._aipc_segment_kv_weights``.
+
     Raises ValueError for architectures whose attention bypasses transformers' AttentionInterface and
     for dtypes the kernels do not support."""
-    options = parse(OptimizeOptions, dict(response_step=response_step, fuse_layers=fuse_layers, inplace=inplace),
-                    NAMING)  # fmt: skip
+    options = parse(OptimizeOptions, dict(response_step=response_step, fuse_layers=fuse_layers, inplace=inplace,
+                                          weights=weights, keep_float_weights=keep_float_weights,
+                                          allow_2bit_ptq=allow_2bit_ptq), NAMING)  # fmt: skip
     install()
     from .attention import ATTN_NAME
     from .generation import check_architecture
@@ -57,6 +70,9 @@ def optimize(
     if current != ATTN_NAME:
         setattr(model, _PREVIOUS, current)
         model.set_attn_implementation(ATTN_NAME)
+    if options.weights is not None:
+        woq.quantize_model(model, options.weights, keep_float_weights=options.keep_float_weights,
+                           allow_2bit_ptq=options.allow_2bit_ptq)  # fmt: skip
     model._aipc_segment_kv_step = options.response_step
     setattr(model, fusion.OPT_OUT, not options.fuse_layers)
     if options.fuse_layers:
@@ -69,13 +85,15 @@ def optimize(
 def undo(model: Any) -> Any:
     """Restores the attention implementation the model had before :func:`optimize` and the stock classes of
     the layers it rewrote (their modules and tensors were never changed: ``undo`` gives back the same
-    objects)."""
+    objects), and the float linears kept by ``optimize(weights=..., keep_float_weights=True)`` (without
+    them the linears stay quantized, with a warning)."""
     from .attention import ATTN_NAME
 
     previous = getattr(model, _PREVIOUS, None)
     if model.config._attn_implementation == ATTN_NAME:
         model.set_attn_implementation(previous or "sdpa")
     fusion.unfuse_layers(model)
+    woq.restore_float(model)
     for attr in (_PREVIOUS, "_aipc_segment_kv_step", fusion.OPT_OUT):
         if hasattr(model, attr):
             delattr(model, attr)

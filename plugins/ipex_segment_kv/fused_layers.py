@@ -6,7 +6,9 @@ A supported layer (Llama, Mistral, Qwen2, Qwen3, Phi-3: pre-norm RMSNorm, SiLU-g
 runs the fused layer: merged QKV and gate-up projections read from the layer's own weights, RMSNorm and
 SiLU x up in the projections' prologues, residuals in their epilogues, RoPE in one pass over q and k.
 The lm_head (a plain ``nn.Linear``) runs through ``aipc::dense_linear``. :func:`unfuse_layers` puts the
-stock classes back; no tensor is created or changed either way.
+stock classes back; no tensor is created or changed either way. A layer whose projections were all quantized
+by ``optimize(model, weights=...)`` (:mod:`ipex_segment_kv.weights`) runs the same fused forward on
+``aipc::lowbit_linear`` (:class:`aipc_kernels.fused_lowbit.LowBitProjection`, built once per layer).
 
 The fused forward falls back to the stock one when it cannot stand in for it: training or autograd,
 attention weights requested (``output_attentions``), a layer whose dtype differs from its input's.
@@ -22,6 +24,8 @@ from torch import nn
 
 from aipc_kernels.decoder_layer import DecoderLayerWeights, decoder_layer
 from aipc_kernels.dense_linear import dense_linear
+from aipc_kernels.fused_lowbit import LowBitProjection
+from aipc_kernels.modules import LowBitLinear
 
 #: model types whose decoder layers are rewritten (others keep their stock layers, without an error)
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -32,6 +36,8 @@ FUSION_REPORT = "_aipc_segment_kv_fusion"
 #: model attribute set by optimize(model, fuse_layers=False): generate leaves the layers stock
 OPT_OUT = "_aipc_segment_kv_no_fusion"
 _STOCK = "_aipc_stock_class"
+#: layer attribute: its LowBitProjection objects, by projection, when its linears are low-bit
+_PROJECTIONS = "_aipc_lowbit_projections"
 
 try:  # the collector of output_attentions / output_hidden_states (transformers 5.x)
     from transformers.utils.output_capturing import _active_collector
@@ -40,7 +46,12 @@ except ImportError:  # pragma: no cover - older transformers: no capture hooks t
 
 
 def _linear(module: Any) -> bool:
-    return type(module) is nn.Linear  # a quantized or otherwise replaced projection keeps the stock path
+    return type(module) is nn.Linear  # another quantized or replaced projection keeps the stock path
+
+
+def _lowbit(module: Any) -> bool:
+    """A linear quantized by ``optimize(model, weights=...)`` (int8 activations, the CPU layout)."""
+    return type(module) is LowBitLinear and module.activations == "int8"
 
 
 def _rms_norm(module: Any) -> bool:
@@ -61,8 +72,8 @@ def why_not_fused(layer: nn.Module, config: Any) -> Optional[str]:
     gate_up = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")] if hasattr(mlp, "gate_proj") else [
         getattr(mlp, "gate_up_proj", None)]  # fmt: skip
     projections = [*qkv, getattr(attn, "o_proj", None), *gate_up, getattr(mlp, "down_proj", None)]
-    if not all(_linear(p) for p in projections):
-        return "a projection is not a plain nn.Linear (quantized or replaced)"
+    if not (all(_linear(p) for p in projections) or all(_lowbit(p) for p in projections)):
+        return "its projections are not all plain nn.Linear or all aipc LowBitLinear (quantized otherwise or replaced)"
     if not all(_rms_norm(getattr(layer, n, None)) for n in ("input_layernorm", "post_attention_layernorm")):
         return "its norms are not RMSNorm"
     if getattr(config, "hidden_act", None) not in ("silu", "swish"):
@@ -72,18 +83,32 @@ def why_not_fused(layer: nn.Module, config: Any) -> Optional[str]:
     return None
 
 
+def _projections(layer: nn.Module, groups: dict[str, tuple[nn.Module, ...]]) -> dict[str, LowBitProjection]:
+    """The layer's low-bit projections, built once (merging their modules' storage) and again only when a
+    module's tensors were replaced."""
+    cached = getattr(layer, _PROJECTIONS, None)
+    if cached is None or not all(p.valid() for p in cached.values()):
+        cached = {k: LowBitProjection(mods) for k, mods in groups.items()}
+        setattr(layer, _PROJECTIONS, cached)
+    return cached
+
+
 def layer_weights(layer: nn.Module) -> DecoderLayerWeights:
-    """References to ``layer``'s own tensors (read at every forward, so a weight loaded later is the one used)."""
+    """References to ``layer``'s own tensors (read at every forward, so a weight loaded later is the one used),
+    or to its low-bit projections when ``optimize(model, weights=...)`` quantized it."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj) if hasattr(attn, "q_proj") else (attn.qkv_proj,)
     gate_up = (mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj") else (mlp.gate_up_proj,)
+    groups = dict(qkv=qkv, o=(attn.o_proj,), gate_up=gate_up, down=(mlp.down_proj,))
+    if _lowbit(attn.o_proj):
+        weights: dict[str, Any] = _projections(layer, groups)
+    else:
+        weights = {k: tuple(p.weight for p in mods) for k, mods in groups.items()}
+    biases = {f"{k}_bias": tuple(p.bias for p in mods) for k, mods in groups.items()}
     cfg = attn.config
     heads = cfg.num_attention_heads
     return DecoderLayerWeights(
-        qkv=tuple(p.weight for p in qkv), qkv_bias=tuple(p.bias for p in qkv),
-        o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
-        gate_up=tuple(p.weight for p in gate_up), gate_up_bias=tuple(p.bias for p in gate_up),
-        down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        **weights, **biases,
         input_norm=layer.input_layernorm.weight, input_eps=layer.input_layernorm.variance_epsilon,
         post_norm=layer.post_attention_layernorm.weight, post_eps=layer.post_attention_layernorm.variance_epsilon,
         heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=attn.head_dim,
@@ -176,7 +201,7 @@ def fuse_layers(model: nn.Module) -> dict[str, Any]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and type(head) is nn.Linear and fused:
         head.__class__ = FusedLMHead
-    report = dict(fused=fused, kept=kept, lm_head=isinstance(head, FusedLMHead))
+    report = dict(fused=fused, kept=kept, lm_head=isinstance(head, (FusedLMHead, LowBitLinear)))
     setattr(model, FUSION_REPORT, report)
     return report
 
@@ -187,6 +212,8 @@ def unfuse_layers(model: nn.Module) -> None:
         stock = getattr(type(module), _STOCK, None)
         if stock is not None and type(module) in (*_FUSED.values(), FusedLMHead):
             module.__class__ = stock
+        if _PROJECTIONS in vars(module):
+            delattr(module, _PROJECTIONS)
     if hasattr(model, FUSION_REPORT):
         delattr(model, FUSION_REPORT)
 

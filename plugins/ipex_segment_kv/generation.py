@@ -11,7 +11,8 @@ methods are wrapped (once, reversibly); the wrappers change nothing unless the m
 * ``_prepare_cache_for_generation`` puts a :class:`SegmentKVCache` in ``past_key_values`` (sized from
   ``num_beams`` / ``num_return_sequences`` and ``max_length``), after checking the architecture, and
   rewrites the supported decoder layers into the fused form the first time (``fused_layers.fuse_for_generate``;
-  ``AIPC_SEGMENT_KV_FUSED_LAYERS=0`` or ``optimize(model, fuse_layers=False)`` opts out);
+  ``AIPC_SEGMENT_KV_FUSED_LAYERS=0`` or ``optimize(model, fuse_layers=False)`` opts out), after quantizing
+  its linears when ``AIPC_SEGMENT_KV_WEIGHTS`` names a scheme (``weights.weights_for_generate``);
 * ``_prefill`` runs the forward on one row per prompt (stock generate has already repeated each
   prompt ``num_beams`` times) and repeats the outputs (logits, ...) back to every row;
 * ``_update_model_kwargs_for_generation`` folds a cache that the model built instead of the segment
@@ -34,6 +35,7 @@ from aipc_kernels.segment_attention import max_group
 from .attention import ATTN_NAME
 from .cache import DEFAULT_RESPONSE_STEP, SegmentKVCache
 from .fused_layers import fuse_for_generate
+from .weights import weights_for_generate
 
 _WRAPPED = "__aipc_segment_kv_original__"
 # generate's name for the cache in model_kwargs and model outputs: "cache" from transformers 5.24
@@ -101,6 +103,7 @@ def _prepare_cache_for_generation(original: Callable, self, generation_config, m
     if not uses_segment_kv(self):
         return original(self, generation_config, model_kwargs, *args, **kwargs)
     check_architecture(self)
+    weights_for_generate(self)
     fuse_for_generate(self)
     user_cache = model_kwargs.get(CACHE_KWARG)
     if isinstance(user_cache, SegmentKVCache) and not user_cache.is_empty:

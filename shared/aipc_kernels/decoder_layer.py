@@ -10,18 +10,25 @@ embedding and the attention:
     gu = [gate | up](rmsnorm(h))
     y = down(silu(gate) * up) + h            SwiGLU in the prologue, residual in the epilogue
 
-The layer's weights stay its own tensors (:class:`DecoderLayerWeights` holds references). The rounding
+The layer's weights stay its own tensors (:class:`DecoderLayerWeights` holds references). A projection
+may instead be a :class:`~aipc_kernels.fused_lowbit.LowBitProjection` over the layer's low-bit modules
+(the same four calls on ``aipc::lowbit_linear``, int8 activations per token). The rounding
 points are transformers' (see :mod:`aipc_kernels.fused_linear`), so float32 outputs match the modules'
 to float32 rounding and bf16 ones to bf16 rounding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from .fused_linear import fused_linear
+from .fused_lowbit import LowBitProjection
+
+#: a projection's weights: the layer's float tensors (read as one by ``aipc::fused_linear``), or its
+#: low-bit modules as one :class:`LowBitProjection` (its biases are the modules')
+Weights = Union[tuple[torch.Tensor, ...], LowBitProjection]
 
 #: (query [B, Hq, L, D], key [B, Hkv, L, D], value [B, Hkv, L, D]) -> attention output [B, L, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -31,14 +38,14 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class DecoderLayerWeights:
     """References to one layer's tensors, in the order the fused calls read them."""
 
-    qkv: tuple[torch.Tensor, ...]  # [q; k; v] as 3 tensors, or 1 merged one (Phi-3's qkv_proj)
+    qkv: Weights  # [q; k; v] as 3 tensors, or 1 merged one (Phi-3's qkv_proj)
     qkv_bias: tuple[Optional[torch.Tensor], ...]
-    o: torch.Tensor
-    o_bias: Optional[torch.Tensor]
-    gate_up: tuple[torch.Tensor, ...]  # [gate; up] as 2 tensors, or 1 merged one (Phi-3's gate_up_proj)
+    o: Weights
+    o_bias: tuple[Optional[torch.Tensor], ...]
+    gate_up: Weights  # [gate; up] as 2 tensors, or 1 merged one (Phi-3's gate_up_proj)
     gate_up_bias: tuple[Optional[torch.Tensor], ...]
-    down: torch.Tensor
-    down_bias: Optional[torch.Tensor]
+    down: Weights
+    down_bias: tuple[Optional[torch.Tensor], ...]
     input_norm: torch.Tensor
     input_eps: float
     post_norm: torch.Tensor
@@ -69,13 +76,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([(rot * cos) + (rotate_half(rot) * sin), x[..., R:]], dim=-1)
 
 
+def project(x: torch.Tensor, weights: Weights, biases: Sequence[Optional[torch.Tensor]], prologue: str = "none",
+            gamma: Optional[torch.Tensor] = None, eps: float = 0.0,
+            residual: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+    """One projection with its prologue and residual, on float or low-bit weights."""
+    if isinstance(weights, LowBitProjection):
+        return weights(x, prologue, gamma, eps, residual)
+    return fused_linear(x, weights, biases, prologue, gamma, eps, residual)
+
+
 def decoder_layer(
     x: torch.Tensor, w: DecoderLayerWeights, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
 ) -> torch.Tensor:
     """One decoder layer on ``x [B, L, hidden]`` (see the module docstring); returns ``[B, L, hidden]``."""
     B, L, _ = x.shape
     D, Hq, Hkv = w.head_dim, w.heads, w.kv_heads
-    qkv = fused_linear(x, w.qkv, w.qkv_bias, "rmsnorm", w.input_norm, w.input_eps)
+    qkv = project(x, w.qkv, w.qkv_bias, "rmsnorm", w.input_norm, w.input_eps)
     nq, nk = Hq * D, Hkv * D
     v = qkv[..., nq + nk :].view(B, L, Hkv, D)
     if w.q_norm is None:  # q and k rotated in one pass
@@ -85,6 +101,6 @@ def decoder_layer(
         q = apply_rope(w.q_norm(qkv[..., :nq].view(B, L, Hq, D)), cos, sin)
         k = apply_rope(w.k_norm(qkv[..., nq : nq + nk].view(B, L, Hkv, D)), cos, sin)
     a = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    h = fused_linear(a.reshape(B, L, nq), (w.o,), (w.o_bias,), residual=x)
-    gu = fused_linear(h, w.gate_up, w.gate_up_bias, "rmsnorm", w.post_norm, w.post_eps)
-    return fused_linear(gu, (w.down,), (w.down_bias,), "silu_mul", residual=h)
+    h = project(a.reshape(B, L, nq), w.o, w.o_bias, residual=x)
+    gu = project(h, w.gate_up, w.gate_up_bias, "rmsnorm", w.post_norm, w.post_eps)
+    return project(gu, w.down, w.down_bias, "silu_mul", residual=h)

@@ -12,7 +12,7 @@ from torch import nn
 
 from .formats import LowBitWeight, fitting_group_size
 from .ops import lowbit_linear, lowbit_linear_a16
-from .packing import pack_for_cpu
+from .packing import PackedLowBit, pack_for_cpu
 from .quantizers import quantize_weight
 
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "embed_in", "embed_out", "wte")
@@ -36,12 +36,17 @@ class LowBitLinear(nn.Module):
         self.register_buffer("scales", packed.scales)
         self.register_buffer("zeros", packed.zeros)
         self.register_buffer("bias", bias)
-        self._packed = packed
+
+    @property
+    def packed(self) -> PackedLowBit:
+        """The weight as the op takes it, over this module's buffers as they are now."""
+        return PackedLowBit(self.layout, self.qweight, self.scales, self.zeros, self.codebook, self.group_size,
+                            self.out_features, self.in_features)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "float":
-            return lowbit_linear_a16(x, self._packed, self.bias)
-        return lowbit_linear(x, self._packed, self.bias, self.act_group)
+            return lowbit_linear_a16(x, self.packed, self.bias)
+        return lowbit_linear(x, self.packed, self.bias, self.act_group)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, codebook={self.codebook}, group={self.group_size}"

@@ -63,27 +63,38 @@ def test_fused_layers_match_stock(pair, arch, num_beams, padded, monkeypatch):
     assert len(calls) == layers * len(a.scores)
 
 
-@pytest.mark.parametrize("arch", FUSED_ARCHS)
-def test_explicit_optimize_and_undo_give_back_the_same_modules(fresh, arch):
-    import ipex_segment_kv
+def snapshot(model) -> tuple[dict, dict]:
+    """The model's modules with their classes, and its tensors with a copy of their values."""
+    return ({name: (type(m), m) for name, m in model.named_modules()},
+            {name: (t, t.clone()) for name, t in model.state_dict(keep_vars=True).items()})  # fmt: skip
 
-    model, tok = fresh(arch)
-    stock, _ = fresh(arch)
-    before = {name: (type(m), m) for name, m in model.named_modules()}
-    tensors = {name: (t, t.clone()) for name, t in model.state_dict(keep_vars=True).items()}
-    enc = _inputs(tok, padded=True)
-    ipex_segment_kv.optimize(model)
-    assert type(model.model.layers[0]).__name__.startswith("Fused")
-    assert isinstance(model.model.layers[0], type(stock.model.layers[0]))  # a subclass: isinstance still holds
-    _assert_same_beams(stock.generate(**enc, num_beams=4, **BEAM_KW), model.generate(**enc, num_beams=4, **BEAM_KW), 4)
-    ipex_segment_kv.undo(model)
+
+def assert_restored(model, snap: tuple[dict, dict]) -> None:
+    """The same module objects with the same classes, the same tensors with the same bits as in ``snap``."""
+    before, tensors = snap
     after = {name: (type(m), m) for name, m in model.named_modules()}
     assert after.keys() == before.keys()
     for name, (cls, module) in before.items():
         assert after[name][0] is cls and after[name][1] is module, name
     for name, t in model.state_dict(keep_vars=True).items():
         original, values = tensors[name]
-        assert t is original and torch.equal(t, values), name  # same tensors, same bits
+        assert t is original and torch.equal(t, values), name
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_explicit_optimize_and_undo_give_back_the_same_modules(fresh, arch):
+    import ipex_segment_kv
+
+    model, tok = fresh(arch)
+    stock, _ = fresh(arch)
+    snap = snapshot(model)
+    enc = _inputs(tok, padded=True)
+    ipex_segment_kv.optimize(model)
+    assert type(model.model.layers[0]).__name__.startswith("Fused")
+    assert isinstance(model.model.layers[0], type(stock.model.layers[0]))  # a subclass: isinstance still holds
+    _assert_same_beams(stock.generate(**enc, num_beams=4, **BEAM_KW), model.generate(**enc, num_beams=4, **BEAM_KW), 4)
+    ipex_segment_kv.undo(model)
+    assert_restored(model, snap)
     assert model.config._attn_implementation == "sdpa"
     assert not hasattr(model, "_aipc_segment_kv_fusion")
 
@@ -129,7 +140,8 @@ def test_layers_outside_the_fused_form_keep_their_forward(fresh):
     ipex_segment_kv.optimize(model)
     report = getattr(model, fl.FUSION_REPORT)
     assert report["fused"] == model.config.num_hidden_layers - 1
-    assert report["kept"] == {"a projection is not a plain nn.Linear (quantized or replaced)": 1}
+    assert report["kept"] == {"its projections are not all plain nn.Linear or all aipc LowBitLinear (quantized "
+                             "otherwise or replaced)": 1}
     assert not isinstance(model.model.layers[0], fl.FusedDecoderLayer)
     enc = _inputs(tok, padded=True)
     _assert_same_beams(stock.generate(**enc, num_beams=4, **BEAM_KW), model.generate(**enc, num_beams=4, **BEAM_KW), 4)
