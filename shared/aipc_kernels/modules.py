@@ -16,6 +16,8 @@ from .packing import PackedLowBit, pack_for_cpu
 from .quantizers import quantize_weight
 
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "embed_in", "embed_out", "wte")
+#: LowBitLinear buffers that belong to the weight's format: never cast by a module dtype change
+_FORMAT_BUFFERS = ("scales", "zeros")
 
 
 class LowBitLinear(nn.Module):
@@ -36,6 +38,22 @@ class LowBitLinear(nn.Module):
         self.register_buffer("scales", packed.scales)
         self.register_buffer("zeros", packed.zeros)
         self.register_buffer("bias", bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to(...)`` / ``.float()`` / ``.half()``: the packed weight's scales and zeros move with the
+        device but keep their dtype (they are part of the format: a cast could round float32 scales, and the
+        W4A16 kernels take 16-bit ones only); the bias follows the model as any buffer."""
+        kept = {n: self._buffers[n] for n in _FORMAT_BUFFERS}
+        names = list(self._buffers)
+        for n in kept:
+            self._buffers[n] = None
+        super()._apply(fn, recurse)
+        for n, t in kept.items():
+            if t is not None:
+                device = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
+                kept[n] = t if t.device == device else t.to(device)
+        self._buffers = {n: kept[n] if n in kept else self._buffers[n] for n in names}
+        return self
 
     @property
     def packed(self) -> PackedLowBit:
