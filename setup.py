@@ -92,7 +92,7 @@ def torch_ops_library(name: str, sources: list[str]) -> Extension | None:
         return None
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden", "-DTORCH_TARGET_VERSION=0x020d000000000000"]
     return Extension(name, sources=sources, language="c++", include_dirs=[CSRC, *include_paths()],
-                     depends=[f"{CSRC}/aipc_native.h"], extra_compile_args=flags,
+                     depends=[f"{CSRC}/aipc_native.h", *glob.glob(f"{CSRC}/ops/*.h")], extra_compile_args=flags,
                      library_dirs=library_paths(), libraries=["torch_cpu", "c10"])
 
 

@@ -5,9 +5,10 @@
 SmolLM2-135M-Instruct (Q4_1 GGUF from the package registry, read and dequantized to float32 by transformers'
 own GGUF reader, :func:`aipc_kernels.registry_models.load_transformers`; Apache-2.0) is optimized as a user
 would: ``optimize(model)`` (the ``fused`` row: float weights) and ``optimize(model, weights=...)`` for
-``int8``, ``int4`` and ``lowbit2`` (the last with ``allow_2bit_ptq=True``), each on a fresh copy. Every row
-runs the fused decoder layers and the quantized lm_head exactly as generate does (int8 activations per
-token inside the kernel), teacher-forced over the fixed offline texts of ``bench/quality_real.py``
+``int8``, ``int4`` and ``lowbit2`` (the last with ``allow_2bit_ptq=True``), and ``int4`` with
+``act_quant="per_group"`` (row ``int4_per_group``), each on a fresh copy. Every row
+runs the fused decoder layers and the quantized lm_head exactly as generate does (int8 activations
+inside the kernel, scaled as the row says), teacher-forced over the fixed offline texts of ``bench/quality_real.py``
 (``english``: the language reference's topics; ``code``: held-out standard-library files), ``--windows``
 non-overlapping windows of ``--context`` tokens each.
 
@@ -29,7 +30,7 @@ from quality_real import eval_windows, file_bos, text_ppl
 
 TITLE = "ipex_segment_kv weight quantization: quality on a real trained model (SmolLM2-135M-Instruct)"
 MODEL = "smollm2-135m-instruct"
-ROWS = ["fused", "int8", "int4", "lowbit2"]
+ROWS = ["fused", "int8", "int4", "int4_per_group", "lowbit2"]
 
 
 def evaluate(model, xs: torch.Tensor, ys: torch.Tensor, ref_logp: list[torch.Tensor] | None):
@@ -73,10 +74,12 @@ def main() -> None:
         for name in args.rows:
             m = copy.deepcopy(model)
             t0 = time.perf_counter()
+            scheme, _, act = name.partition("_per_")
             if name == "fused":
                 ipex_segment_kv.optimize(m)
             else:
-                ipex_segment_kv.optimize(m, weights=name, allow_2bit_ptq=name == "lowbit2")
+                ipex_segment_kv.optimize(m, weights=scheme, allow_2bit_ptq=scheme == "lowbit2",
+                                         act_quant="per_group" if act else "per_token")  # fmt: skip
             quantize_s = time.perf_counter() - t0
             report = getattr(m, "_aipc_segment_kv_weights", None)
             fused = m._aipc_segment_kv_fusion["fused"]
@@ -99,13 +102,15 @@ def markdown(rows: list[dict], ref_ppl: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     what = {"float": "float32 (stock transformers)", "fused": "float32 (fused layers)",
             "int8": "int8 per channel; int8", "int4": "affine4 g128 where 128 divides K (down_proj), else g64 (K=576); int8",
-            "lowbit2": "affine 2-bit g64; int8"}  # fmt: skip
+            "int4_per_group": "as int4, activations per token and weight group", "lowbit2": "affine 2-bit g64; int8"}  # fmt: skip
     for r in rows:
         p = r["ppl"]
         lines.append(f"| {r['row']} | {what.get(r['row'], '')} | {_ppl(p['english'])} | {_ppl(p['code'])} | "
                      f"{p['english'] / ref_ppl['english']:,.2f} | {r['kl']:.4f} | {r['top1']:.1%} | "
                      f"{r['linear_bytes'] / 2**20:.1f} | {r['quantize_s']:.1f} |")  # fmt: skip
-    lines += ["", "Activations are int8 per token inside the kernel in every quantized row (as generate runs them). "
+    lines += ["", "Activations are int8 inside the kernel, one scale per token in every quantized row (as generate runs "
+              "them) but the *_per_group ones (optimize(..., act_quant=\"per_group\"): one scale per token and weight "
+              "group, the lm_head's per token). "
               "lowbit2 is 2-bit post-training quantization of a trained model: noise, as "
               "bench/results/quality.md found for vllm_lowbit (optimize refuses it without allow_2bit_ptq=True).", ""]
     return "\n".join(lines)

@@ -30,11 +30,18 @@ class OptimizeOptions:
     weights: Optional[str] = option(None, choices=(None, *SCHEMES), note="None keeps the float weights")
     keep_float_weights: bool = option(False, choices=(True, False))
     allow_2bit_ptq: bool = option(False, choices=(True, False))
+    act_quant: str = option(woq.PER_TOKEN, choices=woq.ACT_QUANT, note="how the int8 activations of weights=... are scaled")
+
+    def check(self, naming: Naming) -> None:
+        if self.act_quant != woq.PER_TOKEN and self.weights is None:
+            raise ValueError(f"{naming.owner}: act_quant={self.act_quant!r} applies to quantized weights; pass "
+                             f"weights='int4' (or 'int8', 'lowbit2') with it, or leave act_quant out")  # fmt: skip
 
 
 def optimize(
     model: Any, *, response_step: int = DEFAULT_RESPONSE_STEP, fuse_layers: bool = True, inplace: bool = True,
     weights: Optional[str] = None, keep_float_weights: bool = False, allow_2bit_ptq: bool = False,
+    act_quant: str = "per_token",
 ) -> Any:
     """Switches a loaded transformers causal LM to the segment KV cache + fused segment SDPA for
     ``generate`` (beam search, sampling, greedy) and, with ``fuse_layers`` (the default), rewrites its
@@ -47,14 +54,16 @@ def optimize(
     ``weights`` (``"int8"``, ``"int4"``, ``"lowbit2"``): quantizes every linear once, here
     (:mod:`ipex_segment_kv.weights`; ``lowbit2`` on a trained model needs ``allow_2bit_ptq=True``); the
     fused layers and the lm_head then run on ``aipc::lowbit_linear``. The float weights are released
-    unless ``keep_float_weights=True`` (then :func:`undo` restores them). What was quantized is in
+    unless ``keep_float_weights=True`` (then :func:`undo` restores them). ``act_quant``: the kernels'
+    int8 activations get one scale per token (``"per_token"``, the default) or one per token and weight
+    group (``"per_group"``, IPEX's ``PER_BATCH_IC_BLOCK``; the lm_head stays per token). What was quantized is in
     ``model._aipc_segment_kv_weights``.
 
     Raises ValueError for architectures whose attention bypasses transformers' AttentionInterface and
     for dtypes the kernels do not support."""
     options = parse(OptimizeOptions, dict(response_step=response_step, fuse_layers=fuse_layers, inplace=inplace,
                                           weights=weights, keep_float_weights=keep_float_weights,
-                                          allow_2bit_ptq=allow_2bit_ptq), NAMING)  # fmt: skip
+                                          allow_2bit_ptq=allow_2bit_ptq, act_quant=act_quant), NAMING)  # fmt: skip
     install()
     from .attention import ATTN_NAME
     from .generation import check_architecture
@@ -72,7 +81,7 @@ def optimize(
         model.set_attn_implementation(ATTN_NAME)
     if options.weights is not None:
         woq.quantize_model(model, options.weights, keep_float_weights=options.keep_float_weights,
-                           allow_2bit_ptq=options.allow_2bit_ptq)  # fmt: skip
+                           allow_2bit_ptq=options.allow_2bit_ptq, act_quant=options.act_quant)  # fmt: skip
     model._aipc_segment_kv_step = options.response_step
     setattr(model, fusion.OPT_OUT, not options.fuse_layers)
     if options.fuse_layers:
@@ -92,8 +101,8 @@ def undo(model: Any) -> Any:
     previous = getattr(model, _PREVIOUS, None)
     if model.config._attn_implementation == ATTN_NAME:
         model.set_attn_implementation(previous or "sdpa")
+    woq.restore_float(model)  # first: a kept lm_head fused before quantizing gets its stock class back below
     fusion.unfuse_layers(model)
-    woq.restore_float(model)
     for attr in (_PREVIOUS, "_aipc_segment_kv_step", fusion.OPT_OUT):
         if hasattr(model, attr):
             delattr(model, attr)

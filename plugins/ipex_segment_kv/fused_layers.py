@@ -36,7 +36,7 @@ FUSION_REPORT = "_aipc_segment_kv_fusion"
 #: model attribute set by optimize(model, fuse_layers=False): generate leaves the layers stock
 OPT_OUT = "_aipc_segment_kv_no_fusion"
 _STOCK = "_aipc_stock_class"
-#: layer attribute: its LowBitProjection objects, by projection, when its linears are low-bit
+#: layer attribute: its DecoderLayerWeights over LowBitProjection objects, when its linears are low-bit
 _PROJECTIONS = "_aipc_lowbit_projections"
 
 try:  # the collector of output_attentions / output_hidden_states (transformers 5.x)
@@ -83,37 +83,52 @@ def why_not_fused(layer: nn.Module, config: Any) -> Optional[str]:
     return None
 
 
-def _projections(layer: nn.Module, groups: dict[str, tuple[nn.Module, ...]]) -> dict[str, LowBitProjection]:
-    """The layer's low-bit projections, built once (merging their modules' storage) and again only when a
-    module's tensors were replaced."""
-    cached = getattr(layer, _PROJECTIONS, None)
-    if cached is None or not all(p.valid() for p in cached.values()):
-        cached = {k: LowBitProjection(mods) for k, mods in groups.items()}
-        setattr(layer, _PROJECTIONS, cached)
-    return cached
+def _groups(layer: nn.Module) -> dict[str, tuple[nn.Module, ...]]:
+    """The layer's projection modules, in the order of :class:`DecoderLayerWeights`' projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj) if hasattr(attn, "q_proj") else (attn.qkv_proj,)
+    gate_up = (mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj") else (mlp.gate_up_proj,)
+    return dict(qkv=qkv, o=(attn.o_proj,), gate_up=gate_up, down=(mlp.down_proj,))
+
+
+def _still_current(layer: nn.Module, w: DecoderLayerWeights, groups: dict[str, tuple[nn.Module, ...]]) -> bool:
+    """Whether ``w`` (built by :func:`layer_weights` over low-bit projections) still describes ``layer``: the
+    same modules holding the same tensors, the same norms."""
+    attn, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    return (all(getattr(w, k).modules == mods and getattr(w, k).valid() for k, mods in groups.items())
+            and w.input_norm is n1.weight and w.input_eps == n1.variance_epsilon
+            and w.post_norm is n2.weight and w.post_eps == n2.variance_epsilon
+            and w.q_norm is getattr(attn, "q_norm", None) and w.k_norm is getattr(attn, "k_norm", None))  # fmt: skip
 
 
 def layer_weights(layer: nn.Module) -> DecoderLayerWeights:
     """References to ``layer``'s own tensors (read at every forward, so a weight loaded later is the one used),
-    or to its low-bit projections when ``optimize(model, weights=...)`` quantized it."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = (attn.q_proj, attn.k_proj, attn.v_proj) if hasattr(attn, "q_proj") else (attn.qkv_proj,)
-    gate_up = (mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj") else (mlp.gate_up_proj,)
-    groups = dict(qkv=qkv, o=(attn.o_proj,), gate_up=gate_up, down=(mlp.down_proj,))
-    if _lowbit(attn.o_proj):
-        weights: dict[str, Any] = _projections(layer, groups)
+    or to its low-bit projections when ``optimize(model, weights=...)`` quantized it: those are built once
+    (merging their modules' storage, :class:`LowBitProjection`) and again only when a module or one of its
+    tensors was replaced."""
+    groups = _groups(layer)
+    lowbit = _lowbit(groups["o"][0])
+    if lowbit:
+        cached = layer.__dict__.get(_PROJECTIONS)
+        if cached is not None and _still_current(layer, cached, groups):
+            return cached
+        weights: dict[str, Any] = {k: LowBitProjection(mods) for k, mods in groups.items()}
     else:
         weights = {k: tuple(p.weight for p in mods) for k, mods in groups.items()}
     biases = {f"{k}_bias": tuple(p.bias for p in mods) for k, mods in groups.items()}
+    attn = layer.self_attn
     cfg = attn.config
     heads = cfg.num_attention_heads
-    return DecoderLayerWeights(
+    w = DecoderLayerWeights(
         **weights, **biases,
         input_norm=layer.input_layernorm.weight, input_eps=layer.input_layernorm.variance_epsilon,
         post_norm=layer.post_attention_layernorm.weight, post_eps=layer.post_attention_layernorm.variance_epsilon,
         heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=attn.head_dim,
         q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
     )  # fmt: skip
+    if lowbit:
+        setattr(layer, _PROJECTIONS, w)
+    return w
 
 
 def _attention_requested() -> bool:
@@ -176,6 +191,12 @@ def fused_class(stock: type) -> type:
     return _FUSED[stock]
 
 
+def stock_class(module: nn.Module) -> type:
+    """The class ``module`` had before :func:`fuse_layers` rewrote it (its own class when it was not)."""
+    cls = type(module)
+    return getattr(cls, _STOCK, cls) if cls in (*_FUSED.values(), FusedLMHead) else cls
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a transformers causal LM (``model.model.layers``), or [] when it has none."""
     base = getattr(model, "base_model", model)
@@ -209,9 +230,7 @@ def fuse_layers(model: nn.Module) -> dict[str, Any]:
 def unfuse_layers(model: nn.Module) -> None:
     """Gives every rewritten module of ``model`` its stock class back."""
     for module in model.modules():
-        stock = getattr(type(module), _STOCK, None)
-        if stock is not None and type(module) in (*_FUSED.values(), FusedLMHead):
-            module.__class__ = stock
+        module.__class__ = stock_class(module)
         if _PROJECTIONS in vars(module):
             delattr(module, _PROJECTIONS)
     if hasattr(model, FUSION_REPORT):

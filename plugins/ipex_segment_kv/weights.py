@@ -3,7 +3,8 @@
 
 Every ``nn.Linear`` of the model becomes an :class:`aipc_kernels.modules.LowBitLinear` holding its weight in
 one of :data:`aipc_kernels.weight_schemes.SCHEMES` (the output projection in ``int8``); activations are
-quantized to int8 per token inside the kernel. A fused decoder layer reads its q/k/v and gate/up modules as
+quantized to int8 inside the kernel, one scale per token (``act_quant="per_token"``) or per token and
+weight group (``"per_group"``; ``bench/results/segment_kv_quality.md`` has both). A fused decoder layer reads its q/k/v and gate/up modules as
 one weight (:mod:`aipc_kernels.fused_lowbit`); a layer the fused path does not cover runs its stock forward
 over the same modules. A linear whose in_features is not a multiple of 32 stays float (listed in the report).
 
@@ -23,35 +24,50 @@ from aipc_kernels.modules import LowBitLinear
 from aipc_kernels.quality_gate import needs_opt_in, ptq_refusal
 from aipc_kernels.weight_schemes import HEAD_SCHEME, SCHEMES, can_quantize
 
+from .fused_layers import stock_class
+
 #: environment variable of the zero-code path: the scheme applied at the first generate
 ENV_WEIGHTS = "AIPC_SEGMENT_KV_WEIGHTS"
 #: model attribute: what quantize_model did (its return value)
 WEIGHTS_REPORT = "_aipc_segment_kv_weights"
 #: model attribute: {name: the original nn.Linear}, kept with keep_float_weights=True
 _FLOAT_LINEARS = "_aipc_segment_kv_float_linears"
+#: act_quant values: one int8 activation scale per token, or per token and weight group
+PER_TOKEN, PER_GROUP = "per_token", "per_group"
+ACT_QUANT = (PER_TOKEN, PER_GROUP)
 
 
 def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
 
 
+def act_group_for(weight_group: int, in_features: int, act_quant: str) -> int:
+    """The kernel's ``act_group`` of a linear: 0 (one activation scale per token) for ``per_token`` and for a
+    weight with one group per row, else the weight's group size (one scale per token and group)."""
+    return weight_group if act_quant == PER_GROUP and 0 < weight_group < in_features else 0
+
+
 def quantize_model(model: nn.Module, weights: str, *, keep_float_weights: bool = False, allow_2bit_ptq: bool = False,
-                   caller: str = "ipex_segment_kv.optimize") -> dict[str, Any]:  # fmt: skip
+                   act_quant: str = PER_TOKEN, caller: str = "ipex_segment_kv.optimize") -> dict[str, Any]:  # fmt: skip
     """Replaces ``model``'s ``nn.Linear`` modules by ``LowBitLinear`` in the scheme ``weights`` (see the
-    module docstring) and returns what it did: ``weights``, ``quantized`` (count), ``float`` ({name: why}
-    of the linears left float), ``bytes_before`` / ``bytes_after`` of the linears, ``float_kept``.
-    Idempotent for the same scheme; another scheme on a quantized model is refused (the float weights
-    are gone, or kept for ``undo``)."""
+    module docstring), their int8 activations scaled ``act_quant`` (the lm_head's per token), and returns
+    what it did: ``weights``, ``act_quant``, ``quantized`` (count), ``float`` ({name: why} of the linears left
+    float), ``bytes_before`` / ``bytes_after`` of the linears, ``float_kept``. Idempotent for the same
+    scheme; another scheme on a quantized model is refused (the float weights are gone, or kept for ``undo``)."""
     scheme = SCHEMES[weights]
+    if act_quant not in ACT_QUANT:
+        raise ValueError(f"{caller}: act_quant={act_quant!r}; use one of {ACT_QUANT}")
     done = getattr(model, WEIGHTS_REPORT, None)
     if done is not None:
-        if done["weights"] == weights:
+        if (done["weights"], done["act_quant"]) == (weights, act_quant):
             return done
-        raise ValueError(f"{caller}: weights={weights!r}, but the model's linears are already {done['weights']!r}; "
-                         f"call ipex_segment_kv.undo(model) first (restores float weights kept with "
-                         f"keep_float_weights=True), or load the model again")  # fmt: skip
+        raise ValueError(f"{caller}: weights={weights!r}, act_quant={act_quant!r}, but the model's linears are already "
+                         f"{done['weights']!r} with act_quant={done['act_quant']!r}; call ipex_segment_kv.undo(model) "
+                         f"first (restores float weights kept with keep_float_weights=True), or load the model "
+                         f"again")  # fmt: skip
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    # an lm_head already fused by optimize(model) is an nn.Linear under its rewritten class
+    linears = [(n, m) for n, m in model.named_modules() if stock_class(m) is nn.Linear]
     if needs_opt_in(scheme.codebook) and not allow_2bit_ptq:
         first = next((n for n, m in linears if m is not head), "?")
         raise ValueError(ptq_refusal(first, scheme.codebook, f"{caller}(weights={weights!r})",
@@ -64,13 +80,14 @@ def quantize_model(model: nn.Module, weights: str, *, keep_float_weights: bool =
             left[name] = f"in_features {lin.in_features} is not a multiple of 32"
             continue
         w = (HEAD_SCHEME if lin is head else scheme).quantize(lin.weight, name)
-        new = LowBitLinear(w, None if lin.bias is None else lin.bias.detach())
+        act_group = 0 if lin is head else act_group_for(w.group_size, lin.in_features, act_quant)
+        new = LowBitLinear(w, None if lin.bias is None else lin.bias.detach(), act_group=act_group)
         model.set_submodule(name, new)
         before, after = before + _bytes(lin), after + _bytes(new)
         if keep_float_weights:
             kept[name] = lin
-    report = dict(weights=weights, quantized=len(linears) - len(left), float=left, bytes_before=before,
-                  bytes_after=after, float_kept=keep_float_weights)  # fmt: skip
+    report = dict(weights=weights, act_quant=act_quant, quantized=len(linears) - len(left), float=left,
+                  bytes_before=before, bytes_after=after, float_kept=keep_float_weights)  # fmt: skip
     setattr(model, WEIGHTS_REPORT, report)
     if keep_float_weights:
         setattr(model, _FLOAT_LINEARS, kept)

@@ -4,7 +4,7 @@ One layer is four calls of ``aipc::fused_linear`` (:mod:`aipc_kernels.fused_line
 embedding and the attention:
 
     qkv = [q | k | v](rmsnorm(x))            one call, the three weights read once each, no merged copy
-    q, k = rope(q, k)                        one pass over q and k together (views of qkv, no layout copy)
+    q, k = rope(q, k)                        one pass over q and k together (aipc::rope on views of qkv)
     a = attend(q, k, v)                      the caller's attention (the segment KV cache and SDPA)
     h = o(a) + x                             residual in the epilogue
     gu = [gate | up](rmsnorm(h))
@@ -25,6 +25,7 @@ import torch
 
 from .fused_linear import fused_linear
 from .fused_lowbit import LowBitProjection
+from .rope import apply_rope
 
 #: a projection's weights: the layer's float tensors (read as one by ``aipc::fused_linear``), or its
 #: low-bit modules as one :class:`LowBitProjection` (its biases are the modules')
@@ -56,24 +57,6 @@ class DecoderLayerWeights:
     #: per-head RMSNorm of q and k before the rotary embedding (Qwen3): modules called as they are
     q_norm: Optional[torch.nn.Module] = None
     k_norm: Optional[torch.nn.Module] = None
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``rotate_half``: ``cat(-x2, x1)`` of the two halves of the last dimension."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, L, H, D]`` rotated by ``cos`` / ``sin`` ``[B, L, R]`` (R <= D: a partial rotary, as Phi-3's,
-    leaves the last D - R dimensions as they are); the element-wise operations of transformers'
-    ``apply_rotary_pos_emb`` in its order."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    R = cos.shape[-1]
-    if R == x.shape[-1]:
-        return (x * cos) + (rotate_half(x) * sin)
-    rot = x[..., :R]
-    return torch.cat([(rot * cos) + (rotate_half(rot) * sin), x[..., R:]], dim=-1)
 
 
 def project(x: torch.Tensor, weights: Weights, biases: Sequence[Optional[torch.Tensor]], prologue: str = "none",

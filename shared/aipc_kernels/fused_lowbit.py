@@ -67,7 +67,7 @@ class LowBitProjection:
     def __init__(self, modules: Sequence[LowBitLinear]):
         self.modules = tuple(modules)
         self.merged = share_storage(self.modules)
-        self._snapshot = self._buffers()
+        self._versions = self._tensor_versions()
         biases = [m.bias for m in self.modules]
         if self.merged is not None and len(biases) == 1:
             self.bias = biases[0]
@@ -82,13 +82,14 @@ class LowBitProjection:
         if self.merged is not None:
             self.call = plan_cpu_call(self.merged, self.modules[0].act_group)
 
-    def _buffers(self) -> tuple:
-        return tuple(getattr(m, n) for m in self.modules for n in (*_BUFFERS, "bias"))
+    def _tensor_versions(self) -> tuple[int, ...]:
+        return tuple(m.tensors_version for m in self.modules)
 
     def valid(self) -> bool:
         """Whether the modules still hold the tensors this projection was built over (``model.to(...)`` or
-        assigning a buffer replaces them: then build a new one)."""
-        return all(a is b for a, b in zip(self._buffers(), self._snapshot))
+        assigning a tensor replaces them, which :attr:`LowBitLinear.tensors_version` counts: then build a
+        new one)."""
+        return self._tensor_versions() == self._versions
 
     @property
     def in_features(self) -> int:

@@ -18,11 +18,18 @@ from .quantizers import quantize_weight
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "embed_in", "embed_out", "wte")
 #: LowBitLinear buffers that belong to the weight's format: never cast by a module dtype change
 _FORMAT_BUFFERS = ("scales", "zeros")
+#: all of LowBitLinear's tensors: assigning one bumps ``tensors_version``
+_TENSORS = ("qweight", "scales", "zeros", "bias")
 
 
 class LowBitLinear(nn.Module):
     """A linear layer whose weight is a packed low-bit weight (``aipc::lowbit_linear``; with
     ``activations="float"``, a 4-bit weight on the activation-exact ``aipc::lowbit_linear_a16``)."""
+
+    #: bumped whenever one of the module's tensors is assigned or replaced (``m.qweight = t``, ``model.to(...)``):
+    #: what is built over them (:class:`~aipc_kernels.fused_lowbit.LowBitProjection`) checks it instead of the
+    #: tensors' identities on every call
+    tensors_version: int = 0
 
     def __init__(self, weight: LowBitWeight, bias: Optional[torch.Tensor] = None, act_group: int = 0,
                  activations: str = "int8"):  # fmt: skip
@@ -53,7 +60,13 @@ class LowBitLinear(nn.Module):
                 device = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
                 kept[n] = t if t.device == device else t.to(device)
         self._buffers = {n: kept[n] if n in kept else self._buffers[n] for n in names}
+        self.__dict__["tensors_version"] = self.tensors_version + 1
         return self
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in _TENSORS:
+            self.__dict__["tensors_version"] = self.tensors_version + 1
 
     @property
     def packed(self) -> PackedLowBit:

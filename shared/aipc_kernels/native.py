@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-ABI_VERSION = 5  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 6  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -83,21 +83,28 @@ def available() -> bool:
 
 @lru_cache(maxsize=1)
 def ops_library() -> Optional[ctypes.CDLL]:
-    """The C++ library of the planned CPU ops (``csrc/ops/``: ``aipc::lowbit_linear_cpu`` and
-    ``aipc::lowbit_linear_a16_cpu`` registered with the dispatcher when it loads), bound to the kernel
-    library's entry points; None when either was not built (see setup.py). Loading it is what registers
-    the ops' CPU kernels, so :mod:`aipc_kernels.ops` calls this once after defining their schemas."""
+    """The C++ library of the native ops' CPU kernels (``csrc/ops/``: ``aipc::lowbit_linear_cpu``,
+    ``aipc::lowbit_linear_a16_cpu`` and ``aipc::rope``, registered with the dispatcher when it loads), bound
+    to the kernel library's entry points; None when either was not built (see setup.py). Loading it is what
+    registers the CPU kernels, so the modules defining their schemas call this after defining them."""
     lib = library()
     found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_aipc_ops*.so")))
     if lib is None or not found:
         return None
     ops = ctypes.CDLL(found[0])
-    ops.aipc_ops_bind.restype = ctypes.c_int
-    ops.aipc_ops_bind.argtypes = [ctypes.c_void_p] * 3
     entry = lambda fn: ctypes.cast(getattr(lib, fn), ctypes.c_void_p)  # noqa: E731
-    version = ops.aipc_ops_bind(entry("aipc_lowbit_linear"), entry("aipc_lowbit_linear_a16"), entry("aipc_status_message"))
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{found[0]}: built against native ABI version {version}, the kernel library has "
+    binds = {"aipc_ops_bind": ("aipc_lowbit_linear", "aipc_lowbit_linear_a16", "aipc_status_message"),
+             "aipc_rope_op_bind": ("aipc_rope",)}  # fmt: skip
+    versions = set()
+    for bind, entries in binds.items():
+        fn = getattr(ops, bind, None)
+        if fn is None:
+            raise RuntimeError(f"{found[0]} has no {bind} (an older build); rebuild it (setup.py build_ext --inplace, "
+                               f"or reinstall aipc-plugins)")  # fmt: skip
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p] * len(entries)
+        versions.add(fn(*(entry(e) for e in entries)))
+    if versions != {ABI_VERSION}:
+        raise RuntimeError(f"{found[0]}: built against native ABI version {sorted(versions)}, the kernel library has "
                            f"{ABI_VERSION}; rebuild both (setup.py build_ext --inplace, or reinstall aipc-plugins)")
     return ops
 

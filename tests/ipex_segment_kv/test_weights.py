@@ -72,9 +72,10 @@ def test_quantized_fused_model_matches_the_reference_path(quantized, arch, weigh
     assert getattr(opt, fl.FUSION_REPORT) == dict(fused=layers, kept={}, lm_head=True)
     assert type(opt.lm_head) is LowBitLinear and opt.lm_head.codebook == "int8"  # the head is int8 in every scheme
     layer = opt.model.layers[0]
-    projections = vars(layer)[fl._PROJECTIONS]
-    assert set(projections) == {"qkv", "o", "gate_up", "down"}
-    qkv = projections["qkv"]
+    built = vars(layer)[fl._PROJECTIONS]
+    assert fl.layer_weights(layer) is built  # reused while the modules and their tensors are the same
+    assert all(isinstance(getattr(built, k), LowBitProjection) for k in ("qkv", "o", "gate_up", "down"))
+    qkv = built.qkv
     assert isinstance(qkv, LowBitProjection) and qkv.merged is not None and qkv.call is not None
     first = qkv.modules[0]
     assert first.qweight.data_ptr() == qkv.merged.qweight.data_ptr()  # a view, not a copy
@@ -108,6 +109,110 @@ def test_report_memory_and_undo_with_kept_float_weights(fresh):
     assert not type(model.model.layers[0]).__name__.startswith("Fused")
 
 
+def test_weights_after_float_fusion_quantize_the_lm_head_too(fresh):
+    """``optimize(model)`` then ``optimize(model, weights=...)`` (or the zero-code path's fusion first): the
+    lm_head, already rewritten for ``aipc::dense_linear``, is quantized like any linear, so the model computes
+    what a model quantized at once computes; undo gives back the same float modules with their stock classes."""
+    import ipex_segment_kv
+    from aipc_kernels.modules import LowBitLinear
+
+    model, tok = fresh("llama")
+    once, _ = fresh("llama")
+    snap = snapshot(model)
+    enc = _inputs(tok, padded=True)
+    ipex_segment_kv.optimize(model)
+    model.generate(**enc, num_beams=4, **BEAM_KW)
+    ipex_segment_kv.optimize(model, weights="int4", keep_float_weights=True)
+    ipex_segment_kv.optimize(once, weights="int4")
+    assert isinstance(model.lm_head, LowBitLinear)
+    assert model._aipc_segment_kv_weights["quantized"] == once._aipc_segment_kv_weights["quantized"]
+    a = model.generate(**enc, num_beams=4, **BEAM_KW)
+    b = once.generate(**enc, num_beams=4, **BEAM_KW)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.sequences_scores, b.sequences_scores)
+    ipex_segment_kv.undo(model)
+    assert_restored(model, snap)
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_projections_rebuilt_when_a_module_or_its_tensors_change(fresh):
+    """The fused layer's low-bit projections are built once and rebuilt when a module's tensor is assigned
+    or a module replaced: the fused model then computes what the stock layers compute on the new modules."""
+    import copy
+
+    import ipex_segment_kv
+    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.weight_schemes import SCHEMES
+    from ipex_segment_kv import fused_layers as fl
+
+    model, tok = fresh("llama")
+    ref, _ = fresh("llama")
+    ipex_segment_kv.optimize(model, weights="int8")
+    ipex_segment_kv.optimize(ref, weights="int8", fuse_layers=False)
+    enc = _inputs(tok, padded=True)
+    model.generate(**enc, num_beams=2, **BEAM_KW)
+    layer = model.model.layers[0]
+    built = fl.layer_weights(layer)
+    assert fl.layer_weights(layer) is built
+    down = layer.mlp.down_proj
+    down.qweight = down.qweight.clone()  # the same values in a new tensor
+    rebuilt = fl.layer_weights(layer)
+    assert rebuilt is not built and rebuilt.down.merged.qweight is down.qweight
+    o = layer.self_attn.o_proj
+    other = torch.nn.Linear(o.in_features, o.out_features, bias=False)
+    torch.nn.init.normal_(other.weight, std=0.05, generator=torch.Generator().manual_seed(7))
+    new = LowBitLinear(SCHEMES["int8"].quantize(other.weight, "o_proj"))
+    layer.self_attn.o_proj = new
+    ref.model.layers[0].self_attn.o_proj = copy.deepcopy(new)
+    assert fl.layer_weights(layer).o.modules == (new,)
+    a = model.generate(**enc, num_beams=2, **BEAM_KW)
+    b = ref.generate(**enc, num_beams=2, **BEAM_KW)
+    _assert_same_beams(b, a, 2)
+
+
+@pytest.mark.parametrize("weights", ["int4", "lowbit2"])
+def test_per_group_activations_match_the_reference_path(tiny_model, weights):
+    """``act_quant="per_group"``: every linear but the lm_head scales its int8 activations per token and weight
+    group (K 256 = two groups of 128 for int4, four of 64 for lowbit2); the fused layers give the stock layers'
+    beams on the same modules, and the model computes something else than per token does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ipex_segment_kv
+
+    path = tiny_model("llama", dtype="float32", hidden=256)
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    models = {}
+    for name, kw in (("fused", {}), ("unfused", dict(fuse_layers=False)), ("per_token", {})):
+        m = AutoModelForCausalLM.from_pretrained(path).eval()
+        act = "per_token" if name == "per_token" else "per_group"
+        models[name] = ipex_segment_kv.optimize(m, weights=weights, act_quant=act, allow_2bit_ptq=True, **kw)
+    opt = models["fused"]
+    group = {"int4": 128, "lowbit2": 64}[weights]
+    assert opt.model.layers[0].self_attn.q_proj.act_group == group and opt.model.layers[1].mlp.down_proj.act_group == group
+    assert opt.lm_head.act_group == 0 and opt._aipc_segment_kv_weights["act_quant"] == "per_group"
+    assert models["per_token"].model.layers[0].self_attn.q_proj.act_group == 0
+    enc = _inputs(tok, padded=True)
+    a = opt.generate(**enc, num_beams=4, **BEAM_KW)
+    b = models["unfused"].generate(**enc, num_beams=4, **BEAM_KW)
+    _assert_same_beams(b, a, 4)
+    with torch.inference_mode():
+        ids = enc["input_ids"][:1]
+        assert not torch.equal(opt(input_ids=ids).logits, models["per_token"](input_ids=ids).logits)
+
+
+def test_act_quant_errors(fresh):
+    import ipex_segment_kv
+
+    model, _ = fresh("llama")
+    with pytest.raises(ValueError, match=r"act_quant.*'per_channel'.*'per_token', 'per_group'"):
+        ipex_segment_kv.optimize(model, weights="int4", act_quant="per_channel")
+    with pytest.raises(ValueError, match=r"act_quant='per_group' applies to quantized weights; pass weights="):
+        ipex_segment_kv.optimize(model, act_quant="per_group")
+    ipex_segment_kv.optimize(model, weights="int8", act_quant="per_group")
+    assert all(m.act_group == 0 for m in model.modules() if hasattr(m, "act_group"))  # int8: one group per row
+    with pytest.raises(ValueError, match=r"already 'int8' with act_quant='per_group'; call ipex_segment_kv.undo"):
+        ipex_segment_kv.optimize(model, weights="int8")
+
+
 def test_weights_errors(fresh):
     import ipex_segment_kv
 
@@ -119,8 +224,8 @@ def test_weights_errors(fresh):
     assert not any(type(m).__name__ == "LowBitLinear" for m in model.modules())  # refused before any change
     ipex_segment_kv.optimize(model, weights="int8")
     ipex_segment_kv.optimize(model, weights="int8")  # the same again: nothing to do
-    with pytest.raises(ValueError, match=r"weights='int4', but the model's linears are already 'int8'; call "
-                                         r"ipex_segment_kv.undo\(model\) first"):
+    with pytest.raises(ValueError, match=r"weights='int4', act_quant='per_token', but the model's linears are already "
+                                         r"'int8' with act_quant='per_token'; call ipex_segment_kv.undo\(model\) first"):
         ipex_segment_kv.optimize(model, weights="int4")
 
 

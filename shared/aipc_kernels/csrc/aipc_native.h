@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 5
+#define AIPC_ABI_VERSION 6
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -172,5 +172,15 @@ AIPC_API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_
 /* The ISA whose code aipc_segment_sdpa runs under the current aipc_get_isa(): AIPC_ISA_SCALAR,
  * AIPC_ISA_AVX2 (also for avx_vnni) or AIPC_ISA_AVX512_VNNI (also for amx_int8; it needs AVX-512F/BW/VL). */
 AIPC_API int aipc_segment_isa(void);
+
+/* ---------------------------------------------------------------- rotary embedding (rope.c) */
+
+/* out = x * cos + rotate_half(x) * sin over the first R of each head's D dimensions (the rest copied),
+ * each product and the sum rounded to dt as torch's element-wise ops round them (bit-identical to
+ * transformers' apply_rotary_pos_emb). x [B][L][H][D], element strides (sb, sl, sh), last dimension
+ * dense; cos, sin [Bc][L][R] dense in dt, cstride = 0 (Bc = 1) or L * R (Bc = B); out dense [B][L][H][D]. */
+AIPC_API int aipc_rope(const void *x, int dt, int64_t B, int64_t L, int64_t H, int64_t D, int64_t sb, int64_t sl,
+                       int64_t sh, const void *cos, const void *sin, int64_t cstride, int64_t R, void *out,
+                       int nthreads);
 
 #endif /* AIPC_NATIVE_H */

@@ -21,9 +21,7 @@
 #include <optional>
 #include <vector>
 
-extern "C" {
-#include "../aipc_native.h"
-}
+#include "dtype_code.h"
 
 namespace {
 
@@ -36,14 +34,6 @@ decltype(&aipc_lowbit_linear) g_lowbit = nullptr;
 decltype(&aipc_lowbit_linear_a16) g_a16 = nullptr;
 decltype(&aipc_status_message) g_message = nullptr;
 
-int dtype_code(ScalarType t) {
-    switch (t) {
-        case ScalarType::Float: return AIPC_DT_F32;
-        case ScalarType::BFloat16: return AIPC_DT_BF16;
-        case ScalarType::Half: return AIPC_DT_F16;
-        default: return -1;
-    }
-}
 
 // The checks a call can fail although the caller checked the weight once: x's dtype and K, the tensors'
 // sizes against (N, K, bits, G), and density (the kernel reads every operand as a dense array).
@@ -63,7 +53,7 @@ Checked check(const char* op, const Tensor& x_in, const Tensor& qweight, const T
               const std::optional<Tensor>& zeros, int64_t bits, int64_t G, int64_t N, bool a16) {
     STD_TORCH_CHECK(g_lowbit != nullptr, op, ": the native kernel library is not bound (aipc_kernels.native loads it)");
     STD_TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a feature dimension [..., K]");
-    const int dt = dtype_code(x_in.scalar_type());
+    const int dt = aipc_dtype_code(x_in.scalar_type());
     STD_TORCH_CHECK(dt >= 0, op, ": x must be float32, bfloat16 or float16");
     const int64_t K = x_in.size(x_in.dim() - 1);
     STD_TORCH_CHECK(bits > 0 && bits <= 8 && G > 0 && K % G == 0 && K % 32 == 0, op, ": x has K=", K,
@@ -72,7 +62,7 @@ Checked check(const char* op, const Tensor& x_in, const Tensor& qweight, const T
     check_dense(qweight, op, "qweight");
     check_dense(scales, op, "scales");
     STD_TORCH_CHECK(qweight.scalar_type() == ScalarType::Byte, op, ": qweight must be uint8 (cpu_vnni16 layout)");
-    const int scale_dt = dtype_code(scales.scalar_type());
+    const int scale_dt = aipc_dtype_code(scales.scalar_type());
     STD_TORCH_CHECK(scale_dt == AIPC_DT_BF16 || scale_dt == AIPC_DT_F16 || (scale_dt == AIPC_DT_F32 && !a16),
                     op, a16 ? ": scales must be float16 or bfloat16" : ": scales must be float16, bfloat16 or float32");
     // cpu_vnni16: [ceil(N/16), K*bits/32, 16, 4] codes, [ceil(N/16), K/G, 16] scales
