@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 from typing import Optional, Sequence
 
 RESULTS_DIR = "bench/results"
+#: the repository the benches live in: the default --out is its bench/results from any working directory
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def select(patterns: str, available: Sequence[str], option: str = "--rows") -> list[str]:
@@ -42,13 +45,16 @@ class BenchParser(argparse.ArgumentParser):
         self.add_argument("--rows", default=default,
                           help=f"comma list of {what} to run, names or patterns such as 'int2*' (default: {default})")
         self.add_argument("--list-rows", action=_ListRows, nargs=0, help=f"print the available {what} and exit")
-        self.add_argument("--out", default=RESULTS_DIR, help="results folder (default: %(default)s)")
+        self.add_argument("--out", default=RESULTS_DIR,
+                          help="results folder (default: %(default)s of this repository, from any working directory)")
         self.add_argument("--name", default=name, help="results file name, without suffix (default: %(default)s)")
         self.add_argument("--no-lock", action="store_true",
                           help="do not take the bench lock (smoke runs that hold the test lock)")
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         ns = super().parse_args(args, namespace)
+        if ns.out == RESULTS_DIR:  # the default: not relative to the working directory
+            ns.out = os.path.join(REPO_ROOT, RESULTS_DIR)
         try:
             ns.rows = select(ns.rows, self.available_rows)
         except ValueError as e:

@@ -37,7 +37,7 @@ FUSION_REPORT = "_aipc_segment_kv_fusion"
 OPT_OUT = "_aipc_segment_kv_no_fusion"
 _STOCK = "_aipc_stock_class"
 #: layer attribute: its DecoderLayerWeights over LowBitProjection objects, when its linears are low-bit
-_PROJECTIONS = "_aipc_lowbit_projections"
+_LOWBIT_WEIGHTS = "_aipc_lowbit_layer_weights"
 
 try:  # the collector of output_attentions / output_hidden_states (transformers 5.x)
     from transformers.utils.output_capturing import _active_collector
@@ -109,7 +109,7 @@ def layer_weights(layer: nn.Module) -> DecoderLayerWeights:
     groups = _groups(layer)
     lowbit = _lowbit(groups["o"][0])
     if lowbit:
-        cached = layer.__dict__.get(_PROJECTIONS)
+        cached = layer.__dict__.get(_LOWBIT_WEIGHTS)
         if cached is not None and _still_current(layer, cached, groups):
             return cached
         weights: dict[str, Any] = {k: LowBitProjection(mods) for k, mods in groups.items()}
@@ -127,7 +127,7 @@ def layer_weights(layer: nn.Module) -> DecoderLayerWeights:
         q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
     )  # fmt: skip
     if lowbit:
-        setattr(layer, _PROJECTIONS, w)
+        setattr(layer, _LOWBIT_WEIGHTS, w)
     return w
 
 
@@ -231,8 +231,8 @@ def unfuse_layers(model: nn.Module) -> None:
     """Gives every rewritten module of ``model`` its stock class back."""
     for module in model.modules():
         module.__class__ = stock_class(module)
-        if _PROJECTIONS in vars(module):
-            delattr(module, _PROJECTIONS)
+        if _LOWBIT_WEIGHTS in vars(module):
+            delattr(module, _LOWBIT_WEIGHTS)
     if hasattr(model, FUSION_REPORT):
         delattr(model, FUSION_REPORT)
 

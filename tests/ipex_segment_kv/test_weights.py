@@ -72,7 +72,7 @@ def test_quantized_fused_model_matches_the_reference_path(quantized, arch, weigh
     assert getattr(opt, fl.FUSION_REPORT) == dict(fused=layers, kept={}, lm_head=True)
     assert type(opt.lm_head) is LowBitLinear and opt.lm_head.codebook == "int8"  # the head is int8 in every scheme
     layer = opt.model.layers[0]
-    built = vars(layer)[fl._PROJECTIONS]
+    built = vars(layer)[fl._LOWBIT_WEIGHTS]
     assert fl.layer_weights(layer) is built  # reused while the modules and their tensors are the same
     assert all(isinstance(getattr(built, k), LowBitProjection) for k in ("qkv", "o", "gate_up", "down"))
     qkv = built.qkv
