@@ -4,9 +4,9 @@
 Every ``nn.Linear`` of the model becomes an :class:`aipc_kernels.modules.LowBitLinear` holding its weight in
 one of :data:`aipc_kernels.weight_schemes.SCHEMES` (the output projection in ``int8``); activations are
 quantized to int8 inside the kernel, one scale per token (``act_quant="per_token"``) or per token and
-weight group (``"per_group"``; ``bench/results/segment_kv_quality.md`` has both). A fused decoder layer reads its q/k/v and gate/up modules as
-one weight (:mod:`aipc_kernels.fused_lowbit`); a layer the fused path does not cover runs its stock forward
-over the same modules. A linear whose in_features is not a multiple of 32 stays float (listed in the report).
+weight group (``"per_group"``; ``bench/results/segment_kv_quality.md`` has both). A fused decoder layer
+reads its q/k/v and gate/up modules as one weight (:mod:`aipc_kernels.fused_lowbit`); a layer the fused
+path does not cover runs its stock forward over the same modules. A linear whose in_features is not a multiple of 32 stays float (listed in the report).
 
 Memory: the float weights are released (a tied output projection's weight stays, as the input embedding);
 ``keep_float_weights=True`` keeps the original modules aside, so that :func:`restore_float` (``undo``) puts

@@ -9,8 +9,8 @@ modules, run by ``aipc::lowbit_linear`` (int8 activations inside the kernel).
   with no second copy, and the modules still run alone (the stock forward, ``undo``). The ``cpu_vnni16``
   layout keeps rows in blocks of 16, so this needs every module but the last to have a multiple of 16
   outputs; otherwise each module is called and the outputs concatenated.
-* The prologue (:func:`~aipc_kernels.fused_linear.prologue_reference`) and the residual are the torch ops of the op's reference
-  (transformers' rounding points), so a fused layer gives what the model's stock layer gives with the same
+* The prologue (:func:`~aipc_kernels.fused_linear.prologue_reference`) and the residual are the torch ops of
+  the op's reference (transformers' rounding points), so a fused layer gives what the model's stock layer gives with the same
   modules: activations are quantized per token, one scale per row, the same rows either way.
 """
 from __future__ import annotations

@@ -18,7 +18,6 @@ import torch
 
 from . import native
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the native kernel's
 _LIB = torch.library.Library("aipc", "FRAGMENT")
 _LIB.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 
@@ -56,7 +55,7 @@ def native_rope() -> bool:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x [B, L, H, D]`` rotated by ``cos`` / ``sin`` ``[B, L, R]`` (see the module docstring): the native
     kernel for CPU tensors of one of its dtypes with a dense last dimension, else the torch ops."""
-    if (x.device.type == "cpu" and x.dtype in _DTYPES and cos.dtype == x.dtype and sin.dtype == x.dtype
+    if (x.device.type == "cpu" and x.dtype in native.DTYPE_CODES and cos.dtype == x.dtype and sin.dtype == x.dtype
             and x.dim() == 4 and x.stride(-1) == 1 and _NATIVE):  # fmt: skip
         return torch.ops.aipc.rope(x, cos, sin)
     return rope_reference(x, cos, sin)
