@@ -190,3 +190,23 @@ def test_fake_kernel_and_torch_compile():
                                           [None if b is None else mode.from_tensor(b) for b in biases], "rmsnorm",
                                           mode.from_tensor(gamma), EPS, None)  # fmt: skip
         assert out.shape == (4, 48)
+
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_rms_norm_is_transformers_bit_for_bit(dt):
+    """The torch-ops prologue (what the low-bit layers quantize) equals LlamaRMSNorm's forward bit for bit,
+    in each dtype, with an all-zero row and large / small values, and leaves its input as it was."""
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    K = 200
+    norm = modeling_llama.LlamaRMSNorm(K, eps=EPS).to(dt)
+    x, _, _, gamma, _ = operands(5, K, (K,), dt, "rmsnorm", seed=13)
+    x[1] = 0  # eps keeps an all-zero row finite
+    x[2, :7] = torch.tensor([1e4, -1e4, 1e-3, 0.5, -0.25, 3.0, 7.0]).to(dt)
+    keep = x.clone()
+    with torch.no_grad():
+        norm.weight.copy_(gamma)
+        for xs in (x, x.reshape(1, 5, K)):  # rows, and a decoder layer's [batch, tokens, hidden]
+            got, want = rms_norm_like_transformers(xs, norm.weight, EPS), norm(xs)
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(x, keep)

@@ -88,6 +88,12 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="module")
+def gemma3() -> Path:
+    """Gemma-3-270M Q4_K_M GGUF: K-quants (test_gguf.py, test_gguf_convert.py)."""
+    return registry_gguf("gemma3-270m", "Gemma-3-270M Q4_K_M")
+
+
+@pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory) -> Path:
     """A config-folder cache of the test module's own (AIPC_GGUF_CACHE), so the test sees the first write."""
     return tmp_path_factory.mktemp("gguf-config-cache")

@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from vllm_serving import VllmServer, log_tail, registry_gguf, run_vllm_script, teacher_forced, vllm_env  # noqa: E402
+from vllm_serving import VllmServer, log_tail, run_vllm_script, teacher_forced, vllm_env  # noqa: E402
 
 N_NEW = 32
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
@@ -287,11 +287,6 @@ def test_agreement_with_transformers_float_model(engine, hf_float, prompts, toke
 
 
 # ---------------------------------------------------------------------- Gemma-3 270M, Q4_K_M
-
-
-@pytest.fixture(scope="module")
-def gemma3() -> Path:
-    return registry_gguf("gemma3-270m", "Gemma-3-270M Q4_K_M")
 
 
 def test_gemma3_q4_k_m(gemma3, gguf_cache):

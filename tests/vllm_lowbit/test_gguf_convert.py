@@ -1,7 +1,9 @@
 """``python -m vllm_lowbit.quantize X.gguf OUT``: a GGUF file converted to a ``lowbit2`` checkpoint with the
 reader that serves it, checked exact (``--verify``: every written weight equals ``gguf.quants.dequantize`` of
-the file's blocks) and served by ``LLM(OUT)`` as ``LLM(X.gguf)`` serves the file (SmolLM2-135M-Instruct Q4_1:
-the same packed linears and act_group 32; the Q8_0 token embedding / tied head written float32, exact).
+the file's blocks) and served by ``LLM(OUT)`` as ``LLM(X.gguf)`` serves the file: SmolLM2-135M-Instruct Q4_1
+(one type: the same packed linears and act_group 32; the Q8_0 token embedding / tied head written float32,
+exact) and Gemma-3-270M Q4_K_M (K-quants: Q4_K, Q6_K with float32 scales and groups of 16, Q5_0 and Q8_0,
+each layer's form in ``layer_formats``).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from vllm_serving import run_vllm_script, vllm_env  # noqa: E402
 
 TEXTS = ["The capital of France is", "def fibonacci(n):"]
 N_NEW = 12
-#: largest |logprob difference| of the greedy tokens between LLM(OUT) and LLM(X.gguf) (measured 0.062): the linears are the
-#: same packed weights on the same op; only the tied head differs (float32 file values against the file's
-#: Q8_0 on the W8A8 kernels, int8 activations per 32)
+#: largest |logprob difference| of the greedy tokens between LLM(OUT) and LLM(X.gguf) (measured 0.062 for SmolLM2,
+#: 0.076 for Gemma-3): the linears are the same packed weights on the same op; only the tied head differs
+#: (float32 file values against the file's Q8_0 on the W8A8 kernels, int8 activations per 32)
 LOGPROB_TOL = 0.1
 
 
@@ -31,13 +33,23 @@ def convert(src: Path, out: Path, cache: Path, *extra: str) -> subprocess.Comple
                           capture_output=True, text=True, timeout=600, env=vllm_env(AIPC_GGUF_CACHE=str(cache)))  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def converted(smollm2, gguf_cache, tmp_path_factory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("smollm2-lowbit2") / "model"
-    res = convert(smollm2, out, gguf_cache, "--verify", "--threads", "1")
+def convert_verified(src: Path, cache: Path, tmp_path_factory) -> tuple[Path, str]:
+    """``src`` converted with ``--verify`` (exit status 0: every written weight equals the file's values)."""
+    out = tmp_path_factory.mktemp(src.stem) / "model"
+    res = convert(src, out, cache, "--verify", "--threads", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     print("\n[gguf-convert] " + res.stdout.strip().replace("\n", "\n[gguf-convert] "))
     return out, res.stdout
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2, gguf_cache, tmp_path_factory) -> tuple[Path, str]:
+    return convert_verified(smollm2, gguf_cache, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def converted_gemma3(gemma3, gguf_cache, tmp_path_factory) -> tuple[Path, str]:
+    return convert_verified(gemma3, gguf_cache, tmp_path_factory)
 
 
 def test_verify_is_exact(converted):
@@ -78,26 +90,47 @@ if __name__ == "__main__":
 """
 
 
-def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cache):
-    """LLM(OUT) on the lowbit2 checkpoint path gives LLM(X.gguf)'s greedy tokens, logprobs within LOGPROB_TOL."""
+def test_verify_is_exact_on_k_quants(converted_gemma3):
+    """Every K-quant tensor of Gemma-3's Q4_K_M file is written exactly, each layer with its own form."""
+    out, stdout = converted_gemma3
+    for part in ("Q4_K 0 (27 tensors)", "Q6_K 0 (9 tensors)", "Q5_0 0 (81 tensors)", "Q8_0 0 (10 tensors)", "overall 0"):
+        assert part in stdout, stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["prequantized"], qc["source"], qc["act_group"]) == ("lowbit2", True, "gguf", 32)
+    assert (qc["codebook"], qc["group_size"], qc["scale_dtype"]) == ("int8", 32, "float16")  # Q5_0 / Q8_0: the most
+    forms = {(f["codebook"], f["group_size"], f["scale_dtype"]) for f in qc["layer_formats"].values()}
+    assert forms == {("min4", 32, "float32"), ("int8", 16, "float32")}, forms  # Q4_K; Q6_K (and merged with it)
+
+
+def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
+    """LLM(OUT) on the lowbit2 checkpoint path gives LLM(X.gguf)'s greedy tokens, logprobs within LOGPROB_TOL,
+    with the first layer's qkv on the same code book, group and activation group."""
     from transformers import AutoTokenizer
 
-    out, _ = converted
     tok = AutoTokenizer.from_pretrained(out)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    code = _BOTH.format(cache=str(gguf_cache), prompts=prompts, n=N_NEW, out=str(out), gguf=str(smollm2))
+    code = _BOTH.format(cache=str(cache), prompts=prompts, n=N_NEW, out=str(out), gguf=str(gguf))
     res = run_vllm_script(code, timeout=900)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
     assert res.returncode == 0 and lines, res.stderr[-5000:]
     r = json.loads(lines[-1][len("RESULT="):])
     (ours, our_layer), (ref, ref_layer) = r["ours"], r["ref"]
-    assert our_layer == ["LowBit2LinearMethod", "min4", 32, 32], our_layer
-    assert ref_layer[1:] == our_layer[1:], ref_layer
+    assert our_layer[0] == "LowBit2LinearMethod" and ref_layer[1:] == our_layer[1:], (our_layer, ref_layer)
     diff = max(abs(a - b) for (_, la), (_, lb) in zip(ours, ref) for a, b in zip(la, lb))
-    print(f"\n[gguf-convert] LLM(OUT) vs LLM(X.gguf): tokens {'equal' if [o[0] for o in ours] == [x[0] for x in ref] else 'DIFFER'}, "
-          f"largest greedy-token logprob difference {diff:.2e}; {[tok.decode(o[0]) for o in ours]}")  # fmt: skip
+    print(f"\n[gguf-convert] {gguf.name}: LLM(OUT) vs LLM(X.gguf): tokens "
+          f"{'equal' if [o[0] for o in ours] == [x[0] for x in ref] else 'DIFFER'}, largest greedy-token logprob "
+          f"difference {diff:.2e}; {[tok.decode(o[0]) for o in ours]}")  # fmt: skip
     assert [o[0] for o in ours] == [x[0] for x in ref]
     assert diff <= LOGPROB_TOL
+    return our_layer
+
+
+def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cache):
+    assert served_against_gguf(converted[0], smollm2, gguf_cache)[1:] == ["min4", 32, 32]
+
+
+def test_served_k_quant_checkpoint_matches_serving_the_gguf(converted_gemma3, gemma3, gguf_cache):
+    served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)
 
 
 def test_refusals_write_nothing(smollm2, gguf_cache, tmp_path):
