@@ -5,12 +5,14 @@ over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, tok
     cc -O3 -std=gnu11 -fopenmp -fvisibility=hidden -ffp-contract=off -fPIC -shared -I/tmp/base/shared/aipc_kernels/csrc \\
        /tmp/base/shared/aipc_kernels/csrc/*.c -o /tmp/base.so
     python bench/ab_native.py --base /tmp/base.so --base-name REV --name NAME [--rows '8B*'] [--m 1,16]
+                              [--codebook affine --group 64]
 
 (every unit of the library picks its ISA per function, so one cc line builds any revision's csrc/*.c).
 Both builds take the same argument vector (``native.lowbit_linear_args``) and are timed by the same C
 loop (the probes' ``time_calls`` of each build's ``aipc_lowbit_linear_v``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
-working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones),
+working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones;
+``150m *``: segment_kv's model, whose prefill is M = 1024), weights in ``--codebook`` / ``--group``,
 and the segment-KV attention kernel (``aipc_segment_sdpa``, rows ``seg *``: bench/segment_kv.py's llama-150m
 attention, BS=1, 4 beams, prompt 1024, 128 response tokens; decode is one query token per beam, prefill
 the 1024-token prompt), timed from Python (``time.perf_counter`` around the same ctypes call for both).
@@ -23,11 +25,13 @@ import time
 import torch
 
 from aipc_kernels import native, segment_attention
+from aipc_kernels.formats import get_codebook
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
-from gemv_cpu import kernel_args  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
-from llama_shapes import SHAPES
+from llama_shapes import SEGMENT_KV_SHAPES, SHAPES
+
+LOWBIT_SHAPES = SHAPES | SEGMENT_KV_SHAPES
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -95,13 +99,15 @@ def time_segment(fn, args: tuple, causal: bool, isa: str, lib: ctypes.CDLL, call
 
 
 def main() -> None:
-    ap = BenchParser("ab_native", __doc__, list(SHAPES) + list(SEGMENT), [s for s in SHAPES if s.startswith("8B")],
+    ap = BenchParser("ab_native", __doc__, list(LOWBIT_SHAPES) + list(SEGMENT), [s for s in SHAPES if s.startswith("8B")],
                      what="shapes")
     ap.add_argument("--base", required=True, help="path of the baseline build (.so)")
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,2,4,8,16,128")
     ap.add_argument("--isas", default="", help="comma list (default: the best ISA, and avx_vnni where this CPU has it)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--codebook", default="affine", help="code book of the low-bit rows' weights")
+    ap.add_argument("--group", type=int, default=64, help="group size of the low-bit rows' weights")
     ap.add_argument("--rotate-gb", type=float, default=1.2)
     args = ap.parse_args()
     base, new = load(args.base), native.library()
@@ -122,32 +128,36 @@ def main() -> None:
                 rows.append(dict(shape=label, M=BEAMS, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
                                  new_over_base=t["new"] / t["base"]))  # fmt: skip
                 print(rows[-1], flush=True)
-        for label in [r for r in args.rows if r in SHAPES]:
-            N, K = SHAPES[label]
-            p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, "affine", 64))
+        cb = get_codebook(args.codebook)
+        for label in [r for r in args.rows if r in LOWBIT_SHAPES]:
+            N, K = LOWBIT_SHAPES[label]
+            p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, args.codebook, args.group))
             copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
-            sets = [(p.qweight, p.scales, p.zeros)] + [(p.qweight.clone(), p.scales.clone(), p.zeros.clone()) for _ in range(copies - 1)]
+            sets = [(p.qweight, p.scales, p.zeros)] + [
+                (p.qweight.clone(), p.scales.clone(), None if p.zeros is None else p.zeros.clone()) for _ in range(copies - 1)]
             for M in (int(m) for m in args.m.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16)
-                *vectors, y = kernel_args("int2", sets, x, N)  # gemv_cpu's int2 row: affine, group 64
+                y = torch.empty(M, N, dtype=x.dtype)
+                vectors = [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, args.group, cb.cmul, cb.zero or 0.0, K)
+                           for q, s, z in sets]  # fmt: skip
                 for isa in isas:
                     t = {"base": float("inf"), "new": float("inf")}
                     for _ in range(args.rounds):
                         t["base"] = min(t["base"], time_with(base, vectors, isa, 8))
                         t["new"] = min(t["new"], time_with(new, vectors, isa, 8))
-                    rows.append(dict(shape=label, M=M, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
-                                     new_over_base=t["new"] / t["base"]))  # fmt: skip
+                    rows.append(dict(shape=label, M=M, isa=isa, weights=f"{args.codebook} g{args.group}",
+                                     base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"]))  # fmt: skip
                     print(rows[-1], flush=True)
                 del y, vectors
         native.set_isa(best)
         bw = read_bandwidth()
-    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. lowbit rows: int2 affine group 64, bf16 activations, "
+    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. lowbit rows: {args.codebook} group {args.group}, bf16 activations, "
              f"the C kernel alone timed in C over weights rotated through {args.rotate_gb:.1f} GB, rounds alternating "
              f"base ({args.base_name}) and new (the working tree), best of {args.rounds}. new_over_base > 1: the working "
              f"tree is slower. seg rows: aipc_segment_sdpa (M = beams), bf16, best of 20 calls per round timed "
              f"from Python around the same ctypes call for both builds.")
     write_results(args.out, args.name, f"Native kernel A/B: working tree vs {args.base_name}", info, rows,
-                  markdown_table(rows, ["shape", "M", "isa", "base_us", "new_us", "new_over_base"]), notes)
+                  markdown_table(rows, ["shape", "M", "isa", "weights", "base_us", "new_us", "new_over_base"]), notes)
 
 
 if __name__ == "__main__":
