@@ -25,9 +25,9 @@ import time
 import torch
 
 from aipc_kernels import native, segment_attention
-from aipc_kernels.formats import get_codebook
 from aipc_kernels.packing import pack_for_cpu
 from aipc_kernels.quantizers import quantize_rtn
+from gemv_cpu import codebook_kernel_args  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
 from llama_shapes import SEGMENT_KV_SHAPES, SHAPES
 
@@ -128,18 +128,15 @@ def main() -> None:
                 rows.append(dict(shape=label, M=BEAMS, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
                                  new_over_base=t["new"] / t["base"]))  # fmt: skip
                 print(rows[-1], flush=True)
-        cb = get_codebook(args.codebook)
         for label in [r for r in args.rows if r in LOWBIT_SHAPES]:
             N, K = LOWBIT_SHAPES[label]
             p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, args.codebook, args.group))
             copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
-            sets = [(p.qweight, p.scales, p.zeros)] + [
-                (p.qweight.clone(), p.scales.clone(), None if p.zeros is None else p.zeros.clone()) for _ in range(copies - 1)]
+            one = (p.qweight, p.scales, p.zeros)
+            sets = [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)]
             for M in (int(m) for m in args.m.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16)
-                y = torch.empty(M, N, dtype=x.dtype)
-                vectors = [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, args.group, cb.cmul, cb.zero or 0.0, K)
-                           for q, s, z in sets]  # fmt: skip
+                *vectors, y = codebook_kernel_args(args.codebook, args.group, sets, x, N)
                 for isa in isas:
                     t = {"base": float("inf"), "new": float("inf")}
                     for _ in range(args.rounds):

@@ -156,6 +156,11 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
     """Pre-built argument vectors of the C entry point for each weight set of one of our kinds (times the
     kernel alone: no dispatcher, no Python body; the op's own cost is the difference to the op row)."""
     codebook, group, _ = OUR_CONFIGS[kind]
+    return codebook_kernel_args(codebook, group, sets, x, N)
+
+
+def codebook_kernel_args(codebook: str, group: int, sets, x: torch.Tensor, N: int) -> list:
+    """:func:`kernel_args` for weights in ``codebook`` / ``group`` (-1: one group per row), then ``y``."""
     cb = get_codebook(codebook)
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
     G = group if group > 0 else x.shape[1]

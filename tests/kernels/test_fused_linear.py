@@ -192,7 +192,6 @@ def test_fake_kernel_and_torch_compile():
         assert out.shape == (4, 48)
 
 
-
 @pytest.mark.parametrize("dt", DTYPES)
 def test_rms_norm_is_transformers_bit_for_bit(dt):
     """The torch-ops prologue (what the low-bit layers quantize) equals LlamaRMSNorm's forward bit for bit,

@@ -130,7 +130,7 @@ def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cac
 
 
 def test_served_k_quant_checkpoint_matches_serving_the_gguf(converted_gemma3, gemma3, gguf_cache):
-    served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)
+    assert served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)[1:] == ["int8", 32, 32]  # q/k Q5_0, v Q8_0
 
 
 def test_refusals_write_nothing(smollm2, gguf_cache, tmp_path):
