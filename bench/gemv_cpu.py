@@ -32,7 +32,10 @@ Weights rotate over copies totalling ``--rotate-gb`` (several times the last-lev
 call streams them from DRAM. All kinds of a shape are held at once and timed round-robin (``--rounds``, best of), with the
 read bandwidth probe in every round (best of): the host's bandwidth moves, and this way every row and
 the probe see the same conditions. Each kernel's GB/s (weight bytes incl. scales / time) is given
-as a share of it. Writes a markdown table and a roofline plot (M=1).
+as a share of it. ``gmacs``: multiply-adds per second (M x N x K / time); for the float kinds (W4A16, dense)
+``pct_fma``: of the float32 FMA peak of the run's vector width (the probes' ``aipc_fma_peak``), their compute
+bound at M > 1, and a summary line of the W4A16 FMA kinds' time over W4A8's, measured and at that peak.
+Writes a markdown table and a roofline plot (M=1).
 """
 from __future__ import annotations
 
@@ -68,6 +71,9 @@ A16_CONFIGS = {
 }
 # the small-M dense kernels on the model's own float weights (aipc::dense_linear): weight dtype = x dtype
 DENSE_CONFIGS = {"dense_fp32": torch.float32, "dense_bf16": torch.bfloat16}
+# kinds whose arithmetic is float (FMA, or AVX512-BF16 dot products for bf16 activations where the CPU has
+# them): their multiply-adds per second are put against the float32 FMA peak of the run's vector width
+FLOAT_KINDS = tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # the general op (torch.ops.aipc.lowbit_linear: operands checked in Python on every call) on a kind's weights,
 # beside the planned op the plugins call (aipc_kernels.planned_ops: checked once, C++ per call)
 GENERAL_OP = {"int2_general": "int2", "w4a8_general": "w4a8"}
@@ -231,6 +237,14 @@ def plot(rows: list[dict], out: Path, threads: int, cpu: str) -> None:
     fig.savefig(out.parent / f"{out.name}.png", dpi=110)
 
 
+def fma_peak_of_run() -> tuple[int, float] | None:
+    """(vector bits, float32 multiply-adds per second) of the run's ISA (AIPC_ISA's, else the CPU's best) on
+    torch's threads: 256-bit FMAs for AVX2 / AVX-VNNI, 512-bit for AVX-512 and AMX; None for portable C."""
+    isa = native.get_isa() if native.available() else "scalar"
+    bits = {"avx2": 256, "avx_vnni": 256, "avx512_vnni": 512, "amx_int8": 512}.get(isa)
+    return (bits, native_probes().fma_peak(bits, torch.get_num_threads())) if bits else None
+
+
 def main() -> None:
     ap = BenchParser("gemv_cpu", __doc__, PEERS + OURS + (READ,), what="kinds (rows per shape and M)")
     ap.add_argument("--ms", default="1,4,16,128")
@@ -257,7 +271,11 @@ def main() -> None:
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
         rows = measure(shapes, kinds, ms, rotate, args.rounds)
+        fma = fma_peak_of_run() if any(k in FLOAT_KINDS for k in kinds) else None
         load_after = os.getloadavg()
+    for r in rows:
+        if fma and r["kind"] in FLOAT_KINDS:
+            r["pct_fma"], r["fma_bits"] = 100 * r["gmacs"] * 1e9 / fma[1], fma[0]
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for r in rows:
         r["run"] = f"{stamp}, load {info['loadavg'][0]:.2f}"
@@ -279,14 +297,19 @@ def main() -> None:
              f"with the caches full of weights); op_over_kernel = us / kernel_us. read (M=1) = the probe's read loop over exactly the shape's int2 "
              f"group-64 bytes, rotated and timed in C like the kernel alone; kernel_pct_read = a kernel's GB/s as a "
              f"share of it; kernel_pct_own_read (M=1) = the same against a plain read of the kind's own packed "
-             f"codes (its rotating copies, timed in C in the same round). x_<peer> = peer time / this row's time (>1: this row is faster)."
+             f"codes (its rotating copies, timed in C in the same round). x_<peer> = peer time / this row's time (>1: this row is faster). "
+             f"gmacs = M x N x K multiply-adds / time, GMAC/s"
+             + (f"; pct_fma (float kinds: {', '.join(k for k in FLOAT_KINDS if k in kinds)}) = of the float32 FMA peak of "
+                f"the run's vector width, {fma[1] / 1e9:.1f} GMAC/s ({fma[0]}-bit FMAs, {threads} threads: the probes' "
+                f"`aipc_fma_peak`, 12 independent chains per thread; AVX512-BF16 dot products, two multiply-adds "
+                f"a lane, can pass it)" if fma else "") + "."
              + (" --update: the rows of shapes not named were kept from the previous file (see Runs)." if args.update else ""))
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     body = "Runs (shape: when, load average at its start): " + "; ".join(
         f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
     cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "op_over_kernel", "kernel_pct_bw", "kernel_pct_read",
-            "kernel_pct_own_read", "x_bf16", "x_fp32", "x_int8", "x_int4"]
-    lines = summary(rows, ms)
+            "kernel_pct_own_read", "x_bf16", "x_fp32", "x_int8", "x_int4", "gmacs"] + (["pct_fma"] if fma else [])
+    lines = summary(rows, ms, fma)
     body += ("\n".join(lines) + "\n\n" if lines else "") + markdown_table(rows, cols) + "\n"
     write_results(args.out, args.name, "Low-bit GEMV/GEMM on CPU", info, rows, body, notes)
     plot(rows, stem, threads, info["cpu"])
@@ -339,6 +362,7 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                 s, nbytes, sk = results[(kind, M)]
                 gbs = nbytes / s / 1e9
                 rows.append(dict(shape=label, M=M, kind=kind, us=s * 1e6, gbs=gbs, pct_bw=100 * gbs / bw, bw=bw,
+                                 gmacs=M * N * K / s / 1e9 if kind != READ else None,
                                  kernel_us=sk * 1e6 if sk else None, op_over_kernel=s / sk if sk else None,
                                  kernel_pct_bw=100 * nbytes / sk / 1e9 / bw if sk else None,
                                  kernel_pct_read=100 * nbytes / sk / 1e9 / read_gbs if sk and read_gbs else None,
@@ -349,8 +373,9 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
     return rows
 
 
-def summary(rows: list[dict], ms: list[int]) -> list[str]:
-    """One line per kind of ours and M over the Llama-3-8B shapes: share of the read bandwidth, speed-ups."""
+def summary(rows: list[dict], ms: list[int], fma: tuple[int, float] | None = None) -> list[str]:
+    """One line per kind of ours and M over the Llama-3-8B shapes: share of the read bandwidth, speed-ups;
+    with ``fma`` (:func:`fma_peak_of_run`), the W4A16 kinds' time against W4A8's, measured and at that peak."""
     def span(sel: list[dict], key: str, fmt: str) -> str:
         vals = [r[key] for r in sel if r.get(key) is not None]
         return f"{min(vals):{fmt}}-{max(vals):{fmt}}" if len(vals) == len(sel) else ""
@@ -383,6 +408,20 @@ def summary(rows: list[dict], ms: list[int]) -> list[str]:
             if ratios:
                 lines.append(f"- W4A16 E0M4 against int dequantization ({what}), M={M}: int time / E0M4 time "
                              f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} shapes (>1: E0M4 faster)")
+    # the activation-exact W4A16 kinds computing in float32 FMAs against W4A8's int8 dot products: measured,
+    # and the least time over W4A8's that any float32 kernel of these multiply-adds could take (at the FMA peak)
+    for kind in (k for k in A16_CONFIGS if k.endswith("_fma")) if fma else ():
+        for M in ms:
+            w48 = {r["shape"]: r["us"] for r in rows if r["M"] == M and r["kind"] == "w4a8"}
+            sel = [r for r in rows if r["M"] == M and r["kind"] == kind and r["shape"] in w48]
+            if not sel:
+                continue
+            ratio = [r["us"] / w48[r["shape"]] for r in sel]
+            at_peak = [r["us"] * r["pct_fma"] / 100 / w48[r["shape"]] for r in sel]
+            pct = [r["pct_fma"] for r in sel]
+            lines.append(f"- {kind} M={M}: {min(pct):.0f}-{max(pct):.0f}% of the float32 FMA peak ({fma[1] / 1e9:.1f} "
+                         f"GMAC/s, {fma[0]}-bit); time / W4A8's {min(ratio):.2f}-{max(ratio):.2f}x, at the FMA peak "
+                         f"{min(at_peak):.2f}-{max(at_peak):.2f}x over {len(sel)} shapes")
     return lines
 
 

@@ -2,6 +2,7 @@
 ``shared/aipc_kernels/csrc/probes/``; the shipped kernels never load it).
 
 * :func:`stream_read`: a read-bandwidth probe that streams memory with the low-bit kernels' prefetch;
+* :func:`fma_peak`: the float32 multiply-add peak of 256- or 512-bit FMAs (the float kernels' compute bound);
 * :func:`time_calls` / :func:`time_lowbit_linear` / :func:`time_stream_read`: loops timed in C (best
   round over operand sets called in turn), so no interpreter runs between the calls.
 """
@@ -32,6 +33,8 @@ def library() -> ctypes.CDLL:
     lib.aipc_stream_read.argtypes = [vp, i64, ctypes.c_int]
     lib.aipc_time_vector_calls.restype = ctypes.c_double
     lib.aipc_time_vector_calls.argtypes = [vp, vp, i64, i64, ctypes.c_double]
+    lib.aipc_fma_peak.restype = ctypes.c_double
+    lib.aipc_fma_peak.argtypes = [ctypes.c_int, ctypes.c_int, i64]
     lib.aipc_time_stream_read.restype = ctypes.c_double
     lib.aipc_time_stream_read.argtypes = [vp, i64, i64, ctypes.c_int, i64, ctypes.c_double]
     return lib
@@ -44,6 +47,19 @@ def _addresses(addresses: list[int]) -> ctypes.Array:
 def stream_read(buf: torch.Tensor, threads: Optional[int] = None) -> int:
     """Reads every byte of a contiguous CPU tensor with ``threads`` threads (bandwidth probe)."""
     return library().aipc_stream_read(buf.data_ptr(), buf.numel() * buf.element_size(), threads or torch.get_num_threads())
+
+
+def fma_peak(bits: int = 256, threads: Optional[int] = None, iters: int = 20_000_000) -> float:
+    """Float32 multiply-adds per second (MAC/s) of ``threads`` threads running independent chains of
+    ``bits``-wide FMAs (256: AVX2 + FMA, 512: AVX-512F), best of three rounds of ``iters`` iterations."""
+    if bits not in (256, 512):
+        raise ValueError(f"fma_peak: bits={bits}; use 256 (AVX2 + FMA) or 512 (AVX-512F)")
+    if iters <= 0:
+        raise ValueError(f"fma_peak: iters={iters} must be > 0 (default 20_000_000)")
+    r = library().aipc_fma_peak(bits, threads or torch.get_num_threads(), iters)
+    if r < 0:
+        raise RuntimeError(f"fma_peak: {native.status_message(int(r))} (no {bits}-bit FMA on this CPU or build)")
+    return r
 
 
 def time_calls(entry: ctypes._CFuncPtr, vectors: list[array], calls: int, min_seconds: float = 0.3) -> float:

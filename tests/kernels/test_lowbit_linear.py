@@ -22,7 +22,7 @@ def _case(N, K, codebook, group, seed, scale_dtype=torch.float16):
 
 
 @pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
-@pytest.mark.parametrize("M, N, K, group", [(1, 37, 256, 32), (3, 16, 128, 64), (6, 21, 128, 64), (8, 50, 384, 128), (13, 33, 192, -1), (40, 17, 256, 64)])
+@pytest.mark.parametrize("M, N, K, group", [(1, 37, 256, 32), (1, 19, 1536, -1), (1, 23, 640, 128), (3, 16, 128, 64), (6, 21, 128, 64), (8, 50, 384, 128), (13, 33, 192, -1), (40, 17, 256, 64)])
 def test_matches_exact_integer_math(isa, codebook, M, N, K, group):
     w, p = _case(N, K, codebook, group, seed=M * 1000 + N)
     x = torch.randn(M, K)
@@ -183,13 +183,19 @@ def test_native_entry_refuses_strided_buffers():
         native.lowbit_linear_into(y, torch.randn(1, 64), p.qweight, p.scales.transpose(1, 2).contiguous().transpose(1, 2), p.zeros, None, 2, 32, 1.0, NAN, 64)
 
 
+def _bench_probes():
+    """``bench/native_probes.py``, the benchmarks' loader of the probe library."""
+    spec = importlib.util.spec_from_file_location("native_probes", Path(__file__).parents[2] / "bench" / "native_probes.py")
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
+    return probes
+
+
 def test_timing_helpers_run_the_kernel_and_report_errors():
     """The benchmarks' C-timed loops (``bench/native_probes.py``: ``time_lowbit_linear``,
     ``time_stream_read``): each vector's call really runs (its poisoned output is the kernel's result
     afterwards), a time per call comes back, and a failing call is an error, not a time."""
-    spec = importlib.util.spec_from_file_location("native_probes", Path(__file__).parents[2] / "bench" / "native_probes.py")
-    probes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probes)
+    probes = _bench_probes()
     sets = [_case(21, 128, "affine", 32, seed=s) for s in (1, 2)]
     x = torch.randn(1, 128)
     ys = [torch.full((1, 21), float("nan")) for _ in sets]
@@ -209,6 +215,23 @@ def test_timing_helpers_run_the_kernel_and_report_errors():
         probes.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)
 
 
+def test_fma_peak_probe_answers_or_names_what_is_missing():
+    """The float32 FMA peak probe (``fma_peak``, the W4A16 / dense rows' compute bound in bench/gemv_cpu.py):
+    a positive rate for each width this CPU has, a clear error for one it lacks or a width that is none."""
+    probes = _bench_probes()
+    flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
+    for bits, needs in ((256, {"avx2", "fma"}), (512, {"avx512f"})):
+        if needs <= flags:
+            assert 0 < probes.fma_peak(bits, threads=1, iters=1000) < math.inf
+        else:
+            with pytest.raises(RuntimeError, match=f"no {bits}-bit FMA"):
+                probes.fma_peak(bits, threads=1, iters=1000)
+    with pytest.raises(ValueError, match="bits=128"):
+        probes.fma_peak(128)
+    with pytest.raises(ValueError, match="iters=0"):
+        probes.fma_peak(256, threads=1, iters=0)
+
+
 @pytest.mark.parametrize("codebook, K, top", [("int8", 4096, 127), ("int4", 32768, 7)])
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_wide_codes_cancel_exactly(isa, M, codebook, K, top):
@@ -225,6 +248,25 @@ def test_wide_codes_cancel_exactly(isa, M, codebook, K, top):
     y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
     ref = ops.reference_linear_w8(x, w)
     torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-3)
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_largest_codes_times_largest_activations(isa, codebook, sign):
+    """Every code at its largest and every activation at +-127, one group per long row: AVX2's 16-bit sums of
+    a chunk's planes (vpmaddubsw + vpaddw, widened once per chunk) must stay within int16 there: a kernel that
+    summed three times as many planes in 16 bits before widening fails this test."""
+    cb = CODEBOOKS[codebook]
+    N, K = 21, 2048
+    codes = torch.full((N, K), cb.max_code, dtype=torch.uint8)
+    scales = torch.full((N, 1), 0.01, dtype=torch.float16)
+    zeros = torch.zeros(N, 1, dtype=torch.float16) if cb.mins or cb.zero is None else None
+    w = LowBitWeight(pack_codes(codes, cb.bits), scales, zeros, codebook, K, K)
+    x = torch.full((1, K), 3.0 * sign)  # absmax scale: every activation quantizes to +-127
+    y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
+    ref = ops.reference_linear_w8(x, w)
+    assert ref.abs().min() > 0
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
 
 # ---------------------------------------------------------------------- act_amax: a given per-token absmax

@@ -1,8 +1,8 @@
 /*
  * Measurement probes of the benchmarks (library _aipc_probes, loaded only by bench/native_probes.py; the
  * shipped kernels never call it): a read-bandwidth probe that streams memory as the low-bit kernels
- * stream their weights, and loops that time a kernel entry point, or the probe, in C, so that no
- * interpreter runs between the calls.
+ * stream their weights, a float32 multiply-add peak probe (the compute bound of the float kernels), and
+ * loops that time a kernel entry point, or the probe, in C, so that no interpreter runs between the calls.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -54,6 +54,60 @@ AIPC_API uint64_t aipc_stream_read(const void *buf, int64_t bytes, int nthreads)
         total ^= read_span(p + lo, hi - lo);
     }
     return total;
+}
+
+/* ------------------------------------------------------------------ float32 multiply-add peak */
+
+/* FMA_CHAINS independent multiply-add chains, enough to cover the FMA latency (4-5 cycles) on two FMA
+ * pipes; each returns its lane 0 so that nothing is elided. */
+#define FMA_CHAINS 12
+#define FMA_SPAN(NAME, TARGET_ISA, VEC, SET1, FMADD, FIRST)                                                  \
+    __attribute__((target(TARGET_ISA))) static float NAME(int64_t iters, float seed) {                       \
+        const VEC x = SET1(1.0f - 1e-7f), y = SET1(1e-7f);                                                    \
+        VEC a0 = SET1(seed), a1 = SET1(seed + 1), a2 = SET1(seed + 2), a3 = SET1(seed + 3);                    \
+        VEC a4 = SET1(seed + 4), a5 = SET1(seed + 5), a6 = SET1(seed + 6), a7 = SET1(seed + 7);                \
+        VEC a8 = SET1(seed + 8), a9 = SET1(seed + 9), a10 = SET1(seed + 10), a11 = SET1(seed + 11);            \
+        for (int64_t i = 0; i < iters; i++) {                                                                 \
+            a0 = FMADD(a0, x, y), a1 = FMADD(a1, x, y), a2 = FMADD(a2, x, y), a3 = FMADD(a3, x, y);           \
+            a4 = FMADD(a4, x, y), a5 = FMADD(a5, x, y), a6 = FMADD(a6, x, y), a7 = FMADD(a7, x, y);           \
+            a8 = FMADD(a8, x, y), a9 = FMADD(a9, x, y), a10 = FMADD(a10, x, y), a11 = FMADD(a11, x, y);       \
+        }                                                                                                     \
+        return FIRST(a0) + FIRST(a1) + FIRST(a2) + FIRST(a3) + FIRST(a4) + FIRST(a5) + FIRST(a6) +          \
+               FIRST(a7) + FIRST(a8) + FIRST(a9) + FIRST(a10) + FIRST(a11);                                   \
+    }
+#ifdef PROBE_X86
+FMA_SPAN(fma_span256, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32)
+FMA_SPAN(fma_span512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32)
+#endif
+
+/* Float32 multiply-adds per second of `nthreads` threads, each running FMA_CHAINS independent chains of
+ * `bits`-wide vector FMAs (256: AVX2 + FMA, 512: AVX-512F) for `iters` iterations, best of three rounds;
+ * negative (AIPC_ERR_ISA) where this CPU has no such FMA or the build is not for x86. */
+AIPC_API double aipc_fma_peak(int bits, int nthreads, int64_t iters) {
+#ifdef PROBE_X86
+    __builtin_cpu_init();
+    if (bits == 256 ? !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+                    : bits != 512 || !__builtin_cpu_supports("avx512f"))
+        return AIPC_ERR_ISA;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    if (iters <= 0) return AIPC_ERR_SHAPE;
+    double best = 1e30;
+    volatile float sink = 0.f;
+    for (int round = 0; round < 3; round++) {
+        const double t0 = omp_get_wtime();
+        float total = 0.f;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+        total += bits == 256 ? fma_span256(iters, (float)omp_get_thread_num()) : fma_span512(iters, (float)omp_get_thread_num());
+        const double dt = omp_get_wtime() - t0;
+        sink += total;
+        if (dt < best) best = dt;
+    }
+    (void)sink;
+    return (double)nthreads * (double)iters * FMA_CHAINS * (bits / 32) / best;
+#else
+    (void)bits, (void)nthreads, (void)iters;
+    return AIPC_ERR_ISA;
+#endif
 }
 
 /* ------------------------------------------------------------------ timing */
