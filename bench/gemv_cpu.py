@@ -273,12 +273,11 @@ def main() -> None:
         rows = measure(shapes, kinds, ms, rotate, args.rounds)
         fma = fma_peak_of_run() if any(k in FLOAT_KINDS for k in kinds) else None
         load_after = os.getloadavg()
-    for r in rows:
-        if fma and r["kind"] in FLOAT_KINDS:
-            r["pct_fma"], r["fma_bits"] = 100 * r["gmacs"] * 1e9 / fma[1], fma[0]
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for r in rows:
         r["run"] = f"{stamp}, load {info['loadavg'][0]:.2f}"
+        if fma and r["kind"] in FLOAT_KINDS:
+            r["pct_fma"], r["fma_bits"] = 100 * r["gmacs"] * 1e9 / fma[1], fma[0]
     if args.update and (Path(args.out) / f"{args.name}.json").exists():
         kept = [r for r in read_results(args.out, args.name)["rows"] if r["shape"] not in shapes]
         order = list(SHAPES)
