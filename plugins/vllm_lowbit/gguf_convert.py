@@ -140,7 +140,8 @@ def convert_gguf(
             held[base] = w
             group = _siblings(base, linears)
             if all(s in held for s in group):
-                for s, one in zip(group, common_form([held.pop(s) for s in group])):
+                # single-level: the checkpoint path loads float scales (the served .gguf keeps two levels)
+                for s, one in zip(group, common_form([held.pop(s).single_level() for s in group])):
                     writer.add_lowbit(s, one)
                     forms[s] = _form(one)
         if bar is not None:

@@ -50,10 +50,11 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from aipc_kernels.formats import LowBitWeight
-from aipc_kernels.packing import PackedLowBit, dequantize_rows
+from aipc_kernels.packing import dequantize_rows
 
 from . import gguf_source
-from .linear_method import apply_lowbit, checkpoint_rows, checkpoint_tensor_name, install_packed, layer_shards
+from .linear_method import (apply_lowbit, checkpoint_rows, checkpoint_tensor_name, install_packed, installed_weight,
+                            layer_shards)
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -299,8 +300,9 @@ def _cat_rows(ws: list[LowBitWeight], name: str) -> LowBitWeight:
         return ws[0]
     ws = common_form(ws)
     zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws])
+    supers = None if ws[0].supers is None else torch.cat([w.supers for w in ws], dim=1)
     return LowBitWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), zeros,
-                        ws[0].codebook, ws[0].group_size, ws[0].in_features, name=name)  # fmt: skip
+                        ws[0].codebook, ws[0].group_size, ws[0].in_features, name=name, supers=supers)  # fmt: skip
 
 
 def _pad_rows(w: LowBitWeight, n: int) -> LowBitWeight:
@@ -312,7 +314,10 @@ def _pad_rows(w: LowBitWeight, n: int) -> LowBitWeight:
     def pad(t):
         return None if t is None else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
-    return LowBitWeight(pad(w.qweight), pad(w.scales), pad(w.zeros), w.codebook, w.group_size, w.in_features, name=w.name)
+    supers = None if w.supers is None else torch.cat([w.supers, w.supers.new_zeros(w.supers.shape[0], extra,
+                                                                                   w.supers.shape[2])], dim=1)
+    return LowBitWeight(pad(w.qweight), pad(w.scales), pad(w.zeros), w.codebook, w.group_size, w.in_features,
+                        name=w.name, supers=supers)  # fmt: skip
 
 
 def _drop_slots(layer: torch.nn.Module) -> None:
@@ -402,9 +407,7 @@ class GGUFEmbeddingMethod(_GGUFMethod, QuantizeMethodBase):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         if layer.gguf_float:
             return F.embedding(input_, layer.weight)
-        packed = PackedLowBit(layer.lowbit_layout, layer.qweight, layer.scales, layer.zeros, layer.lowbit_codebook,
-                              layer.lowbit_group_size, layer.lowbit_out_features, layer.embedding_dim)  # fmt: skip
-        rows = dequantize_rows(packed, input_, layer.gguf_params_dtype)
+        rows = dequantize_rows(installed_weight(layer), input_, layer.gguf_params_dtype)
         return rows.reshape(*input_.shape, layer.embedding_dim)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: VocabParallelEmbedding):

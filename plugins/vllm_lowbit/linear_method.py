@@ -126,10 +126,11 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, acti
     W*A8)."""
     device = w.qweight.device
     packed = pack_for_device(w, device)
-    for name in ("weight", "qweight", "scales", "zeros"):
+    for name in ("weight", "qweight", "scales", "zeros", "supers"):
         if name in layer._parameters:
             delattr(layer, name)
-    for name, t in (("qweight", packed.qweight), ("scales", packed.scales), ("zeros", packed.zeros)):
+    for name, t in (("qweight", packed.qweight), ("scales", packed.scales), ("zeros", packed.zeros),
+                    ("supers", packed.supers)):  # fmt: skip
         layer.register_parameter(name, None if t is None else torch.nn.Parameter(t, requires_grad=False))
     layer.lowbit_layout = packed.layout
     layer.lowbit_codebook = packed.codebook
@@ -143,6 +144,14 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, acti
     layer._already_called_process_weights_after_loading = True
 
 
+def installed_weight(layer: torch.nn.Module) -> PackedLowBit:
+    """The packed weight :func:`install_packed` put on ``layer`` (a linear layer or an embedding), over the
+    layer's tensors as they are now."""
+    K = layer.embedding_dim if hasattr(layer, "embedding_dim") else layer.input_size_per_partition
+    return PackedLowBit(layer.lowbit_layout, layer.qweight, layer.scales, layer.zeros, layer.lowbit_codebook,
+                        layer.lowbit_group_size, layer.lowbit_out_features, K, layer.supers)  # fmt: skip
+
+
 def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                  act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able);
@@ -153,7 +162,7 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
     if act_amax is None and layer.lowbit_split_rows:
         act_amax = whole_row_amax(x)
     if layer.lowbit_cpu_call is not None:
-        return layer.lowbit_cpu_call(x, layer.qweight, layer.scales, layer.zeros, bias, act_amax)
+        return layer.lowbit_cpu_call(x, layer.qweight, layer.scales, layer.zeros, bias, act_amax, layer.supers)
     if layer.lowbit_a16:
         return torch.ops.aipc.lowbit_linear_a16(
             x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
@@ -161,7 +170,7 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
         )  # fmt: skip
     return torch.ops.aipc.lowbit_linear(
         x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
-        layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_act_group, act_amax,
+        layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_act_group, act_amax, layer.supers,
     )  # fmt: skip
 
 

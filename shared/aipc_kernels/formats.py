@@ -24,6 +24,14 @@ min4      4     {0, ..., 15}, plus a min per group   0; ``zeros`` holds the mins
 min8      8     {-128, ..., 127}, plus a min         128; ``zeros`` holds the mins m
 ========  ====  ==================================  =============================
 
+Two-level scales (GGUF's K-quants as the file holds them): ``scales`` (and the min form's mins) are int8
+sub-block values and ``supers`` float32 ``[S, N, K/SB]`` super-block scales (``SB``: a power-of-two
+multiple of ``G`` dividing ``K``; ``S`` = 1, or 2 in the min form, the mins' super-block scales second).
+A group's scale is ``supers[0] * scales`` and its min ``supers[1] * mins``, each one float32 product
+(exact for an fp16 ``d`` times a 6- or 8-bit integer), the values the same weight holds with those
+products stored as float32 scales: :meth:`LowBitWeight.single_level` turns one form into the other.
+A row then reads 1 byte per group for its scale (2 with mins) and 4 (8) per super-block, not 4 (8) per group.
+
 The min form (``min2``, ``min4``, ``min8``): ``W[n, k] = s[n, g] * (cmul * c[n, k] - z) + m[n, g]`` with a fixed
 ``z`` and a stored min ``m`` per group (in the ``zeros`` slot, same shape and dtype as ``scales``). It
 is how GGUF stores Q4_1 / Q5_1 (``w = d * q + m``, fp16 ``d`` and ``m``) and, with float32 scales and
@@ -66,7 +74,7 @@ from typing import Optional
 import torch
 
 FORMAT_NAME = "lowbit2"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads and writes (1 when a file has no two-level weight)
 GROUP_SIZES = (32, 64, 128)  # or -1: one group per row
 #: group sizes a weight may also have: GGUF's K-quants scale 16-element sub-blocks (codes of 2 bits and more)
 FILE_GROUP_SIZES = (16,) + GROUP_SIZES
@@ -187,12 +195,25 @@ def grid_values(codes: torch.Tensor, zeros: Optional[torch.Tensor], codebook: st
     return v - zeros.float().repeat_interleave(group_size, dim=-1)
 
 
+def two_level_values(sub: torch.Tensor, supers: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """Per-group float32 values ``[..., K/G]`` of the two-level form: ``supers`` ``[..., K/SB]`` (one
+    super-block scale) times the int8 sub-block values ``sub`` ``[..., K/G]``, one float32 product each."""
+    per_super = in_features // supers.shape[-1] // group_size
+    return supers.float().repeat_interleave(per_super, dim=-1) * sub.float()
+
+
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], codebook: str,
-                     group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+                     group_size: int, dtype: torch.dtype = torch.float32,
+                     supers: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """The weight values of unpacked codes ``[..., K]`` with per-group ``scales`` / ``zeros`` ``[..., K/G]``,
     computed in float32 (float64 if asked): ``s * v``, plus ``m`` in the min form (each a float32 rounding,
     as ``gguf.quants.dequantize`` computes GGUF blocks). The one place of this arithmetic: its order
-    decides the bits that :mod:`aipc_kernels.gguf_format` promises."""
+    decides the bits that :mod:`aipc_kernels.gguf_format` promises. ``supers`` ``[S, ..., K/SB]``: the
+    two-level form (``scales`` and ``zeros`` int8), whose float32 products come first."""
+    if supers is not None:
+        K = codes.shape[-1]
+        scales = two_level_values(scales, supers[0], group_size, K)
+        zeros = two_level_values(zeros, supers[1], group_size, K) if zeros is not None else None
     work = torch.float64 if dtype == torch.float64 else torch.float32
     s = scales.to(work).repeat_interleave(group_size, dim=-1)
     w = s * grid_values(codes, zeros, codebook, group_size).to(work)
@@ -207,12 +228,13 @@ class LowBitWeight:
     (affine) or mins (the min form)."""
 
     qweight: torch.Tensor  # uint8 [N, K*bits/8]
-    scales: torch.Tensor  # fp16/bf16 [N, K/G]
+    scales: torch.Tensor  # fp16/bf16/fp32 [N, K/G]; int8 in the two-level form
     zeros: Optional[torch.Tensor]  # like scales: zero points (affine) or mins (min form); else None
     codebook: str
     group_size: int  # effective (K for whole-row)
     in_features: int
     name: str = field(default="weight", compare=False, repr=False)  # for error messages
+    supers: Optional[torch.Tensor] = None  # two-level form: float32 [S, N, K/SB] super-block scales (S=2: mins)
 
     def __post_init__(self) -> None:
         self.validate(self.name)
@@ -269,8 +291,55 @@ class LowBitWeight:
                     f"{name}.zeros: codebook {self.codebook!r} stores integer zero points in [0, {cb.max_code}] (its "
                     f"bias 1 + z/16 has no fraction bits below the code's); found {z[(z != z.round()) | (z < 0) | (z > cb.max_code)][:3].tolist()}"
                 )
-        if self.scales.dtype not in WEIGHT_SCALE_DTYPES:
-            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use one of {WEIGHT_SCALE_DTYPES}")
+        if self.supers is not None:
+            self._validate_supers(name)
+        elif self.scales.dtype not in WEIGHT_SCALE_DTYPES:
+            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; use one of {WEIGHT_SCALE_DTYPES} (int8: "
+                             f"the two-level form, with supers)")  # fmt: skip
+
+    def _validate_supers(self, name: str) -> None:
+        """The two-level form: int8 scales (and mins), float32 supers ``[S, N, K/SB]`` with S = 1 + mins
+        and ``SB`` a power-of-two multiple of the group dividing K; no stored zero points."""
+        cb, N, K, G, sup = self.cb, self.out_features, self.in_features, self.group_size, self.supers
+        S = 2 if cb.mins else 1
+        if cb.zero is None:
+            raise ValueError(f"{name}.supers: codebook {self.codebook!r} stores zero points; the two-level form takes "
+                             f"fixed-zero and min-form code books")  # fmt: skip
+        if self.scales.dtype != torch.int8:
+            raise ValueError(f"{name}.scales has dtype {self.scales.dtype}; with supers (two-level) they are int8")
+        nsb = sup.shape[-1] if sup.dim() == 3 else 0
+        sb = K // nsb if nsb and K % nsb == 0 else 0
+        if sup.dtype != torch.float32 or tuple(sup.shape[:2]) != (S, N) or not sb or sb % G or (sb // G) & (sb // G - 1):
+            raise ValueError(f"{name}.supers has shape {tuple(sup.shape)} and dtype {sup.dtype}: expected float32 "
+                             f"[{S}, {N}, K/SB] with K={K} a multiple of SB and SB a power-of-two multiple of the "
+                             f"group {G}")  # fmt: skip
+
+    @property
+    def super_block(self) -> Optional[int]:
+        """Elements per super-block of the two-level form (None: single-level scales)."""
+        return None if self.supers is None else self.in_features // self.supers.shape[-1]
+
+    def group_scales(self) -> torch.Tensor:
+        """Per-group scales ``[N, K/G]`` as floats (the two-level form's float32 products)."""
+        if self.supers is None:
+            return self.scales
+        return two_level_values(self.scales, self.supers[0], self.group_size, self.in_features)
+
+    def group_mins(self) -> Optional[torch.Tensor]:
+        """The min form's per-group mins as floats, else None."""
+        if not self.cb.mins:
+            return None
+        if self.supers is None:
+            return self.zeros
+        return two_level_values(self.zeros, self.supers[1], self.group_size, self.in_features)
+
+    def single_level(self) -> "LowBitWeight":
+        """The same values with one float32 scale (and min) per group: the two-level form's products stored
+        (self when it has single-level scales already)."""
+        if self.supers is None:
+            return self
+        return LowBitWeight(self.qweight, self.group_scales(), self.group_mins(), self.codebook, self.group_size,
+                            self.in_features, name=self.name)  # fmt: skip
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes ``[N, K]`` (uint8)."""
@@ -282,28 +351,32 @@ class LowBitWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[N, K]`` the codes stand for (:func:`dequantize_codes`)."""
-        return dequantize_codes(self.codes(), self.scales, self.zeros, self.codebook, self.group_size, dtype)
+        return dequantize_codes(self.codes(), self.scales, self.zeros, self.codebook, self.group_size, dtype,
+                                self.supers)  # fmt: skip
 
     def nbytes(self) -> int:
-        """Bytes of codes, scales and zeros."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+        """Bytes of codes, scales, zeros and super-block scales."""
+        parts = (self.qweight, self.scales, self.zeros, self.supers)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     # -------------------------------------------------------------- serialization
 
     def metadata(self) -> dict[str, str]:
         return {
             "format": FORMAT_NAME,
-            "format_version": str(FORMAT_VERSION),
+            "format_version": "1" if self.supers is None else "2",
             "codebook": self.codebook,
             "group_size": str(self.group_size),
             "in_features": str(self.in_features),
         }
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Tensors under ``prefix.qweight``, ``prefix.scales`` (and ``prefix.zeros``)."""
+        """Tensors under ``prefix.qweight``, ``prefix.scales`` (and ``prefix.zeros``, ``prefix.supers``)."""
         out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
         if self.zeros is not None:
             out[f"{prefix}.zeros"] = self.zeros
+        if self.supers is not None:
+            out[f"{prefix}.supers"] = self.supers
         return out
 
     @classmethod
@@ -323,6 +396,7 @@ class LowBitWeight:
             G,
             in_features,
             name=prefix,
+            supers=tensors.get(f"{prefix}.supers"),
         )
 
 
@@ -335,7 +409,9 @@ def save_lowbit(path: str, weights: dict[str, LowBitWeight], extra: Optional[dic
     for name, w in weights.items():
         tensors.update({k: v.contiguous() for k, v in w.state_dict(name).items()})
         layers[name] = w.metadata()
-    meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "lowbit_layers": json.dumps(layers)}
+    # version 2: two-level weights (int8 scales with supers), which a version-1 reader would misread
+    version = 2 if any(w.supers is not None for w in weights.values()) else 1
+    meta = {"format": FORMAT_NAME, "format_version": str(version), "lowbit_layers": json.dumps(layers)}
     save_file(tensors, path, metadata=meta)
 
 
@@ -357,6 +433,6 @@ def load_lowbit(path: str) -> tuple[dict[str, LowBitWeight], dict[str, torch.Ten
         weights[name] = LowBitWeight.from_state_dict(
             tensors, name, m["codebook"], int(m["group_size"]), int(m["in_features"])
         )
-        for part in ("qweight", "scales", "zeros"):
+        for part in ("qweight", "scales", "zeros", "supers"):
             tensors.pop(f"{name}.{part}", None)
     return weights, tensors

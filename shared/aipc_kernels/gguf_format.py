@@ -16,25 +16,30 @@ Q5_0     d * (q - 16), q 0..31               int8      32     c = q + 112, s = d
 Q5_1     d * q + m, q 0..31                  min8      32     c = q + 128, s = d, zeros = m
 TQ2_0    d * (q - 1), q 0..2, d per 256      ternary   128    c = q, s = d (each d in its two groups)
 TQ1_0    as TQ2_0, base-3 packed             ternary   128    c = q, s = d (each d in its two groups)
-Q2_K     (d*sc) * q - (dmin*mn), q 0..3,     min2      16     c = q, s = d*sc, zeros = -(dmin*mn)
+Q2_K     (d*sc) * q - (dmin*mn), q 0..3,     min2      16     c = q, s = d x sc, zeros = -dmin x mn
          sc, mn 4-bit per 16
-Q3_K     (d*(sc - 32)) * (q - 4), q 0..7,    int4      16     c = q + 4, s = d*(sc - 32)
+Q3_K     (d*(sc - 32)) * (q - 4), q 0..7,    int4      16     c = q + 4, s = d x (sc - 32)
          sc 6-bit per 16, q's bit 2 hmask
-Q4_K     (d*sc) * q - (dmin*mn), q 0..15,    min4      32     c = q, s = d*sc, zeros = -(dmin*mn)
+Q4_K     (d*sc) * q - (dmin*mn), q 0..15,    min4      32     c = q, s = d x sc, zeros = -dmin x mn
          sc, mn 6-bit per 32
-Q5_K     as Q4_K, q 0..31                    min8      32     c = q + 128, s = d*sc, zeros = -(dmin*mn)
-Q6_K     (d*sc) * (q - 32), q 0..63,         int8      16     c = q + 96, s = d*sc
+Q5_K     as Q4_K, q 0..31                    min8      32     c = q + 128, s = d x sc, zeros = -dmin x mn
+Q6_K     (d*sc) * (q - 32), q 0..63,         int8      16     c = q + 96, s = d x sc
          sc int8 per 16
 =======  ==================================  ========  =====  =========================================
 
 The first seven keep the file's fp16 ``d`` (and ``m``) as fp16 scales (and mins). The K-quants (256-element
-super-blocks of 16 or 8 sub-blocks) get float32 scales ``s = float32(d) * sc`` and mins, computed by
-the same float32 multiplication as gguf's (exact: an fp16 times a small integer fits float32), so the
-remaining ``s * (c - z)`` is gguf's own second product. gguf's ``x - dm`` (``dm = dmin * mn``) is stored
-as the min ``-dm`` and computed ``(-dm) + x``: the same IEEE result for every non-NaN operand (signed
-zeros included, as ``-dm`` is a sign flip). NaNs (a corrupt file) keep gguf's bit patterns too: a NaN
-``dm`` is stored unflipped, as gguf's subtraction passes it on unflipped, and where both operands are
-NaN, torch's CPU add passes its second operand's on (``x``'s), as NumPy's subtraction its first.
+super-blocks of 16 or 8 sub-blocks) keep the file's two levels (``d x sc``: the two-level form of
+:mod:`aipc_kernels.formats`): int8 sub-block scales ``sc`` (and mins ``mn``) and the super-block's
+``float32(d)`` (and ``-float32(dmin)``) in ``supers``, so a row reads 4.75 bits a weight for Q4_K, not
+the 6 of float32 scales and mins per 32. The group's scale is then the float32 product ``d * sc``, gguf's
+own first multiplication (exact: an fp16 times a small integer fits float32), and the remaining
+``s * (c - z)`` gguf's second. gguf's ``x - dm`` (``dm = dmin * mn``) becomes the min ``(-dmin) * mn``,
+computed ``((-dmin) * mn) + x``: the same IEEE result for every non-NaN operand (signed zeros included,
+as ``(-dmin) * mn`` is ``-dm`` exactly; the sign sits on the float, which has a negative zero). NaNs (a
+corrupt file) keep gguf's bit patterns too: a NaN ``dmin`` is stored unflipped and passes on through the
+product, as through gguf's subtraction, and where both operands are NaN, torch's CPU add passes its
+second operand's on (``x``'s), as NumPy's subtraction its first.
+:meth:`~aipc_kernels.formats.LowBitWeight.single_level` gives the same values with float32 scales.
 
 F32 / F16 / BF16 tensors come back as float tensors in the file's dtype. Every other type (IQ*, Q8_K,
 MXFP4, ...) is refused naming the tensor and its type. :class:`GGUFCheckpoint`
@@ -170,9 +175,11 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
-def _weight(codes: np.ndarray, scales, zeros, qtype: T, name: str, groups_per_scale: int = 1) -> LowBitWeight:
-    """Codes ``[N, K/block, block]`` and per-block fp16 fields (a torch tensor ``[N, K/block]``), or per
-    sub-block float32 scales and mins (numpy ``[N, K/block, block/group]``) -> the :class:`LowBitWeight`."""
+def _weight(codes: np.ndarray, scales, zeros, qtype: T, name: str, groups_per_scale: int = 1,
+            supers: Optional[list[np.ndarray]] = None) -> LowBitWeight:  # fmt: skip
+    """Codes ``[N, K/block, block]`` and per-block fp16 fields (a torch tensor ``[N, K/block]``), or the
+    K-quants' int8 sub-block scales and mins (numpy ``[N, K/block, block/group]``) with their super-block
+    float32 ``d`` (and ``dmin``) ``[N, K/block, 1]`` in ``supers`` -> the :class:`LowBitWeight`."""
     codebook, group = LOWBIT_TYPES[qtype]
     N = codes.shape[0]
     codes_t = torch.from_numpy(np.ascontiguousarray(codes).reshape(N, -1))
@@ -186,7 +193,9 @@ def _weight(codes: np.ndarray, scales, zeros, qtype: T, name: str, groups_per_sc
         t = t.reshape(N, -1)
         return (t.repeat_interleave(groups_per_scale, dim=1) if groups_per_scale > 1 else t).contiguous()
 
-    return LowBitWeight(qweight, per_group(scales), per_group(zeros), codebook, group, codes_t.shape[1], name=name)
+    sup = None if supers is None else torch.from_numpy(np.stack([np.ascontiguousarray(d)[..., 0] for d in supers]))
+    return LowBitWeight(qweight, per_group(scales), per_group(zeros), codebook, group, codes_t.shape[1], name=name,
+                        supers=sup)  # fmt: skip
 
 
 def _q8_0(b, name):
@@ -275,19 +284,19 @@ def _scale_min_k4(sm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _mins(dm: np.ndarray) -> np.ndarray:
-    """The stored mins of gguf's ``x - dm``: ``-dm`` (a sign flip: ``(-dm) + x`` is ``x - dm`` bit for bit,
-    signed zeros included), except a NaN ``dm``, kept as it is: the NaN that gguf's subtraction passes
-    on is ``dm``'s own, sign included."""
-    return np.where(np.isnan(dm), dm, -dm)
+def _min_super(dmin: np.ndarray) -> np.ndarray:
+    """The super-block scale of the mins of gguf's ``x - dmin * mn``: ``-dmin`` (a sign flip, so that
+    ``(-dmin) * mn`` is ``-(dmin * mn)`` bit for bit, signed zeros included), except a NaN ``dmin``, kept
+    as it is: the NaN that gguf's subtraction passes on is ``dmin``'s own, sign included."""
+    return np.where(np.isnan(dmin), dmin, -dmin)
 
 
 def _q2_k(b, name):
     # 16 bytes scales (low nibble sc, high nibble mn, per 16), 64 bytes 2-bit q, fp16 d, fp16 dmin
     sm = b[..., :16]
-    s = _f32(b, 80) * (sm & np.uint8(0x0F)).astype(np.float32)
-    dm = _f32(b, 82) * (sm >> 4).astype(np.float32)
-    return _weight(_crumbs(b[..., 16:80]), s, _mins(dm), T.Q2_K, name)
+    sc, mn = (sm & np.uint8(0x0F)).astype(np.int8), sm >> 4
+    return _weight(_crumbs(b[..., 16:80]), sc, mn.astype(np.int8), T.Q2_K, name,
+                   supers=[_f32(b, 80), _min_super(_f32(b, 82))])  # fmt: skip
 
 
 def _q3_k(b, name):
@@ -298,26 +307,23 @@ def _q3_k(b, name):
     low = (sm[..., :8].reshape(*sm.shape[:-1], 1, 8) >> _SHIFT4) & np.uint8(0x0F)
     high = (sm[..., 8:].reshape(*sm.shape[:-1], 1, 4) >> _SHIFT2) & np.uint8(0x03)
     sc = low.reshape(*sm.shape[:-1], 16) | (high.reshape(*sm.shape[:-1], 16) << np.uint8(4))
-    s = _f32(b, 108) * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)
     q = _crumbs(b[..., 32:96]) | (_bitplanes(b[..., :32]) << np.uint8(2))  # gguf's q - 4 = c - 8
-    return _weight(q + np.uint8(4), s, None, T.Q3_K, name)
+    return _weight(q + np.uint8(4), sc.astype(np.int8) - np.int8(32), None, T.Q3_K, name, supers=[_f32(b, 108)])
 
 
 def _q4_k(b, name):
     # fp16 d, fp16 dmin, 12 bytes 6-bit scales and mins, 128 bytes nibbles
     sc, mn = _scale_min_k4(b[..., 4:16])
-    s = _f32(b, 0) * sc.astype(np.float32)
-    dm = _f32(b, 2) * mn.astype(np.float32)
-    return _weight(_k_nibbles(b[..., 16:144]), s, _mins(dm), T.Q4_K, name)
+    return _weight(_k_nibbles(b[..., 16:144]), sc.astype(np.int8), mn.astype(np.int8), T.Q4_K, name,
+                   supers=[_f32(b, 0), _min_super(_f32(b, 2))])  # fmt: skip
 
 
 def _q5_k(b, name):
     # as Q4_K, with 32 bytes of fifth bits (bitplanes) before the 128 bytes of nibbles
     sc, mn = _scale_min_k4(b[..., 4:16])
-    s = _f32(b, 0) * sc.astype(np.float32)
-    dm = _f32(b, 2) * mn.astype(np.float32)
     q = _k_nibbles(b[..., 48:176]) | (_bitplanes(b[..., 16:48]) << np.uint8(4))
-    return _weight(q + np.uint8(128), s, _mins(dm), T.Q5_K, name)
+    return _weight(q + np.uint8(128), sc.astype(np.int8), mn.astype(np.int8), T.Q5_K, name,
+                   supers=[_f32(b, 0), _min_super(_f32(b, 2))])  # fmt: skip
 
 
 def _q6_k(b, name):
@@ -328,8 +334,7 @@ def _q6_k(b, name):
     ql = (b[..., :128].reshape(*lead, 2, 1, 64) >> _SHIFT4) & np.uint8(0x0F)
     qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> _SHIFT2) & np.uint8(0x03)
     q = ql.reshape(*lead, 256) | (qh.reshape(*lead, 256) << np.uint8(4))
-    s = _f32(b, 208) * b[..., 192:208].view(np.int8).astype(np.float32)
-    return _weight(q + np.uint8(96), s, None, T.Q6_K, name)
+    return _weight(q + np.uint8(96), b[..., 192:208].view(np.int8), None, T.Q6_K, name, supers=[_f32(b, 208)])
 
 
 _DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.TQ2_0: _tq2_0,
@@ -366,7 +371,9 @@ def permute_rows(w: Union[LowBitWeight, torch.Tensor], perm: torch.Tensor) -> Un
     if not isinstance(w, LowBitWeight):
         return w[perm]
     zeros = None if w.zeros is None else w.zeros[perm]
-    return LowBitWeight(w.qweight[perm], w.scales[perm], zeros, w.codebook, w.group_size, w.in_features, name=w.name)
+    supers = None if w.supers is None else w.supers[:, perm]
+    return LowBitWeight(w.qweight[perm], w.scales[perm], zeros, w.codebook, w.group_size, w.in_features, name=w.name,
+                        supers=supers)  # fmt: skip
 
 
 def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
@@ -374,6 +381,7 @@ def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
     of ``group_size`` (dividing ``w``'s) and float32 scales and mins, exactly: the one form that holds
     every GGUF type, so that tensors of different types can be one merged layer (Q4_K_M's Q4_K q / k
     with a Q6_K v). Codes ``c`` become ``c - z + 128``; a group's scale and min repeat over its parts.
+    A two-level weight stays two-level (int8 scales and mins, a zero min's super-block scale 0).
     Costs 8-bit codes: use it only where the types differ."""
     cb = w.cb
     if cb.zero is None or cb.cmul != 1.0:
@@ -383,6 +391,12 @@ def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
         raise ValueError(f"{w.name}: group_size={group_size} must divide the weight's group {w.group_size}")
     codes = w.codes().to(torch.int16) - int(cb.zero) + 128
     rep = w.group_size // group_size
+    if w.supers is not None:
+        mins = w.zeros if cb.mins else torch.zeros_like(w.scales)
+        supers = w.supers if cb.mins else torch.cat([w.supers, torch.zeros_like(w.supers)])
+        return LowBitWeight(codes.to(torch.uint8), w.scales.repeat_interleave(rep, dim=1),
+                            mins.repeat_interleave(rep, dim=1), "min8", group_size, w.in_features, name=w.name,
+                            supers=supers)  # fmt: skip
     scales = w.scales.to(torch.float32).repeat_interleave(rep, dim=1)
     mins = (w.zeros.to(torch.float32) if cb.mins else torch.zeros_like(w.scales, dtype=torch.float32))
     return LowBitWeight(codes.to(torch.uint8), scales, mins.repeat_interleave(rep, dim=1).contiguous(), "min8",
@@ -392,9 +406,12 @@ def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
 def common_form(ws: list[LowBitWeight]) -> list[LowBitWeight]:
     """The re-laid-out tensors of one merged layer (vLLM's q / k / v or gate / up) in one stored form,
     exactly: different code books or groups become ``min8`` with groups of their gcd (:func:`as_min8`),
-    scales (and mins) of different dtypes float32 (e.g. Q4_1's fp16 with Q4_K's float32)."""
+    scales (and mins) of different dtypes float32 (e.g. Q4_1's fp16 with Q4_K's float32). Two-level
+    weights stay two-level where all are, with one super-block size; else they become single-level."""
     import math
 
+    if any(w.supers is not None for w in ws) and len({w.super_block for w in ws}) > 1:
+        ws = [w.single_level() for w in ws]
     if len({(w.codebook, w.group_size) for w in ws}) > 1:
         group = math.gcd(*(w.group_size for w in ws))
         ws = [as_min8(w, group) for w in ws]

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .formats import CODEBOOKS, FILE_GROUP_SIZES, SCALE_DTYPES, WEIGHT_SCALE_DTYPES
-from .packing import LAYOUTS, packed_shapes
+from .packing import LAYOUTS, packed_shapes, super_shape
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x (and y) dtypes of every path
 #: how ``aipc::lowbit_linear_a16`` turns 4-bit codes into floats: E0M4's bit operations, or a conversion
@@ -76,11 +76,13 @@ def check_operands(
     act_group: int,
     act_amax: Optional[torch.Tensor] = None,
     check_devices: bool = True,
+    supers: Optional[torch.Tensor] = None,
 ) -> OperandPlan:
     """Validates every operand of ``aipc::lowbit_linear`` against the others before any kernel runs: x's
     dtype and K, qweight's dtype and full shape for the layout, scales/zeros shape and dtype (zeros exactly
     when the code book stores per-group zero points), bias, group_size, act_group, act_amax (float32, one
-    value per token: ``[M]`` or ``x.shape[:-1]``, only with ``act_group == 0``) and devices. Raises a
+    value per token: ``[M]`` or ``x.shape[:-1]``, only with ``act_group == 0``), ``supers`` (the two-level
+    form's float32 super-block scales, exactly with int8 scales: :func:`check_supers`) and devices. Raises a
     ValueError naming the operand and what was expected. Cheap (the decode hot path runs it each call):
     a cached plan and a few shape/dtype comparisons. Strided operands are allowed (each path makes them dense).
     ``check_devices=False``: for the CPU kernel, which the dispatcher calls only when every tensor is on the CPU."""
@@ -95,7 +97,10 @@ def check_operands(
             f"K={x.shape[-1]} and out_features={out_features}: expected torch.uint8 {plan.qweight_shape} ({layout}, "
             f"{plan.bits}-bit codebook {codebook!r})"
         )
-    if scales.dtype not in WEIGHT_SCALE_DTYPES or scales.shape != plan.group_shape:
+    two_level = supers is not None or scales.dtype == torch.int8
+    if two_level:
+        check_supers(plan, scales, supers, layout, codebook, group_size, out_features, x.shape[-1])
+    elif scales.dtype not in WEIGHT_SCALE_DTYPES or scales.shape != plan.group_shape:
         raise ValueError(
             f"lowbit_linear: scales of shape {tuple(scales.shape)} and dtype {scales.dtype}: expected {plan.group_shape} "
             f"({layout}, out_features={out_features}, K={x.shape[-1]}, group_size={group_size}) in one of {WEIGHT_SCALE_DTYPES}"
@@ -122,10 +127,37 @@ def check_operands(
     if not check_devices:
         return plan
     device = x.device
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias), ("act_amax", act_amax)):
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias), ("act_amax", act_amax),
+                    ("supers", supers)):  # fmt: skip
         if t is not None and t.device != device:
             raise ValueError(f"lowbit_linear: {name} is on {t.device} but x is on {device}; move them to one device")
     return plan
+
+
+def check_supers(plan: OperandPlan, scales: torch.Tensor, supers: Optional[torch.Tensor], layout: str, codebook: str,
+                 group_size: int, out_features: int, K: int) -> int:  # fmt: skip
+    """The two-level form's operands (int8 ``scales`` and float32 ``supers`` ``[S, *super_shape]``, S = 2 for
+    a min form): ValueError naming what is wrong; returns the super-block size SB."""
+    S = 2 if plan.mins else 1
+    if supers is None or scales.dtype != torch.int8 or scales.shape != plan.group_shape:
+        raise ValueError(
+            f"lowbit_linear: scales {scales.dtype} {tuple(scales.shape)} with supers "
+            f"{'None' if supers is None else tuple(supers.shape)}: the two-level form takes int8 scales "
+            f"{plan.group_shape} and float32 supers [{S}, ...]; other scales ({WEIGHT_SCALE_DTYPES}) take supers=None"
+        )
+    if plan.per_group_zeros:
+        raise ValueError(f"lowbit_linear: codebook {codebook!r} stores zero points; the two-level form (supers) takes "
+                         f"fixed-zero and min-form code books")  # fmt: skip
+    nsb = supers.shape[-2] if layout == "cpu_vnni16" and supers.dim() == 4 else supers.shape[-1] if supers.dim() == 3 else 0
+    SB = K // nsb if nsb and K % nsb == 0 else 0
+    per = SB // group_size if SB and SB % group_size == 0 else 0
+    if supers.dtype != torch.float32 or not per or per & (per - 1) or tuple(supers.shape) != (S, *super_shape(layout, out_features, nsb)):
+        raise ValueError(
+            f"lowbit_linear: supers of shape {tuple(supers.shape)} and dtype {supers.dtype}: expected float32 "
+            f"[{S}, *{super_shape(layout, out_features, max(nsb, 1))}] ({layout}) with K={K} / super-blocks a "
+            f"power-of-two multiple of group_size={group_size}"
+        )
+    return SB
 
 
 def _check_act_amax(x: torch.Tensor, act_amax: torch.Tensor, act_group: int) -> None:

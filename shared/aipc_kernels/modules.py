@@ -39,7 +39,7 @@ class LowBitLinear(nn.Module):
         self.activations = activations
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.codebook, self.group_size, self.act_group = weight.codebook, weight.group_size, act_group
-        packed = pack_for_cpu(weight)
+        packed = pack_for_cpu(weight.single_level())  # two-level scales as their float32 products
         self.layout = packed.layout
         self.register_buffer("qweight", packed.qweight)
         self.register_buffer("scales", packed.scales)

@@ -23,10 +23,12 @@ from typing import Optional, Sequence
 
 import torch
 
-ABI_VERSION = 6  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 7  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: scale_dt codes of aipc_lowbit_linear: the dtypes, and int8 for the two-level form (AIPC_SCALE_I8)
+SCALE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3}
 #: aipc_dequant: how the W4A16 kernel turns a 4-bit code into a float
 DEQUANT_CODES = {"e0m4": 0, "int": 1}
 
@@ -176,6 +178,7 @@ def lowbit_linear_args(
     zero: float,
     act_group: int,
     act_amax: Optional[torch.Tensor] = None,
+    supers: Optional[torch.Tensor] = None,
 ) -> array:
     """The argument vector of the C entry point ``aipc_lowbit_linear_v`` for dense operands (x and y with
     their leading dimensions flattened to M rows); pass ``vector.buffer_info()[0]``. ``zero``: the code
@@ -183,13 +186,15 @@ def lowbit_linear_args(
     ``zeros`` with a finite ``zero``: the min form, ``zeros`` holding the per-group mins.
     ``act_amax``: None, or dense float32 [M] per-token activation absmax values the kernel quantizes x
     with instead of each token's own (``act_group == K``). The caller keeps the tensors alive while the
-    kernel runs."""
+    kernel runs. ``supers``: the two-level form's super-block scales (``scales`` int8), dense float32
+    ``[S, N/16, K/SB, 16]``."""
     K = x.shape[-1]
     return array("q", (
         x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, y.shape[-1],
-        scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), DTYPE_CODES[scales.dtype], group_size,
+        scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), SCALE_DTYPE_CODES[scales.dtype], group_size,
         _f32_bits(cmul), _f32_bits(zero), 0 if bias is None else bias.data_ptr(), y.data_ptr(), act_group,
         torch.get_num_threads(), 0 if act_amax is None else act_amax.data_ptr(),
+        0 if supers is None else supers.data_ptr(), 0 if supers is None else K // supers.shape[-2],
     ))  # fmt: skip
 
 
@@ -207,20 +212,22 @@ def lowbit_linear_into(
     act_group: int,
     act_amax: Optional[torch.Tensor] = None,
     check_dense: bool = True,
+    supers: Optional[torch.Tensor] = None,
 ) -> None:
     """Runs the native kernel: ``y[..., N] = x[..., K] @ W^T + bias`` with W in the ``cpu_vnni16`` layout
     (x and y dense, their leading dimensions flattened to M rows; ``act_amax``: see
     :func:`lowbit_linear_args`). ``check_dense=False`` skips the contiguity checks, for a caller (the
     op) that has made every operand dense itself."""
     if check_dense:
-        for t in (y, x, qweight, scales, zeros, bias, act_amax):
+        for t in (y, x, qweight, scales, zeros, bias, act_amax, supers):
             _require_dense(t)
         if act_amax is not None and (act_amax.dtype != torch.float32 or act_amax.numel() != x.numel() // x.shape[-1]):
             raise ValueError(
                 f"act_amax of shape {tuple(act_amax.shape)} and dtype {act_amax.dtype}: expected float32 with one "
                 f"value per token of x (M={x.numel() // x.shape[-1]})"
             )
-    args = lowbit_linear_args(y, x, qweight, scales, zeros, bias, bits, group_size, cmul, zero, act_group, act_amax)
+    args = lowbit_linear_args(y, x, qweight, scales, zeros, bias, bits, group_size, cmul, zero, act_group, act_amax,
+                              supers)  # fmt: skip
     status = _lib().aipc_lowbit_linear_v(args.buffer_info()[0])
     if status != 0:
         raise RuntimeError(

@@ -1,8 +1,9 @@
 """``torch.library`` custom ops of aipc_kernels, with fake kernels (usable under torch.compile).
 
 ``torch.ops.aipc.lowbit_linear(x, qweight, scales, zeros, bias, layout, codebook, group_size,
-out_features, act_group, act_amax=None) -> y``: ``y[..., N] = x[..., K] @ W^T + bias`` for a low-bit
-``W`` in a device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype. ``act_amax`` (float32,
+out_features, act_group, act_amax=None, supers=None) -> y``: ``y[..., N] = x[..., K] @ W^T + bias`` for a
+low-bit ``W`` in a device layout (:mod:`aipc_kernels.packing`), ``y`` in ``x``'s dtype. ``supers``: the
+two-level form's float32 super-block scales (``scales`` and mins int8; :mod:`aipc_kernels.formats`). ``act_amax`` (float32,
 one value per token, only with ``act_group == 0``): the absmax the int8 activations are scaled by
 instead of each token's own, so a tensor-parallel rank holding a slice of x's K quantizes it with the
 whole row's absmax (``xq = round(x * 127 / act_amax)`` clamped to [-127, 127]).
@@ -37,8 +38,8 @@ from .packing import CPU_LAYOUT, TRITON_LAYOUT, PackedLowBit, to_canonical
 from .quantizers import quantize_activations
 
 
-def _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K) -> PackedLowBit:
-    return PackedLowBit(layout, qweight, scales, zeros, codebook, group_size, out_features, K)
+def _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K, supers=None) -> PackedLowBit:
+    return PackedLowBit(layout, qweight, scales, zeros, codebook, group_size, out_features, K, supers)
 
 
 def reference_linear(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -66,9 +67,9 @@ def reference_linear_w8(
     v = weight.values().double().reshape(weight.out_features, K // G, G)  # cmul*c - z
     xg = xq.double().reshape(-1, K // G, G)
     dots = torch.einsum("mgk,ngk->mng", xg, v)  # exact: small integers times z in float64
-    terms = dots * weight.scales.double().unsqueeze(0)
+    terms = dots * weight.group_scales().double().unsqueeze(0)
     if weight.cb.mins:  # the min form: + m * (group sum of the int8 activations)
-        terms = terms + xg.sum(-1).unsqueeze(1) * weight.zeros.double().unsqueeze(0)
+        terms = terms + xg.sum(-1).unsqueeze(1) * weight.group_mins().double().unsqueeze(0)
     y = (terms * sx.unsqueeze(1)).sum(-1)
     if bias is not None:
         y = y + bias.double()
@@ -80,31 +81,35 @@ def reference_linear_w8(
 _LIB = torch.library.Library("aipc", "DEF")
 _LIB.define(
     "lowbit_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, str layout, "
-    "str codebook, int group_size, int out_features, int act_group, Tensor? act_amax=None) -> Tensor"
+    "str codebook, int group_size, int out_features, int act_group, Tensor? act_amax=None, "
+    "Tensor? supers=None) -> Tensor"
 )
 
 
-def _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features) -> torch.Tensor:
+def _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features,
+                       supers=None) -> torch.Tensor:  # fmt: skip
     """The weight-only reference for operands that passed :func:`check_operands` (which reads no values:
     what only the values can break, e0m4's integer zero points, the canonical weight checks here)."""
     try:
-        w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, x.shape[-1]))
+        w = to_canonical(_as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, x.shape[-1],
+                                    supers))  # fmt: skip
     except ValueError as e:
         raise ValueError(f"lowbit_linear: zeros do not fit codebook {codebook!r}: {e}") from None
     return reference_linear(x, w, bias)
 
 
 def _lowbit_linear_reference(
-    x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax=None
+    x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax=None, supers=None
 ):
     """Any device: the weight-only reference (dequantize, float32 matmul; activations unquantized, so
     ``act_amax`` is checked, then has nothing to scale)."""
-    check_operands(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax)
-    return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features)
+    check_operands(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax,
+                   supers=supers)  # fmt: skip
+    return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, supers)
 
 
 def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
-                       act_amax=None):  # fmt: skip
+                       act_amax=None, supers=None):  # fmt: skip
     """CPU: the native kernel for the ``cpu_vnni16`` layout, else the reference.
 
     Decode calls this once per linear layer per token, and it runs right after a kernel that streamed
@@ -113,35 +118,36 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
     dense itself and skips the per-operand checks of ``native.lowbit_linear_into``."""
     plan = check_operands(
         x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax,
-        check_devices=False,
+        check_devices=False, supers=supers,
     )  # fmt: skip
     if layout != CPU_LAYOUT or not native.available():
-        return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features)
+        return _reference_checked(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, supers)
     if not x.is_contiguous():  # the kernel reads x as dense [M, K] rows
         x = x.contiguous()
     y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)  # written densely as [M, N]
     # weights are module parameters, dense already
-    if not (qweight.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
+    if not all(t is None or t.is_contiguous() for t in (qweight, scales, zeros, supers)):
         qweight, scales = qweight.contiguous(), scales.contiguous()
         zeros = None if zeros is None else zeros.contiguous()
+        supers = None if supers is None else supers.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     if act_amax is not None and not act_amax.is_contiguous():
         act_amax = act_amax.contiguous()
     native.lowbit_linear_into(
         y, x, qweight, scales, zeros, bias, plan.bits, group_size, plan.cmul, plan.zero, plan.act_span, act_amax,
-        check_dense=False,
+        check_dense=False, supers=supers,
     )  # fmt: skip
     return y
 
 
 def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
-                       act_amax=None):  # fmt: skip
+                       act_amax=None, supers=None):  # fmt: skip
     """CUDA / XPU: the Triton kernels for the ``triton_k32`` layout (which check the operands with
-    :func:`check_operands`), else the reference."""
-    if layout != TRITON_LAYOUT:
+    :func:`check_operands`; single-level scales), else the reference."""
+    if layout != TRITON_LAYOUT or supers is not None:
         return _lowbit_linear_reference(
-            x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax
+            x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax, supers
         )
     from .triton.lowbit import lowbit_linear_triton  # lazy: triton is imported only here
 
@@ -158,7 +164,7 @@ _LIB.impl("lowbit_linear", _lowbit_linear_gpu, "XPU")
 
 @torch.library.register_fake("aipc::lowbit_linear")
 def _lowbit_linear_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
-                        act_amax=None):  # fmt: skip
+                        act_amax=None, supers=None):  # fmt: skip
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -172,7 +178,7 @@ def lowbit_linear(
     """``x @ W^T + bias`` for a packed low-bit weight (see the module docstring)."""
     return torch.ops.aipc.lowbit_linear(
         x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
-        weight.group_size, weight.out_features, act_group, act_amax,
+        weight.group_size, weight.out_features, act_group, act_amax, weight.supers,
     )  # fmt: skip
 
 

@@ -5,7 +5,9 @@ chunk holds, in bit-plane ``q``, the code of ``k = chunk*kc + 4q + kk`` (kc = 16
 1 bit). One 64-byte load then a shift and mask per plane gives a [16 rows][4 k] u8 vector, the
 operand of one VNNI dot product against four broadcast int8 activations (the paper's
 [N/16][K/kc][16][4] blocking with bit-planes instead of a LUT). Scales and zeros become
-``[N/16][K/G][16]`` so one 32-byte load feeds a whole row block.
+``[N/16][K/G][16]`` so one 32-byte load feeds a whole row block; the two-level form's super-block
+scales ``[S][N/16][K/SB][16]``. ``triton_k32`` takes single-level scales: a two-level weight is packed
+for it with its float32 products (:meth:`~aipc_kernels.formats.LowBitWeight.single_level`).
 """
 from __future__ import annotations
 
@@ -72,21 +74,25 @@ class PackedLowBit:
     group_size: int
     out_features: int
     in_features: int
+    supers: Optional[torch.Tensor] = None  # the two-level form's super-block scales (scales int8)
 
     @property
     def bits(self) -> int:
         return get_codebook(self.codebook).bits
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qweight, self.scales, self.zeros) if t is not None]
+        return [t for t in (self.qweight, self.scales, self.zeros, self.supers) if t is not None]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to(self, device: torch.device | str) -> "PackedLowBit":
         """The same weight with its tensors on ``device``."""
-        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
-                       zeros=None if self.zeros is None else self.zeros.to(device))  # fmt: skip
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device), zeros=move(self.zeros),
+                       supers=move(self.supers))  # fmt: skip
 
 
 def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
@@ -100,6 +106,7 @@ def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
         w.group_size,
         w.out_features,
         w.in_features,
+        torch.stack([pack_cpu_groups(s) for s in w.supers]) if w.supers is not None else None,
     )
 
 
@@ -139,7 +146,9 @@ def unpack_triton_codes(packed: torch.Tensor, bits: int, in_features: int) -> to
 
 
 def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
-    """Canonical -> ``triton_k32`` (codes re-packed, scales/zeros transposed to ``[K/G, N]``)."""
+    """Canonical -> ``triton_k32`` (codes re-packed, scales/zeros transposed to ``[K/G, N]``; the two-level
+    form as its float32 products)."""
+    w = w.single_level()
     return PackedLowBit(
         TRITON_LAYOUT,
         pack_triton_codes(w.codes(), w.bits),
@@ -153,6 +162,17 @@ def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
 
 
 LAYOUTS = (CPU_LAYOUT, TRITON_LAYOUT, CANONICAL_LAYOUT)
+
+
+def super_shape(layout: str, out_features: int, super_blocks: int) -> tuple[int, ...]:
+    """Shape of one set of super-block scales (``supers[i]``) with ``super_blocks`` per row in ``layout``
+    (the two-level form: ``cpu_vnni16`` and ``canonical``)."""
+    if layout == CPU_LAYOUT:
+        return (-(-out_features // BLOCK_N), super_blocks, BLOCK_N)
+    if layout == CANONICAL_LAYOUT:
+        return (out_features, super_blocks)
+    raise ValueError(f"layout={layout!r} takes no two-level scales (int8 scales with supers); use {CPU_LAYOUT!r} "
+                     f"or {CANONICAL_LAYOUT!r}, or pack the weight's single_level() form")  # fmt: skip
 
 
 def packed_shapes(layout: str, bits: int, out_features: int, in_features: int, group_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -173,7 +193,7 @@ def packed_shapes(layout: str, bits: int, out_features: int, in_features: int, g
 def to_canonical(p: PackedLowBit) -> LowBitWeight:
     """Any supported device layout -> canonical (for the reference path and round-trip tests)."""
     if p.layout == CANONICAL_LAYOUT:
-        return LowBitWeight(p.qweight, p.scales, p.zeros, p.codebook, p.group_size, p.in_features)
+        return LowBitWeight(p.qweight, p.scales, p.zeros, p.codebook, p.group_size, p.in_features, supers=p.supers)
     if p.layout == TRITON_LAYOUT:
         codes = unpack_triton_codes(p.qweight, p.bits, p.in_features)
         zeros = p.zeros.t().contiguous() if p.zeros is not None else None
@@ -183,7 +203,9 @@ def to_canonical(p: PackedLowBit) -> LowBitWeight:
     N = p.out_features
     codes = unpack_cpu_codes(p.qweight, p.bits, N)
     zeros = unpack_cpu_groups(p.zeros, N) if p.zeros is not None else None
-    return LowBitWeight(pack_codes(codes, p.bits), unpack_cpu_groups(p.scales, N), zeros, p.codebook, p.group_size, p.in_features)
+    supers = torch.stack([unpack_cpu_groups(s, N) for s in p.supers]) if p.supers is not None else None
+    return LowBitWeight(pack_codes(codes, p.bits), unpack_cpu_groups(p.scales, N), zeros, p.codebook, p.group_size,
+                        p.in_features, supers=supers)  # fmt: skip
 
 
 def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -202,22 +224,26 @@ def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = to
         codes = ((q.unsqueeze(-1) >> shifts) & mask).transpose(-1, -2).reshape(rows.numel(), K)
         scales = p.scales[blk, :, r]
         zeros = p.zeros[blk, :, r] if p.zeros is not None else None
+        supers = p.supers[:, blk, :, r].transpose(0, 1) if p.supers is not None else None  # [S, M, K/SB]
     elif p.layout == TRITON_LAYOUT:
         codes = unpack_triton_codes(p.qweight[rows], bits, K)
         scales = p.scales[:, rows].t()
         zeros = p.zeros[:, rows].t() if p.zeros is not None else None
+        supers = None  # triton_k32 holds single-level scales
     elif p.layout == CANONICAL_LAYOUT:
         codes = unpack_codes(p.qweight[rows], bits)
         scales = p.scales[rows]
         zeros = p.zeros[rows] if p.zeros is not None else None
+        supers = p.supers[:, rows] if p.supers is not None else None
     else:
         raise ValueError(f"layout={p.layout!r} is not known to aipc_kernels.packing; use one of {LAYOUTS}")
-    return dequantize_codes(codes, scales, zeros, p.codebook, G, dtype)
+    return dequantize_codes(codes, scales, zeros, p.codebook, G, dtype, supers)
 
 
 def as_canonical_packed(w: LowBitWeight) -> PackedLowBit:
     """Wraps a canonical weight as a :class:`PackedLowBit` with layout ``canonical`` (reference path)."""
-    return PackedLowBit(CANONICAL_LAYOUT, w.qweight, w.scales, w.zeros, w.codebook, w.group_size, w.out_features, w.in_features)
+    return PackedLowBit(CANONICAL_LAYOUT, w.qweight, w.scales, w.zeros, w.codebook, w.group_size, w.out_features,
+                        w.in_features, w.supers)  # fmt: skip
 
 
 __all__ = [
@@ -227,6 +253,7 @@ __all__ = [
     "LAYOUTS",
     "dequantize_rows",
     "packed_shapes",
+    "super_shape",
     "PackedLowBit",
     "pack_cpu_codes",
     "unpack_cpu_codes",

@@ -2,7 +2,7 @@
 operands were checked once, at load, so that a decode step's call is the C kernel and little else.
 
 ``torch.ops.aipc.lowbit_linear_cpu(x, qweight, scales, zeros, bias, bits, group_size, out_features,
-cmul, zero, act_group, act_amax=None)`` and ``torch.ops.aipc.lowbit_linear_a16_cpu(x, qweight, scales,
+cmul, zero, act_group, act_amax=None, mins=False, supers=None)`` and ``torch.ops.aipc.lowbit_linear_a16_cpu(x, qweight, scales,
 zeros, bias, group_size, out_features, zero, dequant)`` compute what the general ops compute for a
 ``cpu_vnni16`` weight; their scalars come from :func:`plan_cpu_call`, which runs the general op's
 :func:`~aipc_kernels.lowbit_contract.check_operands` on the weight. Their CPU kernels are C++ against
@@ -32,7 +32,7 @@ _LIB = torch.library.Library("aipc", "FRAGMENT")
 _LIB.define(
     "lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, "
     "int group_size, int out_features, float cmul, float zero, int act_group, Tensor? act_amax=None, "
-    "bool mins=False) -> Tensor"
+    "bool mins=False, Tensor? supers=None) -> Tensor"
 )
 _LIB.define(
     "lowbit_linear_a16_cpu(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
@@ -42,7 +42,7 @@ _LIB.define(
 
 @torch.library.register_fake("aipc::lowbit_linear_cpu")
 def _lowbit_linear_cpu_fake(x, qweight, scales, zeros, bias, bits, group_size, out_features, cmul, zero, act_group,
-                            act_amax=None, mins=False):  # fmt: skip
+                            act_amax=None, mins=False, supers=None):  # fmt: skip
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -66,12 +66,14 @@ class CpuCall:
     mins: bool = False  # W*A8: zeros holds the min form's mins
 
     def __call__(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                 bias: Optional[torch.Tensor] = None, act_amax: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+                 bias: Optional[torch.Tensor] = None, act_amax: Optional[torch.Tensor] = None,
+                 supers: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         """``x @ W^T + bias`` through the planned op, with the tensors of the weight it was planned for
-        (``act_amax``: W*A8 only, see ``aipc::lowbit_linear``)."""
+        (``act_amax``, ``supers``: W*A8 only, see ``aipc::lowbit_linear``)."""
         if self.a16:
             return torch.ops.aipc.lowbit_linear_a16_cpu(x, qweight, scales, zeros, bias, *self.args)
-        return torch.ops.aipc.lowbit_linear_cpu(x, qweight, scales, zeros, bias, *self.args, act_amax, self.mins)
+        return torch.ops.aipc.lowbit_linear_cpu(x, qweight, scales, zeros, bias, *self.args, act_amax, self.mins,
+                                                supers)  # fmt: skip
 
 
 def plan_cpu_call(weight: PackedLowBit, act_group: int = 0, dequant: Optional[str] = None) -> Optional[CpuCall]:
@@ -85,9 +87,9 @@ def plan_cpu_call(weight: PackedLowBit, act_group: int = 0, dequant: Optional[st
                                   w.out_features, dequant, check_devices=False)  # fmt: skip
     else:
         plan = check_operands(x, w.qweight, w.scales, w.zeros, None, w.layout, w.codebook, w.group_size,
-                              w.out_features, act_group, check_devices=False)  # fmt: skip
+                              w.out_features, act_group, check_devices=False, supers=w.supers)  # fmt: skip
     if w.layout != CPU_LAYOUT or not available() or os.environ.get("AIPC_PLANNED_OPS") == "0" or not all(
-        t is None or t.is_contiguous() for t in (w.qweight, w.scales, w.zeros)
+        t is None or t.is_contiguous() for t in w.tensors()
     ):
         return None
     G = w.group_size if w.group_size > 0 else w.in_features

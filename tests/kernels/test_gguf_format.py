@@ -119,9 +119,12 @@ def _check(raw, qtype, shape, name="w") -> LowBitWeight:
     w = gf.relayout(raw, qtype, shape, name)
     assert isinstance(w, LowBitWeight) and w.name == name and w.shape == shape
     assert w.codebook == CODEBOOK[qtype] and w.group_size == gf.LOWBIT_TYPES[qtype][1] == GROUP[qtype]
-    assert w.scales.dtype == (torch.float32 if qtype in K_QUANTS else torch.float16)
+    # K-quants: the file's two levels (int8 sub-block scales and mins, float32 d and dmin per super-block)
+    assert w.scales.dtype == (torch.int8 if qtype in K_QUANTS else torch.float16)
+    assert (w.supers is not None) == (qtype in K_QUANTS) and (w.super_block in (None, 256))
     assert w.zeros is None or w.zeros.dtype == w.scales.dtype
     _assert_bits(w.dequantize(), _reference(raw, qtype), f"{qtype.name} {shape}")
+    _assert_bits(w.single_level().dequantize(), _reference(raw, qtype), f"{qtype.name} {shape}, float32 scales")
     return w
 
 
@@ -179,7 +182,8 @@ def test_k_mins_keep_a_nan_unflipped(qtype):
     ref = _reference(raw, qtype)
     nan = ref.isnan()
     assert nan.any() and not torch.signbit(ref[nan]).any()
-    flipped = LowBitWeight(w.qweight, w.scales, -w.zeros, w.codebook, w.group_size, w.in_features)
+    one = w.single_level()
+    flipped = LowBitWeight(one.qweight, one.scales, -one.zeros, one.codebook, one.group_size, one.in_features)
     got = flipped.dequantize()
     assert torch.signbit(got[nan]).all() and not torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
@@ -225,28 +229,30 @@ def test_k_codes_sub_scales_and_mins_are_the_gguf_integers(qtype):
     if qtype in SUB_MINS:
         _set_fp16(raw, qtype, 1, 0.0)
     w = _check(raw, qtype, shape)
-    assert torch.equal(w.scales.view(torch.int32), per_group(raw).view(torch.int32))
+    assert torch.equal(w.group_scales().view(torch.int32), per_group(raw).view(torch.int32))
+    assert torch.equal(w.scales.float(), per_group(raw))  # the stored int8 sub-block scales are the file's
     assert set(w.scales.unique().int().tolist()) == set(SUB_SCALES[qtype])  # every sub-block scale value
 
     if qtype in SUB_MINS:
         raw = _set_fp16(_set_fp16(_random_blocks(qtype, shape, rng, fields=ZERO[qtype]), qtype, 0, 0.0), qtype, 1, 1.0)
         w = _check(raw, qtype, shape)
-        assert torch.equal(w.zeros, per_group(raw))  # -mn (as values: gguf's +0 - +0 is +0, the min -0)
-        assert set((-w.zeros).unique().int().tolist()) == set(SUB_MINS[qtype])  # every min value
+        assert torch.equal(w.group_mins(), per_group(raw))  # -mn (as values: gguf's +0 - +0 is +0, the min -0)
+        assert set(w.zeros.unique().int().tolist()) == set(SUB_MINS[qtype])  # every min value, stored as mn
 
     raw = _random_blocks(qtype, shape, rng, fields=ONE[qtype])
     if qtype in SUB_MINS:
         _set_fp16(raw, qtype, 1, 0.0)
     w = _check(raw, qtype, shape)
-    assert torch.equal(w.scales.view(torch.int32), per_group(raw).view(torch.int32))  # float32 d * sc, unrounded
-    assert not torch.equal(w.scales.half().float(), w.scales)  # fp16 scales would not do
+    s = w.group_scales()
+    assert torch.equal(s.view(torch.int32), per_group(raw).view(torch.int32))  # float32 d * sc, unrounded
+    assert not torch.equal(s.half().float(), s)  # fp16 scales would not do
 
     raw = _set_fp16(_random_blocks(qtype, shape, rng, fields=UNIT[qtype]), qtype, 0, 1.0)
     if qtype in SUB_MINS:
         _set_fp16(raw, qtype, 1, 0.0)
     w = _check(raw, qtype, shape)
     ref = _reference(raw, qtype)
-    assert torch.equal(w.values(), ref) and torch.equal(w.scales, torch.ones_like(w.scales))
+    assert torch.equal(w.values(), ref) and torch.equal(w.group_scales(), torch.ones_like(w.group_scales()))
     grid = range(OFFSET[qtype], OFFSET[qtype] + 2 ** {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}[qtype])
     assert set(ref.unique().int().tolist()) == set(grid)  # every code
 
@@ -259,8 +265,8 @@ def test_min_form_rounds_as_gguf(qtype):
     shape = (16, 1024)
     raw = _random_blocks(qtype, shape, np.random.default_rng(5))
     w = _check(raw, qtype, shape)
-    s = w.scales.float().repeat_interleave(w.group_size, 1)
-    m = w.zeros.float().repeat_interleave(w.group_size, 1)
+    s = w.group_scales().float().repeat_interleave(w.group_size, 1)
+    m = w.group_mins().float().repeat_interleave(w.group_size, 1)
     nz = s != 0
     zero_point = torch.where(nz, s * (w.values() + (m / s)), m)
     assert not torch.equal(zero_point, _reference(raw, qtype))
@@ -590,12 +596,14 @@ def test_gemma3_k_quant_layers_through_the_op(gemma3):
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
 def test_as_min8_is_exact(qtype):
-    """Every re-laid-out type as min8 with groups of 16 (float32 scales and mins): the same values (zero
-    signs aside: ``0 + s*v``), so a merged layer of two GGUF types is one exact weight."""
+    """Every re-laid-out type as min8 with groups of 16 (float32 scales and mins; the K-quants keep their
+    two levels): the same values (zero signs aside: ``0 + s*v``), so a merged layer of two GGUF types is
+    one exact weight."""
     shape = (9, 512)
     w = gf.relayout(_random_blocks(qtype, shape, np.random.default_rng(11)), qtype, shape, "w")
     m = gf.as_min8(w, 16)
-    assert m.codebook == "min8" and m.group_size == 16 and m.scales.dtype == torch.float32
+    assert m.codebook == "min8" and m.group_size == 16
+    assert m.scales.dtype == (torch.int8 if qtype in K_QUANTS else torch.float32)
     a, b = m.dequantize(), w.dequantize()
     assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())
 
@@ -611,6 +619,8 @@ def test_common_form_of_a_merged_layer_is_exact(types):
     assert len({(w.codebook, w.group_size, w.scales.dtype) for w in common}) == 1
     if len({(w.codebook, w.group_size) for w in parts}) > 1:
         assert common[0].codebook == "min8"
+    # K-quants alone keep their two levels (one super-block size), mixed with other types float32 products
+    assert {w.super_block for w in common} == ({256} if set(types) <= set(K_QUANTS) else {None})
     for before, after in zip(parts, common):
         a, b = after.dequantize(), before.dequantize()
         assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())

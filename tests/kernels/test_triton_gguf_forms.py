@@ -73,8 +73,9 @@ def _gguf_weight(qtype, N: int, K: int, seed: int):
         raw = b.reshape(N, -1)
     w = gf.relayout(raw, qtype, (N, K), "w")
     assert w.codebook == gf.LOWBIT_TYPES[qtype][0] and w.group_size == gf.LOWBIT_TYPES[qtype][1]
-    assert w.scales.dtype == (torch.float32 if qtype in K_QUANTS else torch.float16)
-    on = packing.pack_for_triton(w).to(DEVICE)
+    assert w.scales.dtype == (torch.int8 if qtype in K_QUANTS else torch.float16)  # K-quants: two-level
+    on = packing.pack_for_triton(w).to(DEVICE)  # the Triton layout holds their float32 products
+    assert on.supers is None and on.scales.dtype == (torch.float32 if qtype in K_QUANTS else torch.float16)
     return w, on
 
 

@@ -81,7 +81,8 @@ def inspect(model):
     \"\"\"The served layers, and the largest difference of their weights (read back from the kernels' layout),
     embedding rows and norms from transformers' own GGUF dequantization.\"\"\"
     from transformers import AutoModelForCausalLM
-    from aipc_kernels.packing import PackedLowBit, dequantize_rows, to_canonical
+    from aipc_kernels.packing import dequantize_rows, to_canonical
+    from vllm_lowbit.linear_method import installed_weight
 
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(PATH), gguf_file=os.path.basename(PATH),
                                               dtype=torch.float32).eval()
@@ -91,9 +92,7 @@ def inspect(model):
     for name, m in model.named_modules():
         if not hasattr(m, "lowbit_codebook"):
             continue
-        K = m.embedding_dim if hasattr(m, "embedding_dim") else m.input_size
-        p = PackedLowBit(m.lowbit_layout, m.qweight, m.scales, m.zeros, m.lowbit_codebook, m.lowbit_group_size,
-                         m.lowbit_out_features, K)
+        p = installed_weight(m)
         parent, _, leaf = name.rpartition(".")
         parts = [f"{{parent}}.{{x}}.weight" for x in merged.get(leaf, [leaf])]
         expect = torch.cat([ref[n].detach() for n in parts])

@@ -84,7 +84,8 @@ def hf_params(parent, leaf, kind, ref):
 {hf_model}
 
 def inspect(model):
-    from aipc_kernels.packing import PackedLowBit, dequantize_rows, to_canonical
+    from aipc_kernels.packing import dequantize_rows, to_canonical
+    from vllm_lowbit.linear_method import installed_weight
 
     hf = hf_model(PATH)
     ref = {{n: p.detach() for n, p in hf.named_parameters()}}
@@ -95,9 +96,7 @@ def inspect(model):
         if not hasattr(m, "lowbit_codebook"):
             continue
         lowbit.add(name)
-        K = m.embedding_dim if hasattr(m, "embedding_dim") else m.input_size
-        p = PackedLowBit(m.lowbit_layout, m.qweight, m.scales, m.zeros, m.lowbit_codebook, m.lowbit_group_size,
-                         m.lowbit_out_features, K)
+        p = installed_weight(m)
         parent, _, leaf = name.rpartition(".")
         expect = hf_params(parent, leaf, "weight", ref)
         got = dequantize_rows(p, torch.arange(expect.shape[0])) if hasattr(m, "embedding_dim") else to_canonical(p).dequantize()

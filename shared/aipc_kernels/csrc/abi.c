@@ -29,6 +29,9 @@ AIPC_API const char *aipc_status_message(int status) {
     case AIPC_ERR_AMAX:
         return "act_amax (per-token activation absmax) needs per-token activation scales (act_group == K)";
     case AIPC_ERR_DEQUANT: return "dequant must be 0 (e0m4: bit operations) or 1 (int: conversion)";
+    case AIPC_ERR_SUPERS:
+        return "two-level scales (int8 scales): supers (float32 super-block scales) required, the super-block a "
+               "power-of-two number of groups dividing K, and no stored zero points; other scales take no supers";
     }
     return "unknown status";
 }

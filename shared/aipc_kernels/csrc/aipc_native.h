@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 6
+#define AIPC_ABI_VERSION 7
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -49,10 +49,15 @@ typedef enum {
     AIPC_ERR_PATH = -11,    /* segment_sdpa: a path entry outside [0, N) */
     AIPC_ERR_AMAX = -12,    /* lowbit_linear: act_amax given with per-group activation scales */
     AIPC_ERR_DEQUANT = -13, /* lowbit_linear_a16: dequant not one of aipc_dequant */
-    AIPC_ERR_LAST = AIPC_ERR_DEQUANT
+    AIPC_ERR_SUPERS = -14,  /* lowbit_linear: the two-level form's super-block scales missing or misshapen */
+    AIPC_ERR_LAST = AIPC_ERR_SUPERS
 } aipc_status;
 
 #define AIPC_MAX_THREADS 4096
+
+/* scale_dt of aipc_lowbit_linear only (no element type of activations): the two-level form, int8 sub-block
+ * scales (and mins) times float32 super-block scales (see aipc_lowbit_linear). */
+#define AIPC_SCALE_I8 3
 
 /* ---------------------------------------------------------------- codes (cpu_features.c, abi.c) */
 
@@ -93,10 +98,20 @@ AIPC_API int aipc_bf16_dot_products(void);
 AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                                 const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
                                 float zero_const, const void *bias, void *y, int64_t act_group, int nthreads,
-                                const float *act_amax);
+                                const float *act_amax, const float *supers, int64_t SB);
+/*
+ * The two-level form (scale_dt AIPC_SCALE_I8; GGUF's K-quants as the file stores them: a float super-block
+ * scale d times small integer sub-block scales): scales (and, in the min form, the mins in zeros) are int8
+ * in the layout above, and supers holds float32 [S][N/16][K/SB][16] super-block scales, S = 1, or 2 in the
+ * min form (the mins' super-block scales second). A group's scale is supers * scale and its min
+ * supers[1] * min, each one float32 product (exact for the K-quants' fp16 d times a 6- or 8-bit integer),
+ * then the epilogue as with float32 scales, so the outputs are those of the same weight with those
+ * products stored as float32 scales, bit for bit. SB: a multiple of G dividing K with SB / G a power of
+ * two. Stored zero points are not taken in this form. supers NULL (SB ignored) for every other scale_dt.
+ */
 
-/* aipc_lowbit_linear with its 18 arguments in one int64 vector, in the same order (pointers as
- * addresses, 0 for NULL; cmul and zero_const as float32 bit patterns). For ctypes: converting 17
+/* aipc_lowbit_linear with its 20 arguments in one int64 vector, in the same order (pointers as
+ * addresses, 0 for NULL; cmul and zero_const as float32 bit patterns). For ctypes: converting 19
  * arguments costs ~2 us per call, one pointer ~0.2 us, and decode makes a call per linear layer. */
 AIPC_API int aipc_lowbit_linear_v(const int64_t *v);
 

@@ -90,9 +90,9 @@ static TAMX void amx_upconvert(const lowbit_args *a, const amx_plan *pl, int64_t
 static inline TAMX void amx_epilogue(const lowbit_args *a, const amx_plan *pl, int64_t nb, int64_t g, int64_t m0,
                                      const int32_t *__restrict c, float *__restrict acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
-    const __m512 s = load16_scales(a->scales, si, a->scale_dt);
+    const __m512 s = load16_group(a, a->scales, a->super_scales, si, nb, g);
     const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
-    const __m512 mn = a->mins ? load16_scales(a->mins, si, a->scale_dt) : _mm512_setzero_ps();
+    const __m512 mn = a->mins ? load16_group(a, a->mins, a->super_mins, si, nb, g) : _mm512_setzero_ps();
     const __m512 ls = _mm512_set1_ps(pl->level_scale);
     for (int i = 0; i < AMX_M; i++) {
         const int64_t mg = (m0 + i) * ng + g;

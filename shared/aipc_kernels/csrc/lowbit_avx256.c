@@ -21,6 +21,14 @@
                            : _mm256_castsi256_ps(_mm256_slli_epi32(                                            \
                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i)))), 16)))
 
+/* 8 scales (sup: super_scales) or mins (super_mins) of half h of row block nb's group g at p[si..si+7] as
+ * float32: stored, or in the two-level form super-block float32 times int8 sub-block value (group_value). */
+#define LOAD8_GROUP(a, p, sup, si, nb, g, h)                                                                   \
+    ((a)->scale_dt == AIPC_SCALE_I8                                                                          \
+         ? _mm256_mul_ps(_mm256_loadu_ps((sup) + super_at((a), (nb), (g)) + 8 * (h)),                         \
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(p) + (si)))))) \
+         : LOAD8_SCALES((p), (si), (a)->scale_dt))
+
 /* Writes 16 outputs of token m from two 8-lane halves: acc * outs[m] + bias, in the output dtype, as
  * store_block does it lane by lane (bf16 rounded to nearest even, NaN kept; fp16 by F16C, as the AVX-512
  * kernels); a tail block of fewer than 16 rows goes through store_block. */

@@ -35,6 +35,15 @@ static inline T512 __m512 load16_scales_masked(const void *p, int64_t i, int dt,
     return half16_to_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i), dt);
 }
 
+/* The 16 scales (sup: super_scales) or mins (super_mins) of row block nb's group g at p[si..si+15] as
+ * float32: stored, or in the two-level form super-block float32 times int8 sub-block value (group_value). */
+static inline T512 __m512 load16_group(const lowbit_args *a, const void *p, const float *sup, int64_t si, int64_t nb,
+                                       int64_t g) {
+    if (a->scale_dt != AIPC_SCALE_I8) return load16_scales(p, si, a->scale_dt);
+    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + si))));
+    return _mm512_mul_ps(_mm512_loadu_ps(sup + super_at(a, nb, g)), sub);
+}
+
 /* Up-converts plane q of a 64-byte chunk to 16 rows x 4 k of u8 codes. */
 static inline T512 __m512i plane512(__m512i w, int q, int bits) {
     const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
@@ -45,9 +54,9 @@ static inline T512 __m512i plane512(__m512i w, int q, int bits) {
 static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
                                           const __m512i *dot, __m512 *acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
-    const __m512 s = load16_scales(a->scales, si, a->scale_dt);
+    const __m512 s = load16_group(a, a->scales, a->super_scales, si, nb, g);
     const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
-    const __m512 mn = a->mins ? load16_scales(a->mins, si, a->scale_dt) : _mm512_setzero_ps();
+    const __m512 mn = a->mins ? load16_group(a, a->mins, a->super_mins, si, nb, g) : _mm512_setzero_ps();
     for (int i = 0; i < mt; i++) {
         const int64_t mg = (m0 + i) * ng + g;
         const __m512 zz = _mm512_set1_ps(a->zq[mg]);

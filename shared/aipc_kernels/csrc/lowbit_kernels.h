@@ -52,7 +52,10 @@ typedef struct {
     const void *scales; /* [N/16][K/G][16] */
     const void *zeros;  /* same layout, or NULL: then zero_const */
     const void *mins;   /* same layout, or NULL: the min form's per-group mins m (then zeros is NULL) */
-    int scale_dt;
+    int scale_dt;       /* aipc_dtype, or AIPC_SCALE_I8: the two-level form (scales and mins int8) */
+    const float *super_scales, *super_mins; /* two-level: [N/16][K/SB][16] float32 each (mins: min form only) */
+    int64_t nsb;        /* two-level: super-blocks per row, K / SB */
+    int gps_shift;      /* two-level: log2 of the groups per super-block */
     int bits;
     int64_t M, N, K, G;
     float cmul, zero_const;
@@ -111,9 +114,23 @@ static inline void store_f(void *p, int64_t i, int dt, float v) {
     }
 }
 
+/* Index into super_scales / super_mins of lane 0 of row block nb's group g (two-level form). */
+static inline int64_t super_at(const lowbit_args *a, int64_t nb, int64_t g) {
+    return (nb * a->nsb + (g >> a->gps_shift)) * BLOCK_N;
+}
+
+/* The scale (p = scales, sup = super_scales) or min (mins, super_mins) of row n of block nb in group g, at
+ * p[si]: stored, or in the two-level form the super-block's float32 times the int8 sub-block value. */
+static inline float group_value(const lowbit_args *a, const void *p, const float *sup, int64_t nb, int64_t g,
+                                int64_t si, int n) {
+    if (a->scale_dt != AIPC_SCALE_I8) return load_f(p, si + n, a->scale_dt);
+    return sup[super_at(a, nb, g) + n] * (float)((const int8_t *)p)[si + n];
+}
+
 /* The min form's term of group g (see lowbit_args), scalar. */
-static inline float min_term(const lowbit_args *a, int64_t si, float w, float zq, float acc) {
-    return a->mins ? fmaf(load_f(a->mins, si, a->scale_dt) * w, zq, acc) : acc;
+static inline float min_term(const lowbit_args *a, int64_t nb, int64_t g, int64_t si, int n, float w, float zq,
+                             float acc) {
+    return a->mins ? fmaf(group_value(a, a->mins, a->super_mins, nb, g, si, n) * w, zq, acc) : acc;
 }
 
 /* Writes 16 outputs of token m: acc * outs[m] + bias, in the output dtype (portable and 256-bit kernels).

@@ -13,14 +13,21 @@
  * zeros with a finite zero_const: the min form (zeros are per-group mins). */
 static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                       const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul, float *zero_const,
-                      const void *y, int64_t act_group, int nthreads, const float *act_amax) {
+                      const void *y, int64_t act_group, int nthreads, const float *act_amax, const float *supers,
+                      int64_t SB) {
     if (bits != 1 && bits != 2 && bits != 4 && bits != 8) return AIPC_ERR_BITS;
     /* sizes: every index (m * K + k, block offsets, scratch) stays far from int64 / size_t overflow */
     if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits) || K > (INT64_C(1) << 40) / (M > N ? M : N)) return AIPC_ERR_SHAPE;
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return AIPC_ERR_GROUP;
     if ((bits == 8 && G > MAX_G_8BIT) || (bits == 4 && zeros && G > MAX_G_4BIT_ZEROS)) return AIPC_ERR_GROUP;
     if (act_amax && act_group != K) return AIPC_ERR_AMAX;
-    if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || scale_dt < AIPC_DT_F32 || scale_dt > AIPC_DT_F16) return AIPC_ERR_DTYPE;
+    if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || scale_dt < AIPC_DT_F32 || scale_dt > AIPC_SCALE_I8) return AIPC_ERR_DTYPE;
+    if (scale_dt == AIPC_SCALE_I8) { /* the two-level form: SB / G a power of two, no stored zero points */
+        if (!supers || SB <= 0 || SB % G || K % SB || ((SB / G) & (SB / G - 1)) || (zeros && isnan(*zero_const)))
+            return AIPC_ERR_SUPERS;
+    } else if (supers) {
+        return AIPC_ERR_SUPERS;
+    }
     if (!(isfinite(cmul) && cmul > 0.f) || isinf(*zero_const)) return AIPC_ERR_CODEBOOK;
     /* 8 bits, and 4 bits with a fixed zero: the integer zero correction (group_u_int) needs cmul 1 and an
      * integer zero point within the codes; 8 bits have no stored zeros */
@@ -79,10 +86,10 @@ static int run_blocks(const lowbit_args *a, int isa, int nthreads) {
 AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                                 const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul,
                                 float zero_const, const void *bias, void *y, int64_t act_group, int nthreads,
-                                const float *act_amax) {
+                                const float *act_amax, const float *supers, int64_t SB) {
     const int min_form = zeros && !isnan(zero_const); /* zeros are per-group mins (see aipc_native.h) */
     int status = check_args(x, dt, M, K, w, bits, N, scales, zeros, scale_dt, G, cmul, &zero_const, y, act_group,
-                            nthreads, act_amax);
+                            nthreads, act_amax, supers, SB);
     if (status != AIPC_OK || M == 0) return status;
     if (nthreads == 0) nthreads = omp_get_max_threads();
     const int64_t ng = K / G;
@@ -122,8 +129,14 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
                 for (int64_t i = 0; i < T; i++)
                     xt[(t * K4 + kq) * T + i] = t * T + i < M ? rows[(t * T + i) * K4 + kq] : 0;
     }
-    const lowbit_args a = {w, scales, min_form ? NULL : zeros, min_form ? zeros : NULL, scale_dt, bits, M, N, K, G, cmul, zero_const, xq,
-                           xt ? xt : (const int32_t *)xq, T, zq, act_group == K ? NULL : sx, outs, bias, y, dt};
+    /* two-level: the super-block scales of the mins follow those of the scales */
+    const int64_t nsb = supers ? K / SB : 0, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
+    int gps_shift = 0;
+    while (supers && (G << gps_shift) < SB) gps_shift++;
+    const lowbit_args a = {w, scales, min_form ? NULL : zeros, min_form ? zeros : NULL, scale_dt, supers,
+                           supers && min_form ? supers + nblocks * nsb * BLOCK_N : NULL, nsb, gps_shift, bits, M, N, K,
+                           G, cmul, zero_const, xq, xt ? xt : (const int32_t *)xq, T, zq,
+                           act_group == K ? NULL : sx, outs, bias, y, dt};
 #ifdef AIPC_AMX
     if (use_amx) {
         status = amx_linear(&a, xq, Mp, nthreads);
@@ -145,5 +158,6 @@ AIPC_API int aipc_lowbit_linear_v(const int64_t *v) {
     memcpy(&zero_const, &zbits, 4);
     return aipc_lowbit_linear((const void *)v[0], (int)v[1], v[2], v[3], (const uint8_t *)v[4], (int)v[5], v[6],
                               (const void *)v[7], (const void *)v[8], (int)v[9], v[10], cmul, zero_const,
-                              (const void *)v[13], (void *)v[14], v[15], (int)v[16], (const float *)v[17]);
+                              (const void *)v[13], (void *)v[14], v[15], (int)v[16], (const float *)v[17],
+                              (const float *)v[18], v[19]);
 }

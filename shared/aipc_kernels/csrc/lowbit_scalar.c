@@ -26,10 +26,10 @@ void block_scalar(const lowbit_args *a, int64_t nb) {
             const int64_t si = (nb * ng + g) * BLOCK_N, mg = m * ng + g;
             const float w = a->ws ? a->ws[mg] : 1.f;
             for (int n = 0; n < BLOCK_N; n++) {
-                const float s = load_f(a->scales, si + n, a->scale_dt);
+                const float s = group_value(a, a->scales, a->super_scales, nb, g, si, n);
                 const float z = a->zeros ? load_f(a->zeros, si + n, a->scale_dt) : a->zero_const;
                 const float u = int_epilogue(a) ? group_u_int(dot[n], z, a->zq[mg]) : fmaf(-z, a->zq[mg], (float)dot[n]);
-                acc[n] = min_term(a, si + n, w, a->zq[mg], fmaf(s * w, u, acc[n]));
+                acc[n] = min_term(a, nb, g, si, n, w, a->zq[mg], fmaf(s * w, u, acc[n]));
             }
         }
         store_block(a, m, nb * BLOCK_N, acc);

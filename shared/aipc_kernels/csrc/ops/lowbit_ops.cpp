@@ -62,9 +62,11 @@ Checked check(const char* op, const Tensor& x_in, const Tensor& qweight, const T
     check_dense(qweight, op, "qweight");
     check_dense(scales, op, "scales");
     STD_TORCH_CHECK(qweight.scalar_type() == ScalarType::Byte, op, ": qweight must be uint8 (cpu_vnni16 layout)");
-    const int scale_dt = aipc_dtype_code(scales.scalar_type());
-    STD_TORCH_CHECK(scale_dt == AIPC_DT_BF16 || scale_dt == AIPC_DT_F16 || (scale_dt == AIPC_DT_F32 && !a16),
-                    op, a16 ? ": scales must be float16 or bfloat16" : ": scales must be float16, bfloat16 or float32");
+    const bool two_level = scales.scalar_type() == ScalarType::Char && !a16;  // int8: the two-level form
+    const int scale_dt = two_level ? AIPC_SCALE_I8 : aipc_dtype_code(scales.scalar_type());
+    STD_TORCH_CHECK(scale_dt == AIPC_DT_BF16 || scale_dt == AIPC_DT_F16 || (scale_dt == AIPC_DT_F32 && !a16) || two_level,
+                    op, a16 ? ": scales must be float16 or bfloat16"
+                            : ": scales must be float16, bfloat16, float32, or int8 (two-level, with supers)");
     // cpu_vnni16: [ceil(N/16), K*bits/32, 16, 4] codes, [ceil(N/16), K/G, 16] scales
     const int64_t padded = (N + kBlockN - 1) / kBlockN * kBlockN;
     STD_TORCH_CHECK(N > 0 && scales.numel() == padded * (K / G) && qweight.numel() == padded * K * bits / 8, op,
@@ -103,9 +105,23 @@ void raise_status(int status, const char* op, const Checked& c) {
 
 Tensor lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, std::optional<Tensor> zeros,
                          std::optional<Tensor> bias, int64_t bits, int64_t group_size, int64_t out_features,
-                         double cmul, double zero, int64_t act_group, std::optional<Tensor> act_amax, bool mins) {
+                         double cmul, double zero, int64_t act_group, std::optional<Tensor> act_amax, bool mins,
+                         std::optional<Tensor> supers) {
     const char* op = "aipc::lowbit_linear_cpu";
     Checked c = check(op, x, qweight, scales, zeros, bits, group_size, out_features, false);
+    // the two-level form: float32 [S][ceil(N/16)][K/SB][16] super-block scales, S = 2 with mins
+    int64_t SB = 0;
+    STD_TORCH_CHECK(supers.has_value() == (c.scale_dt == AIPC_SCALE_I8), op,
+                    ": supers (float32 super-block scales) go with int8 scales (the two-level form), and only with them");
+    if (supers.has_value()) {
+        check_dense(*supers, op, "supers");
+        const int64_t blocks = (out_features + kBlockN - 1) / kBlockN, S = mins ? 2 : 1;
+        const int64_t per_row = supers->numel() / (S * blocks * kBlockN);
+        STD_TORCH_CHECK(supers->scalar_type() == ScalarType::Float && per_row > 0 &&
+                            supers->numel() == S * blocks * per_row * kBlockN && c.K % per_row == 0,
+                        op, ": supers must be float32 [", S, ", ", blocks, ", K/SB, 16] (K=", c.K, ")");
+        SB = c.K / per_row;
+    }
     const float* amax = nullptr;
     if (act_amax.has_value()) {
         check_dense(*act_amax, op, "act_amax");
@@ -121,7 +137,8 @@ Tensor lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, std::optional<
         c.x.data_ptr(), c.dt, c.M, c.K, static_cast<const uint8_t*>(qweight.data_ptr()), static_cast<int>(bits),
         out_features, scales.data_ptr(), zeros.has_value() ? zeros->data_ptr() : nullptr, c.scale_dt, group_size,
         static_cast<float>(cmul), zero_const, c.bias.has_value() ? c.bias->data_ptr() : nullptr,
-        y.data_ptr(), span, static_cast<int>(torch::stable::get_num_threads()), amax);
+        y.data_ptr(), span, static_cast<int>(torch::stable::get_num_threads()), amax,
+        supers.has_value() ? static_cast<const float*>(supers->data_ptr()) : nullptr, SB);
     raise_status(status, op, c);
     return y;
 }
