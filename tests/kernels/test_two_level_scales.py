@@ -21,7 +21,7 @@ CODEBOOKS = ["int2", "ternary", "sym", "binary", "int4", "int8", "min2", "min4",
 #: (M, N, K, group, super-block, act_group): decode, a 3-super-block row, AMX tiles with per-group
 #: activations, one super-block per row (a per-channel float scale), sub-blocks of 16 with act groups of 64
 CASES = [(1, 37, 512, 32, 256, 0), (5, 16, 768, 32, 256, 0), (20, 33, 512, 32, 256, 32), (1, 50, 1024, 64, 1024, 0),
-         (17, 20, 256, 16, 64, 64)]  # fmt: skip
+         (17, 20, 256, 16, 64, 64), (3, 18, 4096, 64, 2048, 0)]  # fmt: skip
 
 
 def two_level_weight(codebook: str, N: int, K: int, G: int, SB: int, seed: int) -> LowBitWeight:
@@ -65,6 +65,9 @@ def test_op_equals_float32_scales_bit_for_bit(isa, codebook, M, N, K, G, SB, act
     bias = torch.randn(N)
     y = ops.lowbit_linear(x, p, bias, act_group=act_group)
     assert torch.equal(y, ops.lowbit_linear(x, q, bias, act_group=act_group))
+    native.set_isa("scalar")  # and the portable kernel's bits (the isa fixture restores the best ISA after)
+    assert torch.equal(y, ops.lowbit_linear(x, p, bias, act_group=act_group))
+    native.set_isa(isa)
     ref = ops.reference_linear_w8(x, w, bias, act_group=act_group)
     torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
     planned = _planned(p, act_group)
