@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .formats import CODEBOOKS, FILE_GROUP_SIZES, SCALE_DTYPES, WEIGHT_SCALE_DTYPES
-from .packing import LAYOUTS, packed_shapes, super_shape
+from .packing import CPU_LAYOUT, LAYOUTS, packed_shapes, super_shape
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x (and y) dtypes of every path
 #: how ``aipc::lowbit_linear_a16`` turns 4-bit codes into floats: E0M4's bit operations, or a conversion
@@ -148,7 +148,7 @@ def check_supers(plan: OperandPlan, scales: torch.Tensor, supers: Optional[torch
     if plan.per_group_zeros:
         raise ValueError(f"lowbit_linear: codebook {codebook!r} stores zero points; the two-level form (supers) takes "
                          f"fixed-zero and min-form code books")  # fmt: skip
-    nsb = supers.shape[-2] if layout == "cpu_vnni16" and supers.dim() == 4 else supers.shape[-1] if supers.dim() == 3 else 0
+    nsb = supers.shape[-2] if layout == CPU_LAYOUT and supers.dim() == 4 else supers.shape[-1] if supers.dim() == 3 else 0
     SB = K // nsb if nsb and K % nsb == 0 else 0
     per = SB // group_size if SB and SB % group_size == 0 else 0
     if supers.dtype != torch.float32 or not per or per & (per - 1) or tuple(supers.shape) != (S, *super_shape(layout, out_features, nsb)):
