@@ -414,3 +414,43 @@ def test_vllm_serve_gguf(smollm2, gguf_cache, tmp_path, request):
     assert r["usage"]["completion_tokens"] == 16 and chat.strip()
     log = server.log.read_text(errors="replace")
     assert "quantization=gguf_cpu" in log and "enforce_eager=False" in log
+
+
+# ---------------------------------------------------------------------- K-quants' two-level scales, merged and padded
+
+
+def test_two_level_parts_merge_and_pad_exactly():
+    """A merged layer of K-quant parts (Q4_K q / k with a Q6_K v: one ``min8`` weight, two-level where every
+    part is a K-quant) and a K-quant output projection padded to vLLM's vocabulary rows: the served values are
+    each part's ``gguf.quants.dequantize``, the padding rows 0, and the lookup rows read from the packed layout
+    equal them (a Q6_K token embedding tied to the output projection, as llama.cpp's Q4_K_M files hold it)."""
+    import gguf
+    import numpy as np
+    from aipc_kernels import gguf_format as gf
+    from aipc_kernels.packing import dequantize_rows, pack_for_cpu
+    from vllm_lowbit.gguf_cpu import _cat_rows, _pad_rows
+
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(3)
+
+    def blocks(qtype, n, k):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        b = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+        for at in {T.Q4_K: (0, 2), T.Q6_K: (208,)}[qtype]:  # moderate fp16 d (and dmin)
+            b[..., at:at + 2] = (rng.standard_normal((n, k // block, 1)) * 0.02).astype(np.float16).view(np.uint8)
+        return b.reshape(n, -1)
+
+    raws = [(blocks(T.Q4_K, 32, 512), T.Q4_K), (blocks(T.Q4_K, 16, 512), T.Q4_K), (blocks(T.Q6_K, 16, 512), T.Q6_K)]
+    parts = [gf.relayout(r, t, (r.shape[0], 512), f"w{i}") for i, (r, t) in enumerate(raws)]
+    merged = _cat_rows(parts, "qkv_proj")
+    assert merged.codebook == "min8" and merged.super_block == 256 and merged.scales.dtype == torch.int8
+    want = torch.cat([torch.from_numpy(np.array(gguf.quants.dequantize(r, t), dtype=np.float32)) for r, t in raws])
+    assert torch.equal(merged.dequantize(), want)
+
+    head = parts[2]
+    padded = _pad_rows(head, 21)
+    assert padded.out_features == 21 and padded.supers.shape == (1, 21, 2)
+    values = padded.dequantize()
+    assert torch.equal(values[:16], head.dequantize()) and not values[16:].any()
+    rows = torch.tensor([20, 3, 15, 3])
+    assert torch.equal(dequantize_rows(pack_for_cpu(padded), rows), values[rows])
