@@ -103,7 +103,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
  * The two-level form (scale_dt AIPC_SCALE_I8; GGUF's K-quants as the file stores them: a float super-block
  * scale d times small integer sub-block scales): scales (and, in the min form, the mins in zeros) are int8
  * in the layout above, and supers holds float32 [S][N/16][K/SB][16] super-block scales, S = 1, or 2 in the
- * min form (the mins' super-block scales second). A group's scale is supers * scale and its min
+ * min form (the mins' super-block scales second). A group's scale is supers[0] * scale and its min
  * supers[1] * min, each one float32 product (exact for the K-quants' fp16 d times a 6- or 8-bit integer),
  * then the epilogue as with float32 scales, so the outputs are those of the same weight with those
  * products stored as float32 scales, bit for bit. SB: a multiple of G dividing K with SB / G a power of
