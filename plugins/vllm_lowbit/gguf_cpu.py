@@ -311,13 +311,15 @@ def _pad_rows(w: LowBitWeight, n: int) -> LowBitWeight:
     if extra <= 0:
         return w
 
-    def pad(t):
-        return None if t is None else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+    def pad(t, dim=0):  # rows are dim 0, and dim 1 of the super-block scales [S, N, K/SB]
+        if t is None:
+            return None
+        shape = list(t.shape)
+        shape[dim] = extra
+        return torch.cat([t, t.new_zeros(shape)], dim)
 
-    supers = None if w.supers is None else torch.cat([w.supers, w.supers.new_zeros(w.supers.shape[0], extra,
-                                                                                   w.supers.shape[2])], dim=1)
     return LowBitWeight(pad(w.qweight), pad(w.scales), pad(w.zeros), w.codebook, w.group_size, w.in_features,
-                        name=w.name, supers=supers)  # fmt: skip
+                        name=w.name, supers=pad(w.supers, 1))  # fmt: skip
 
 
 def _drop_slots(layer: torch.nn.Module) -> None:

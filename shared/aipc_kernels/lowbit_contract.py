@@ -135,9 +135,9 @@ def check_operands(
 
 
 def check_supers(plan: OperandPlan, scales: torch.Tensor, supers: Optional[torch.Tensor], layout: str, codebook: str,
-                 group_size: int, out_features: int, K: int) -> int:  # fmt: skip
+                 group_size: int, out_features: int, K: int) -> None:  # fmt: skip
     """The two-level form's operands (int8 ``scales`` and float32 ``supers`` ``[S, *super_shape]``, S = 2 for
-    a min form): ValueError naming what is wrong; returns the super-block size SB."""
+    a min form): ValueError naming what is wrong."""
     S = 2 if plan.mins else 1
     if supers is None or scales.dtype != torch.int8 or scales.shape != plan.group_shape:
         raise ValueError(
@@ -157,7 +157,6 @@ def check_supers(plan: OperandPlan, scales: torch.Tensor, supers: Optional[torch
             f"[{S}, *{super_shape(layout, out_features, max(nsb, 1))}] ({layout}) with K={K} / super-blocks a "
             f"power-of-two multiple of group_size={group_size}"
         )
-    return SB
 
 
 def _check_act_amax(x: torch.Tensor, act_amax: torch.Tensor, act_group: int) -> None:
