@@ -2,7 +2,7 @@
 registers the planned CPU ops against PyTorch's stable ABI (built when torch is importable).
 
 The kernel library ``_aipc_native`` (``csrc/*.c``, C API in ``csrc/aipc_native.h``) is loaded with
-ctypes by ``aipc_kernels.native``; ISA selection (AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2, portable C)
+ctypes by ``aipc_kernels.core.native``; ISA selection (AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2, portable C)
 happens at run time inside the library, so one build serves every x86-64 CPU. ``_aipc_probes``
 (``csrc/probes/``) holds the benchmarks' measurement probes; only ``bench/native_probes.py`` loads it.
 Set ``AIPC_NO_NATIVE=1`` to skip the build (ops then use the reference).
@@ -70,7 +70,7 @@ C_FLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-fvisibility=hidden", "-ffp-contrac
 def c_library(name: str, sources: list[str]) -> Extension:
     """One of the plain-C libraries (loaded with ctypes, no Python headers used); every unit picks its
     ISA per function (target attributes), so no -m flags."""
-    headers = sorted(glob.glob(f"{CSRC}/*.h") + glob.glob(f"{CSRC}/*.inc"))
+    headers = sorted(glob.glob(f"{CSRC}/*.h") + glob.glob(f"{CSRC}/x86/*.h") + glob.glob(f"{CSRC}/x86/*.inc"))
     # libm linked explicitly: an unversioned expf / sqrtf reference would bind to glibc's oldest (compat)
     # version, measured 40x slower than the current one in the SwiGLU prologue
     return Extension(name, sources=sources, depends=headers, include_dirs=[CSRC], extra_compile_args=C_FLAGS,
@@ -81,7 +81,7 @@ def torch_ops_library(name: str, sources: list[str]) -> Extension | None:
     """The C++ unit that registers the planned CPU ops with PyTorch's dispatcher through its stable ABI
     (``torch/csrc/stable``, targeting torch 2.13, the oldest this package supports), or None when torch is
     not importable by this build (pip's build isolation without ``--no-build-isolation``): the ops then
-    run a Python kernel over the same C library (``aipc_kernels.ops``), and ``native.ops_library()`` says
+    run a Python kernel over the same C library (``aipc_kernels.lowbit.ops``), and ``native.ops_library()`` says
     which. It does not link ``_aipc_native``: the loader hands it that library's entry points."""
     try:
         from torch.utils.cpp_extension import include_paths, library_paths
@@ -98,8 +98,11 @@ def torch_ops_library(name: str, sources: list[str]) -> Extension | None:
 
 ext_modules = []
 if os.environ.get("AIPC_NO_NATIVE") != "1":
-    # the kernels (aipc_kernels.native), and the benchmarks' measurement probes (bench/native_probes.py)
-    ext_modules.append(c_library("aipc_kernels._aipc_native", sorted(glob.glob(f"{CSRC}/*.c"))))
+    # the kernels (aipc_kernels.core.native), and the benchmarks' measurement probes (bench/native_probes.py)
+    # the dispatch table and CPU features (csrc/), every kernel family's entry point and portable kernels
+    # (generic/), their x86 SIMD units (x86/: each function carries its target attribute)
+    units = glob.glob(f"{CSRC}/*.c") + glob.glob(f"{CSRC}/generic/*.c") + glob.glob(f"{CSRC}/x86/*.c")
+    ext_modules.append(c_library("aipc_kernels._aipc_native", sorted(units)))
     ext_modules.append(c_library("aipc_kernels._aipc_probes", sorted(glob.glob(f"{CSRC}/probes/*.c"))))
     ops_ext = torch_ops_library("aipc_kernels._aipc_ops", sorted(glob.glob(f"{CSRC}/ops/*.cpp")))
     if ops_ext is not None:

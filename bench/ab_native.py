@@ -2,17 +2,20 @@
 over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, token count and ISA.
 
     rm -rf /tmp/base && mkdir /tmp/base && git archive REV shared/aipc_kernels/csrc | tar -x -C /tmp/base
-    cc -O3 -std=gnu11 -fopenmp -fvisibility=hidden -ffp-contract=off -fPIC -shared -I/tmp/base/shared/aipc_kernels/csrc \\
-       /tmp/base/shared/aipc_kernels/csrc/*.c -o /tmp/base.so
+    C=/tmp/base/shared/aipc_kernels/csrc
+    cc -O3 -std=gnu11 -fopenmp -fvisibility=hidden -ffp-contract=off -fPIC -shared -I$C \\
+       $(ls $C/*.c $C/generic/*.c $C/x86/*.c 2>/dev/null) -o /tmp/base.so -lm
     python bench/ab_native.py --base /tmp/base.so --base-name REV --name NAME [--rows '8B*'] [--m 1,16]
                               [--codebook affine --group 64]
 
-(every unit of the library picks its ISA per function, so one cc line builds any revision's csrc/*.c).
+(every unit of the library picks its ISA per function, so one cc line builds any revision's units: csrc/*.c,
+and csrc/generic/*.c, csrc/x86/*.c where the revision has them).
 Both builds take the same argument vector (``native.lowbit_linear_args``) and are timed by the same C
 loop (the probes' ``time_calls`` of each build's ``aipc_lowbit_linear_v``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
 working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones;
-``150m *``: segment_kv's model, whose prefill is M = 1024), weights in ``--codebook`` / ``--group``,
+``150m *``: segment_kv's model, whose prefill is M = 1024) through ``--kernel`` (``lowbit``: W·A8,
+``a16``: W4A16, ``dense``: the small-M dense kernel on bf16 weights), weights in ``--codebook`` / ``--group``,
 and the segment-KV attention kernel (``aipc_segment_sdpa``, rows ``seg *``: bench/segment_kv.py's llama-150m
 attention, BS=1, 4 beams, prompt 1024, 128 response tokens; decode is one query token per beam, prefill
 the 1024-token prompt), timed from Python (``time.perf_counter`` around the same ctypes call for both).
@@ -24,9 +27,11 @@ import time
 
 import torch
 
-from aipc_kernels import native, segment_attention
-from aipc_kernels.packing import pack_for_cpu
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.decoder import segment_attention
+from aipc_kernels.lowbit.formats import get_codebook
+from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 from gemv_cpu import codebook_kernel_args  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
 from llama_shapes import SEGMENT_KV_SHAPES, SHAPES
@@ -34,21 +39,51 @@ from llama_shapes import SEGMENT_KV_SHAPES, SHAPES
 LOWBIT_SHAPES = SHAPES | SEGMENT_KV_SHAPES
 
 
+#: --kernel: the entry point each row's vectors call (the same argument vector in both builds)
+ENTRIES = {"lowbit": "aipc_lowbit_linear_v", "a16": "aipc_lowbit_linear_a16_v", "dense": "aipc_dense_linear_v"}
+
+
 def load(path: str) -> ctypes.CDLL:
     """Another build of the native library, with the signatures this bench calls."""
     lib = ctypes.CDLL(path)
-    lib.aipc_lowbit_linear_v.restype = ctypes.c_int
-    lib.aipc_lowbit_linear_v.argtypes = [ctypes.c_void_p]
+    for entry in ENTRIES.values():
+        getattr(lib, entry).restype = ctypes.c_int
+        getattr(lib, entry).argtypes = [ctypes.c_void_p]
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
     return lib
 
 
-def time_with(lib: ctypes.CDLL, vectors: list, isa: str, calls: int) -> float:
-    """Seconds per call of ``lib``'s kernel over the argument vectors in turn (best round), timed by the
-    probes' C loop (the same loop for both builds)."""
+def time_with(lib: ctypes.CDLL, entry: str, vectors: list, isa: str, calls: int) -> float:
+    """Seconds per call of ``lib``'s kernel ``entry`` over the argument vectors in turn (best round), timed
+    by the probes' C loop (the same loop for both builds)."""
     if lib.aipc_set_isa(native.ISAS[isa]) != 0:
         raise ValueError(f"isa={isa} not on this CPU")
-    return native_probes().time_calls(lib.aipc_lowbit_linear_v, vectors, calls, 0.2)
+    return native_probes().time_calls(getattr(lib, entry), vectors, calls, 0.2)
+
+
+def weight_sets(kernel: str, codebook: str, group: int, N: int, K: int, rotate_gb: float) -> tuple[list, str]:
+    """Copies of one weight for ``kernel`` (rotated through ``rotate_gb`` so the kernels stream them from
+    DRAM), and what they are: packed low-bit codes, or the bf16 matrix of the dense kernel."""
+    w = torch.randn(N, K) * 0.02
+    if kernel == "dense":
+        one, what, nbytes = (w.to(torch.bfloat16),), "bf16 dense", N * K * 2
+    else:
+        p = pack_for_cpu(quantize_rtn(w, codebook, group))
+        one, what, nbytes = (p.qweight, p.scales, p.zeros), f"{codebook} g{group}", p.nbytes()
+    copies = max(2, int(rotate_gb * 1e9 // nbytes))
+    return [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], what
+
+
+def kernel_vectors(kernel: str, codebook: str, group: int, sets: list, x: torch.Tensor, N: int) -> list:
+    """The argument vectors of ``kernel`` over the weight sets, then ``y`` (kept alive by the caller)."""
+    if kernel == "lowbit":
+        return codebook_kernel_args(codebook, group, sets, x, N)
+    y = torch.empty(x.shape[0], N, dtype=x.dtype)
+    if kernel == "dense":
+        return [native.dense_linear_args(y, x, w, None) for (w,) in sets] + [y]
+    cb = get_codebook(codebook)
+    zero, dequant = float("nan") if cb.zero is None else cb.zero, "e0m4" if codebook == "e0m4" else "int"
+    return [native.lowbit_linear_a16_args(y, x, q, s, z, None, group, zero, dequant) for q, s, z in sets] + [y]
 
 
 #: segment_sdpa rows: (Hq, Hkv, D, prompt Np, response Nr, query length Lq), BS=1 x 4 beams, bf16 K/V
@@ -100,7 +135,7 @@ def time_segment(fn, args: tuple, causal: bool, isa: str, lib: ctypes.CDLL, call
 
 def main() -> None:
     ap = BenchParser("ab_native", __doc__, list(LOWBIT_SHAPES) + list(SEGMENT), [s for s in SHAPES if s.startswith("8B")],
-                     what="shapes")
+                     what="shapes", group="cpu")
     ap.add_argument("--base", required=True, help="path of the baseline build (.so)")
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,2,4,8,16,128")
@@ -108,6 +143,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--codebook", default="affine", help="code book of the low-bit rows' weights")
     ap.add_argument("--group", type=int, default=64, help="group size of the low-bit rows' weights")
+    ap.add_argument("--kernel", default="lowbit", choices=list(ENTRIES),
+                    help="the shapes' kernel: lowbit (W*A8), a16 (W4A16; a 4-bit --codebook) or dense (bf16 weights)")
     ap.add_argument("--rotate-gb", type=float, default=1.2)
     args = ap.parse_args()
     base, new = load(args.base), native.library()
@@ -128,33 +165,31 @@ def main() -> None:
                 rows.append(dict(shape=label, M=BEAMS, isa=isa, base_us=t["base"] * 1e6, new_us=t["new"] * 1e6,
                                  new_over_base=t["new"] / t["base"]))  # fmt: skip
                 print(rows[-1], flush=True)
+        entry = ENTRIES[args.kernel]
         for label in [r for r in args.rows if r in LOWBIT_SHAPES]:
             N, K = LOWBIT_SHAPES[label]
-            p = pack_for_cpu(quantize_rtn(torch.randn(N, K) * 0.02, args.codebook, args.group))
-            copies = max(2, int(args.rotate_gb * 1e9 // p.nbytes()))
-            one = (p.qweight, p.scales, p.zeros)
-            sets = [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)]
+            sets, what = weight_sets(args.kernel, args.codebook, args.group, N, K, args.rotate_gb)
             for M in (int(m) for m in args.m.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16)
-                *vectors, y = codebook_kernel_args(args.codebook, args.group, sets, x, N)
+                *vectors, y = kernel_vectors(args.kernel, args.codebook, args.group, sets, x, N)
                 for isa in isas:
                     t = {"base": float("inf"), "new": float("inf")}
                     for _ in range(args.rounds):
-                        t["base"] = min(t["base"], time_with(base, vectors, isa, 8))
-                        t["new"] = min(t["new"], time_with(new, vectors, isa, 8))
-                    rows.append(dict(shape=label, M=M, isa=isa, weights=f"{args.codebook} g{args.group}",
+                        t["base"] = min(t["base"], time_with(base, entry, vectors, isa, 8))
+                        t["new"] = min(t["new"], time_with(new, entry, vectors, isa, 8))
+                    rows.append(dict(shape=label, M=M, isa=isa, kernel=args.kernel, weights=what,
                                      base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"]))  # fmt: skip
                     print(rows[-1], flush=True)
                 del y, vectors
         native.set_isa(best)
         bw = read_bandwidth()
-    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. lowbit rows: {args.codebook} group {args.group}, bf16 activations, "
+    notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. Shape rows: kernel {args.kernel}, bf16 activations, "
              f"the C kernel alone timed in C over weights rotated through {args.rotate_gb:.1f} GB, rounds alternating "
              f"base ({args.base_name}) and new (the working tree), best of {args.rounds}. new_over_base > 1: the working "
              f"tree is slower. seg rows: aipc_segment_sdpa (M = beams), bf16, best of 20 calls per round timed "
              f"from Python around the same ctypes call for both builds.")
     write_results(args.out, args.name, f"Native kernel A/B: working tree vs {args.base_name}", info, rows,
-                  markdown_table(rows, ["shape", "M", "isa", "weights", "base_us", "new_us", "new_over_base"]), notes)
+                  markdown_table(rows, ["shape", "M", "isa", "kernel", "weights", "base_us", "new_us", "new_over_base"]), notes)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ one request with ``max_tokens=1``; llama.cpp: 512 / the ``-p 512 -n 0`` rate), p
 of the serving process, the bytes one decode step reads and the bound: (ternary linears at 2 bits +
 one scale per tensor + the output projection as the row stores it) / the read bandwidth on the
 rows' threads (harness probe). A row whose process fails is recorded as failed and the bench goes on.
-Results: bench/results/bitnet_e2e.{md,json}.
+Results: bench/results/e2e/bitnet_e2e.{md,json}.
 
 llama.cpp is built from the vendored sources of the ``llama-cpp-python`` sdist on the package
 registry into ``--llamacpp-cache`` (default ~/.cache/aipc-plugins/llamacpp; ``--build-llamacpp``
@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from aipc_kernels.testing.bitnet_checkpoint import write_bitnet_checkpoint
 from harness import (RESULT_PREFIX, BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, run_worker,
                      write_results)  # bench/ on sys.path
 from harness import llamacpp
+from tests.helpers.bitnet_checkpoint import write_bitnet_checkpoint  # the repository root: harness puts it on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 # the engine in the worker process (as bench/vllm_e2e.py); the KV cache is sized by kv_cache_memory_bytes
@@ -92,7 +92,7 @@ def geometry(name: str, layers: Optional[int]) -> dict[str, int]:
 def float_model(g: dict[str, int]) -> Path:
     """The float BitNet model of geometry ``g`` (random bf16 masters, tied embeddings, relu2, the tiny
     tokenizer padded to the vocabulary), built once into the tiny-model cache by ``tiny_model``."""
-    from aipc_kernels.testing.tiny_model import build_tiny_model
+    from aipc_kernels.tools.tiny_model import build_tiny_model
 
     return build_tiny_model("bitnet", seed=SEED, **g)
 
@@ -122,7 +122,7 @@ def _stage_for_llamacpp(masters: Path, stage: Path, shard_bytes: int = 2**30) ->
     memory at a time), and a SentencePiece ``tokenizer.model``."""
     from safetensors.torch import save_file
 
-    from aipc_kernels.hf_checkpoint import HFCheckpoint
+    from aipc_kernels.core.hf_checkpoint import HFCheckpoint
 
     stage.mkdir(parents=True)
     weight_map: dict[str, str] = {}
@@ -335,7 +335,7 @@ NOTES = """Notes:
 
 
 def main() -> None:
-    ap = BenchParser("bitnet_e2e", __doc__.split("\n\n")[0], list(ROWS))
+    ap = BenchParser("bitnet_e2e", __doc__.split("\n\n")[0], list(ROWS), group="e2e")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="2b-4t", help="model geometry (default: %(default)s)")
     ap.add_argument("--layers", type=int, help="override the geometry's layer count (quick looks)")
     ap.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per timing (default: %(default)s)")

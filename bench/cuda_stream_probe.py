@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 import gemv_gpu as gb  # bench/ is on sys.path when run as a script
-from aipc_kernels.triton.lowbit import cuda_gemm, cuda_mma, cuda_stream
-from aipc_kernels.triton.lowbit import linear as tlin
-from aipc_kernels.triton.lowbit.tuning import SHIPPED_CONFIGS, config_key, select_config
+from aipc_kernels.gpu.cuda import gemm as cuda_gemm, mma as cuda_mma, stream as cuda_stream
+from aipc_kernels.gpu.triton.lowbit import linear as tlin
+from aipc_kernels.gpu.triton.lowbit.tuning import SHIPPED_CONFIGS, config_key, select_config
 from harness import select
 from llama_shapes import SHAPES
 

@@ -1,6 +1,6 @@
 """Prefill-size (M >= 16) low-bit GEMM vs torch bf16 on this CPU, in CPU time of one thread.
 
-    python bench/gemm_cpu_time.py [--rows bf16,affine_g64] [--shapes '8B q/o*'] [--ms 16] [--out bench/results]
+    python bench/gemm_cpu_time.py [--rows bf16,affine_g64] [--shapes '8B q/o*'] [--ms 16] [--out bench/results/cpu]
 
 Compute-bound shapes need no DRAM rotation; on a shared machine, process CPU time of a single thread
 is a steadier measure of work than wall time. Rows: torch bf16 ``F.linear`` (oneDNN, AMX-bf16 where
@@ -16,10 +16,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels import native
-from aipc_kernels.ops import lowbit_linear
-from aipc_kernels.packing import pack_for_cpu
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.lowbit.ops import lowbit_linear
+from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, select, write_results
 from llama_shapes import SHAPES as LLAMA_SHAPES  # bench/ is on sys.path when run as a script
 
@@ -39,7 +39,7 @@ def cpu_time(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
-    ap = BenchParser("gemm_cpu_time", __doc__, ["bf16", *OURS])
+    ap = BenchParser("gemm_cpu_time", __doc__, ["bf16", *OURS], group="cpu")
     ap.add_argument("--ms", default="16,128")
     ap.add_argument("--shapes", default="*", help="comma list of shapes, names or patterns such as '8B q/o*'")
     args = ap.parse_args()

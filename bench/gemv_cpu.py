@@ -1,6 +1,6 @@
 """Low-bit GEMV/GEMM on this CPU, side by side with torch's kernels, in one run.
 
-    python bench/gemv_cpu.py [--quick] [--rows int2,bf16] [--shapes '8B*'] [--out bench/results]
+    python bench/gemv_cpu.py [--quick] [--rows int2,bf16] [--shapes '8B*'] [--out bench/results/cpu]
 
 Rows per shape and M: torch fp32 / bf16 ``F.linear``, torch int8 weight-only
 (``_weight_int8pack_mm``), torch int4 (``_weight_int4pack_mm_for_cpu``), and ours: lowbit2 (affine,
@@ -17,14 +17,14 @@ ones (``*_fma``: float32 FMAs; op time only, no kernel-alone timing); the small-
 (``aipc::dense_linear``: the model's own float32 / bf16 weights streamed once for all M rows, the
 segment-KV plugin's decode path) as ``dense_fp32`` / ``dense_bf16`` against torch's ``fp32`` / ``bf16``
 ``F.linear`` on the same weights and activations: the kernel itself at every M, called from Python like
-the op (the op runs it up to ``aipc_kernels.dense_linear.cpu_max_rows`` rows, F.linear beyond). Shapes: the
+the op (the op runs it up to ``aipc_kernels.decoder.dense_linear.cpu_max_rows`` rows, F.linear beyond). Shapes: the
 Llama projections and two output projections (``llama_shapes.HEAD_SHAPES``). At M=1 also ``read``:
 the probe's read loop over exactly the int2 group-64 bytes, rotated and timed like the kernel alone, i.e.
 what a plain read of those bytes reaches with the same threads, fork/join and first-line latency
 (``kernel_pct_read``: a kernel's GB/s as a share of it; ``kernel_pct_own_read``: the same against a
 plain read of the kind's own packed codes, its rotating copies, timed in the same round). ``us`` is
 the op as the plugins call it, timed from Python: for our low-bit kinds the planned op
-(:mod:`aipc_kernels.planned_ops`: operands checked once, C++ per call), for ``int2_general`` /
+(:mod:`aipc_kernels.lowbit.planned_ops`: operands checked once, C++ per call), for ``int2_general`` /
 ``w4a8_general`` the general ``aipc::lowbit_linear`` on the same weights (operands checked in Python each
 call); ``kernel_us`` is our C kernel alone, timed in C over the same rotation (as the read row and the
 bandwidth probe are), so the two differ by the op's dispatch and body (``op_over_kernel``).
@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels import native
-from aipc_kernels.formats import get_codebook
-import aipc_kernels.dense_linear  # noqa: F401  (registers torch.ops.aipc.dense_linear)
-import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
-from aipc_kernels.packing import pack_for_cpu
-from aipc_kernels.planned_ops import available as plan_ready, plan_cpu_call
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.lowbit.formats import get_codebook
+import aipc_kernels.decoder.dense_linear  # noqa: F401  (registers torch.ops.aipc.dense_linear)
+import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
+from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.planned_ops import available as plan_ready, plan_cpu_call
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, read_results, select, write_results
 from llama_shapes import HEAD_SHAPES, SHAPES  # bench/ is on sys.path when run as a script
 
@@ -75,7 +75,7 @@ DENSE_CONFIGS = {"dense_fp32": torch.float32, "dense_bf16": torch.bfloat16}
 # them): their multiply-adds per second are put against the float32 FMA peak of the run's vector width
 FLOAT_KINDS = tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # the general op (torch.ops.aipc.lowbit_linear: operands checked in Python on every call) on a kind's weights,
-# beside the planned op the plugins call (aipc_kernels.planned_ops: checked once, C++ per call)
+# beside the planned op the plugins call (aipc_kernels.lowbit.planned_ops: checked once, C++ per call)
 GENERAL_OP = {"int2_general": "int2", "w4a8_general": "w4a8"}
 OURS = ("int2", "int2_general", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_general",
         "w4a8_asym", "w8a8", "w4a8_vnni", "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
@@ -246,7 +246,7 @@ def fma_peak_of_run() -> tuple[int, float] | None:
 
 
 def main() -> None:
-    ap = BenchParser("gemv_cpu", __doc__, PEERS + OURS + (READ,), what="kinds (rows per shape and M)")
+    ap = BenchParser("gemv_cpu", __doc__, PEERS + OURS + (READ,), what="kinds (rows per shape and M)", group="cpu")
     ap.add_argument("--ms", default="1,4,16,128")
     ap.add_argument("--rotate-gb", type=float, default=1.2, help="weight copies per kind (all kinds held at once)")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over all kinds; best of them")

@@ -1,6 +1,6 @@
 """Low-bit GEMV/GEMM on a GPU (CUDA; Triton XPU untested here), side by side, in one run.
 
-    python bench/gemv_gpu.py [--quick] [--rows bf16,ours_w2a8] [--shapes '8B*'] [--m 1,16,64,256,1024,4096] [--out bench/results]
+    python bench/gemv_gpu.py [--quick] [--rows bf16,ours_w2a8] [--shapes '8B*'] [--m 1,16,64,256,1024,4096] [--out bench/results/gpu]
 
 Rows per shape and M: torch bf16 ``F.linear`` (cuBLAS), ours (``aipc::lowbit_linear``, Triton W2A8:
 int2 code book, group 64, fp16 scales, activations quantized to int8 per token inside the op: at
@@ -39,9 +39,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels.ops import lowbit_linear, lowbit_linear_a16
-from aipc_kernels.packing import PackedLowBit, pack_for_triton
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.lowbit.ops import lowbit_linear, lowbit_linear_a16
+from aipc_kernels.lowbit.packing import PackedLowBit, pack_for_triton
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, gpu_copy_bandwidth, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
 
@@ -121,7 +121,7 @@ def row_bf16(W, x, l2):
 
 def row_dense_bf16(W, x, l2):
     """The Triton small-M dense kernel on the bf16 weight (what ``aipc::dense_linear`` runs on Intel XPU)."""
-    from aipc_kernels.triton.dense_linear import dense_linear  # lazy: triton is imported only here
+    from aipc_kernels.gpu.triton.dense_linear import dense_linear  # lazy: triton is imported only here
 
     wb = W.to(torch.bfloat16)
     b = nbytes(wb)
@@ -158,8 +158,8 @@ def row_ours(W, x, l2, state):
 
 def row_ours_dequant(W, x, l2, state):
     """Ours through the dequantize-then-GEMM kernel (its first config), whatever the tuner would choose."""
-    from aipc_kernels.triton import lowbit as tlin
-    from aipc_kernels.triton.lowbit import dequant
+    from aipc_kernels.gpu.triton import lowbit as tlin
+    from aipc_kernels.gpu.triton.lowbit import dequant
 
     if x.shape[0] <= 16:
         raise ValueError("the dequant path serves M > 16 only")
@@ -189,7 +189,7 @@ def row_ours_format(W, x, l2, state, row: str):
 def row_ours_invariant(W, x, l2, state):
     """Ours in the batch-invariant mode (``AIPC_BATCH_INVARIANT=1``): the config the op would run with
     the flag set, i.e. the group kernel unsplit at every M."""
-    from aipc_kernels.triton import lowbit as tlin
+    from aipc_kernels.gpu.triton import lowbit as tlin
 
     calls, b, copies = row_ours(W, x, l2, state)
     ws = [c.__defaults__[0] for c in calls]
@@ -335,7 +335,7 @@ def row_gemlite_a8w8(W, x, l2, state):
 
 def check_ours(W, x, p, lw) -> float:
     """Relative error of our kernel against the float64 int8-activation reference (sanity)."""
-    from aipc_kernels.ops import reference_linear_w8
+    from aipc_kernels.lowbit.ops import reference_linear_w8
 
     y = lowbit_linear(x, p).double().cpu()
     ref = reference_linear_w8(x.float().cpu(), lw.__class__(
@@ -344,7 +344,7 @@ def check_ours(W, x, p, lw) -> float:
 
 
 def main() -> int:
-    ap = BenchParser("gemv_gpu", __doc__, ROWS)
+    ap = BenchParser("gemv_gpu", __doc__, ROWS, group="gpu")
     ap.add_argument("--m", default="1,16,64,256,1024,4096")
     ap.add_argument("--quick", action="store_true", help="two shapes, M=1 only")
     ap.add_argument("--shapes", default="*", help="comma list of shapes, names or patterns such as '8B*'")
@@ -435,7 +435,7 @@ def run(args, Ms: list[int], shapes: dict) -> int:
                     "copies": copies,
                 }
             if isinstance(entry.get("ours_w2a8"), dict) and "us" in entry["ours_w2a8"]:
-                from aipc_kernels.triton import lowbit as tlin
+                from aipc_kernels.gpu.triton import lowbit as tlin
 
                 cfgs = tlin.cached_configs(tlin.device_name(x.device))
                 entry["ours_w2a8"]["config"] = cfgs.get(tlin.config_key(M, N, K, GROUP, 2), "heuristic")

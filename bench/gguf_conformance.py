@@ -1,7 +1,7 @@
 """Conformance of ``vllm serve X.gguf`` (vllm_lowbit's GGUF path) with the reference implementation of the
 format, llama.cpp, on the same file: real trained models from the package registry.
 
-Per model (``--model``, keys of ``aipc_kernels.registry_models.MODELS``):
+Per model (``--model``, keys of ``aipc_kernels.core.registry_models.MODELS``):
 
 * **Teacher-forced logits.** ``llama-perplexity -f TEXT -c CONTEXT --chunks N --kl-divergence-base F`` scores
   the second half of each window (its rule) and writes its tokens and every scored position's
@@ -137,7 +137,7 @@ def float_scores(gguf: Path, wins: list[list[int]], ref: dict) -> dict:
 
 def llama_server_greedy(gguf: Path, prompt: list[int], n: int, threads: int, isa: str) -> list[int]:
     """``n`` greedy tokens of ``llama-server`` for the token ids ``prompt`` (``/completion``)."""
-    from aipc_kernels.testing.vllm_server import free_port
+    from tests.helpers.vllm_server import free_port
 
     exe = lc.llamacpp_bin(lc.DEFAULT_CACHE, "llama-server", isa)
     port = free_port()
@@ -192,7 +192,7 @@ def run_model(name: str, args, tmp: Path) -> dict:
 
     from quality_real import english_text, file_bos
 
-    from aipc_kernels.registry_models import MODELS as REG, fetch
+    from aipc_kernels.core.registry_models import MODELS as REG, fetch
 
     path = fetch(name)
     text = tmp / "english.txt"
@@ -243,7 +243,7 @@ def report(rows: list[dict], args) -> str:
 
 
 def main() -> None:
-    ap = BenchParser("gguf_conformance", __doc__, MODELS, what="models")
+    ap = BenchParser("gguf_conformance", __doc__, MODELS, what="models", group="quality")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=10, help="windows (llama.cpp scores the second half of each)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads (default: all cores)")

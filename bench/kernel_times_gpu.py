@@ -2,7 +2,7 @@
 ``bench/gemv_gpu.py`` times its rows (CUDA-graph replay over weight copies >= 4x L2, so the weights
 stream from HBM as in a forward pass), beside the read-only floor of the same bytes:
 
-    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--vary L2P=0,1] [--out bench/results] [--name N]
+    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--vary L2P=0,1] [--out bench/results/gpu] [--name N]
 
 Rows per shape and M (int2 code book, group 64, fp16 scales, bf16 activations, ``bench/gemv_gpu.py``'s
 weights):
@@ -28,10 +28,10 @@ import time
 import torch
 
 import gemv_gpu as gb  # bench/ is on sys.path when run as a script
-from aipc_kernels.triton.lowbit import group, stream
-from aipc_kernels.triton.lowbit import linear as tlin
-from aipc_kernels.triton.lowbit.activation import quantize_row_packed, quantize_rows
-from aipc_kernels.triton.lowbit.tuning import candidates, select_config
+from aipc_kernels.gpu.triton.lowbit import group, stream
+from aipc_kernels.gpu.triton.lowbit import linear as tlin
+from aipc_kernels.gpu.triton.lowbit.activation import quantize_row_packed, quantize_rows
+from aipc_kernels.gpu.triton.lowbit.tuning import candidates, select_config
 from harness import BenchParser, bench_lock, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES
 
@@ -130,7 +130,7 @@ def _cfg(c: dict) -> str:
 
 
 def main() -> int:
-    ap = BenchParser("kernel_times_gpu", __doc__, PARTS)
+    ap = BenchParser("kernel_times_gpu", __doc__, PARTS, group="gpu")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--shapes", default="8B*", help="comma list of shapes, names or patterns such as '8B*'")
     ap.add_argument("--sweep", action="store_true", help="time every config of the M's kernels, rotating and L2-warm")

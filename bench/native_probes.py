@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 import aipc_kernels
-from aipc_kernels import native
+from aipc_kernels.core import native
 
 
 @lru_cache(maxsize=1)

@@ -2,7 +2,7 @@
 
     .venvs/openvino/bin/python bench/npu_export.py [--rows decode,ttft --reuse-exports] [--preset llama-150m]
 
-Model: random weights of Llama-3.2-1B geometry (``aipc_kernels.testing.tiny_model`` preset
+Model: random weights of Llama-3.2-1B geometry (``aipc_kernels.tools.tiny_model`` preset
 ``llama-3.2-1b``: 16 layers, hidden 2048, GQA 32/8, vocab 128256; ``--preset`` picks another). Weights
 INT8 symmetric per channel for both exports (optimum-intel's own default for >1B models is INT8).
 Rows (any subset; decode, eager and ttft run on the exports in ``--work``):
@@ -15,7 +15,7 @@ Rows (any subset; decode, eager and ttft run on the exports in ``--work``):
 3. ``ttft``: time to first token for a 512-token prompt: prefill blocks vs the same chunks token by token.
 
 The NPU is not available here: every figure is CPU. Each phase runs in a subprocess so that the
-memory of one never inflates another; results go to bench/results/npu_export.{md,json}. The
+memory of one never inflates another; results go to bench/results/e2e/npu_export.{md,json}. The
 weight-read bound divides the INT8 weight bytes by the read bandwidth probe of bench/harness.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ PRESET = "llama-3.2-1b"  # the child processes' model geometry (--preset)
 
 
 def _source(work: Path) -> Path:
-    from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
+    from aipc_kernels.tools.tiny_model import PRESETS, build_tiny_model
 
     return build_tiny_model(**PRESETS[PRESET])
 
@@ -291,9 +291,9 @@ def report(res: dict, preset: str) -> tuple[str, str]:
 
 def main() -> None:
     global PRESET
-    from aipc_kernels.testing.tiny_model import PRESETS
+    from aipc_kernels.tools.tiny_model import PRESETS
 
-    p = BenchParser("npu_export", __doc__.split("\n\n")[0], ROWS)
+    p = BenchParser("npu_export", __doc__.split("\n\n")[0], ROWS, group="e2e")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--preset", default=PRESET, choices=sorted(PRESETS), help="model geometry (default: %(default)s)")

@@ -1,6 +1,6 @@
 """What calling the CPU kernel through a torch op costs at decode (M=1), and the bound it puts on the op.
 
-    python bench/op_floor.py [--rows '8B q/o*'] [--out bench/results]
+    python bench/op_floor.py [--rows '8B q/o*'] [--out bench/results/cpu]
 
 Rows: the Llama-3-8B shapes. Per shape, weights rotated over DRAM-resident copies, in one run:
   kernel - our C kernel alone, timed in C (the probes' ``time_lowbit_linear``), as in bench/gemv_cpu.py;
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from aipc_kernels import native
-import aipc_kernels.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
-from aipc_kernels.packing import pack_for_cpu
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
+from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 from gemv_cpu import kernel_args, time_rotating  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
 from llama_shapes import SHAPES
@@ -43,7 +43,7 @@ _FLOOR_LIB.impl("floor_linear", _floor_cpu, "CPU")
 
 
 def main() -> None:
-    ap = BenchParser("op_floor", __doc__, [s for s in SHAPES if s.startswith("8B")], what="shapes")
+    ap = BenchParser("op_floor", __doc__, [s for s in SHAPES if s.startswith("8B")], what="shapes", group="cpu")
     ap.add_argument("--rotate-gb", type=float, default=1.2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()

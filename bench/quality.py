@@ -2,14 +2,14 @@
 against the unquantized model for every weight format, the int8 activations and the output projection
 formats, in one run, on real trained models or on a small proxy trained here.
 
-    python bench/quality.py --model smollm2-135m-instruct,gemma3-270m --device cuda   # -> results/quality.md
+    python bench/quality.py --model smollm2-135m-instruct,gemma3-270m --device cuda   # -> results/quality/quality.md
     python bench/quality.py [--device cuda|cpu] [--smoke] [--rows weights,activations,head]   # the trained proxy
 
 Real models (``--model``, the table the README quotes): the registry's GGUF models read by
 transformers, two fixed offline texts; see ``bench/quality_real.py``. The optimized quantizer takes
 about 5 minutes per format for a 135M model on two CPU cores (one minute for all 72 on an H200):
 run the real models on a GPU. The rest of this docstring describes the trained proxy
-(``results/quality_trained_proxy.md``), a second, labelled reference: a model this young is far
+(``results/quality/quality_trained_proxy.md``), a second, labelled reference: a model this young is far
 easier to quantize than a real one (2-bit affine g64: +3.6% there, x37,000 on SmolLM2).
 
 Recipe (everything fixed, nothing downloaded):
@@ -28,7 +28,7 @@ Recipe (everything fixed, nothing downloaded):
 * The unquantized model ("bf16") is the trained weights rounded to bf16, as a bf16 checkpoint holds
   them; every row below is computed in float32 (TF32 off) from those weights, so rows differ only in
   the quantization. Linears: every ``nn.Linear`` but the output projection
-  (``aipc_kernels.modules.linear_names`` with its DEFAULT_SKIP): q/k/v/o/gate/up/down.
+  (``aipc_kernels.lowbit.modules.linear_names`` with its DEFAULT_SKIP): q/k/v/o/gate/up/down.
 * Quantization is the plugins' own code: ``quantizers.quantize_weight`` (scales float16, the plugins'
   default; the linears of one input width are quantized as one matrix, which is the same as one at a
   time since every group lies within a row), ``output_projection.quantize_output_projection`` for the
@@ -74,12 +74,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels.formats import CODEBOOKS, LowBitWeight, fitting_group_size
-from aipc_kernels.modules import linear_names
-from aipc_kernels.ops import reference_linear_w8
-from aipc_kernels.output_projection import quantize_output_projection
-from aipc_kernels.quantizers import quantize_activations, quantize_weight
-from aipc_kernels.registry_models import MODELS as REGISTRY_MODELS
+from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight, fitting_group_size
+from aipc_kernels.lowbit.modules import linear_names
+from aipc_kernels.lowbit.ops import reference_linear_w8
+from aipc_kernels.lowbit.output_projection import quantize_output_projection
+from aipc_kernels.lowbit.quantizers import quantize_activations, quantize_weight
+from aipc_kernels.core.registry_models import MODELS as REGISTRY_MODELS
 from harness import BenchParser, bench_lock, gpu_info, machine_info, markdown_table, write_results  # bench/ on sys.path
 
 SECTIONS = ("weights", "activations", "head", "gguf")
@@ -675,7 +675,7 @@ def conclusions(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    ap = BenchParser("quality", __doc__, list(SECTIONS), what="sections")
+    ap = BenchParser("quality", __doc__, list(SECTIONS), what="sections", group="quality")
     ap.add_argument("--model", default="trained", type=lambda s: s.split(","),
                     help="'trained' (the proxy trained here, the default) or a comma list of registry models "
                          "(smollm2-135m-instruct, gemma3-270m): real trained models, results named 'quality'")
@@ -780,7 +780,7 @@ def evaluate(ev: Evaluator, plan: list[Row], past_deadline) -> tuple[list[dict],
 def run_real(args) -> None:
     """The registry models' rows (``--model``): float32 on the CPU, every model in one results file."""
     import quality_real as qr
-    from aipc_kernels.quality_gate import SAFE_REL_ERROR, UNUSABLE_REL_ERROR
+    from aipc_kernels.lowbit.quality_gate import SAFE_REL_ERROR, UNUSABLE_REL_ERROR
 
     start = time.perf_counter()
     dev = args.device
@@ -813,10 +813,10 @@ def run_real(args) -> None:
                      f"every row up to {safe:.3f} is usable (ppl at most {qr.UNUSABLE_PPL_RATIO:g}x float); every row from "
                      f"{doomed:.3f} up is noise (ppl {best:,.0f}x float or worse); between them usability depends on the "
                      f"format. The plugins log a load's largest error against SAFE_REL_ERROR = {SAFE_REL_ERROR} and "
-                     f"UNUSABLE_REL_ERROR = {UNUSABLE_REL_ERROR} (aipc_kernels.quality_gate), read off this line.")
+                     f"UNUSABLE_REL_ERROR = {UNUSABLE_REL_ERROR} (aipc_kernels.lowbit.quality_gate), read off this line.")
     if skipped:
         lines.append(f"Not measured ({len(skipped)} rows, past the deadline or failed): " + "; ".join(skipped))
-    recipe = (f"Real trained models from the package registry (aipc_kernels.registry_models), read by transformers' "
+    recipe = (f"Real trained models from the package registry (aipc_kernels.core.registry_models), read by transformers' "
               f"GGUF reader and run in float32 (TF32 off on a GPU): the float row is the GGUF file's dequantized weights; every "
               f"other row quantizes those weights again with the plugins' own quantizers (scales float16). Texts "
               f"(bench/quality_real.py): english = the language reference topics of Python's pydoc_data, code = the "

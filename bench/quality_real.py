@@ -1,5 +1,5 @@
 """The real-model half of ``bench/quality.py``: trained models from the package registry
-(:mod:`aipc_kernels.registry_models`, read by transformers' own GGUF reader), two fixed offline texts,
+(:mod:`aipc_kernels.core.registry_models`, read by transformers' own GGUF reader), two fixed offline texts,
 and the tables and summary lines of the real-model rows.
 
 * Model: the GGUF file as transformers dequantizes it, in float32 (the "float" reference row). A
@@ -10,7 +10,7 @@ and the tables and summary lines of the real-model rows.
   the trained proxy's rule (path hash), sorted by path. Each is tokenized by the model's tokenizer,
   and its first ``windows x context`` tokens are cut into non-overlapping windows.
 * ``rel_err``: the largest per-layer ``||W - Wq||_F / ||W||_F`` of a row's linears: the quantity the
-  plugins log at load, and from which :data:`aipc_kernels.quality_gate.UNUSABLE_REL_ERROR` is read.
+  plugins log at load, and from which :data:`aipc_kernels.lowbit.quality_gate.UNUSABLE_REL_ERROR` is read.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from aipc_kernels.registry_models import MODELS, fetch, load_transformers
+from aipc_kernels.core.registry_models import MODELS, fetch, load_transformers
 from harness import markdown_table
 
 #: a row is "unusable" when its perplexity (both texts) is more than this many times the float model's

@@ -1,7 +1,7 @@
 """Weight reconstruction error of the quantizers: min-max RTN vs the optimised fit, per code book and
 group size, on Gaussian and heavy-tailed (Student-t) matrices, in one run.
 
-    python bench/quant_error.py [--rows gaussian] [--shape 64x256] [--out bench/results]
+    python bench/quant_error.py [--rows gaussian] [--shape 64x256] [--out bench/results/quality]
 
 Error = ||dequantize(quantize(W)) - W||_F / ||W||_F (relative Frobenius norm) of a 1024 x 4096 matrix per
 distribution (the rows: fixed seed); ratio = optimised / RTN (< 1: the optimised fit is better). Also the time of
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from aipc_kernels.formats import CODEBOOKS
-from aipc_kernels.quantizers import quantize_optimized, quantize_rtn
+from aipc_kernels.lowbit.formats import CODEBOOKS
+from aipc_kernels.lowbit.quantizers import quantize_optimized, quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, write_results  # bench/ is on sys.path
 
 GROUPS = (32, 64, 128, -1)  # -1: the whole row
@@ -42,7 +42,7 @@ def rel_err(w: torch.Tensor, q) -> float:
 
 
 def main() -> None:
-    ap = BenchParser("quant_error", __doc__, list(MATRICES), what="matrices")
+    ap = BenchParser("quant_error", __doc__, list(MATRICES), what="matrices", group="quality")
     ap.add_argument("--shape", default="1024x4096", help="N x K of each test matrix")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))

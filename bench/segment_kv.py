@@ -1,6 +1,6 @@
 """Beam search on this CPU: stock transformers vs the segment KV cache vs the fused decoder layer, one run.
 
-    python bench/segment_kv.py [--quick] [--threads 2] [--rows kv4-float32] [--out bench/results]
+    python bench/segment_kv.py [--quick] [--threads 2] [--rows kv4-float32] [--out bench/results/e2e]
 
 A random Llama of the ``llama-150m`` preset (151M parameters, 12 layers, 12 heads / 4 KV heads of 64) and
 its multi-head twin (12 KV heads, 160M: the KV-heavier setting of the plain-torch prototype),
@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
-from aipc_kernels.segment_attention import native_isa
+from aipc_kernels.tools.tiny_model import PRESETS, build_tiny_model
+from aipc_kernels.decoder.segment_attention import native_isa
 from harness import BenchParser, bench_lock, machine_info, read_bandwidth, read_results, write_results  # bench/ on sys.path
 
 TITLE = "Segment KV cache vs stock transformers beam search (CPU)"
@@ -138,7 +138,7 @@ def linear_share(model, enc, beams: int, new_tokens: int = 16) -> dict:
 
 
 def main() -> None:
-    parser = BenchParser("segment_kv", __doc__, ROWS, what="models (kv<KV heads>-<dtype>)")
+    parser = BenchParser("segment_kv", __doc__, ROWS, what="models (kv<KV heads>-<dtype>)", group="e2e")
     parser.add_argument("--threads", type=int, default=1, help="torch / kernel threads, pinned to as many cores")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=128)
@@ -437,7 +437,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
         "stock; issue 40: next token >= 3x stock with fused+int4 on all four rows (>= 2.5x with fused+int8), first "
         "token >= 3.5x. Step bound: weights (all but the input embedding; the quantized rows: their packed linears) "
         "+ the K/V read per step, divided by the measured read bandwidth. The fused+<scheme> rows are random "
-        "weights (speed only): their quality on a real model is bench/results/segment_kv_quality.md.",
+        "weights (speed only): their quality on a real model is bench/results/quality/segment_kv_quality.md.",
         "",
     ]
     return "\n".join(lines)

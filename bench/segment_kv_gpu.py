@@ -1,6 +1,6 @@
 """Triton segment-KV decode attention on a GPU: effective bandwidth vs the measured copy bandwidth.
 
-    python bench/segment_kv_gpu.py [--rows 'llama3-8b*'] [--out bench/results]
+    python bench/segment_kv_gpu.py [--rows 'llama3-8b*'] [--out bench/results/gpu]
 
 For each configuration (the rows: one attention layer of a decode step, fp16): the bytes the kernel must read
 (prompt K/V once per batch entry + each beam's response rows through the path table) divided by its
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from aipc_kernels.segment_attention import reference_segment_sdpa
-from aipc_kernels.triton import segment_sdpa as tk
+from aipc_kernels.decoder.segment_attention import reference_segment_sdpa
+from aipc_kernels.gpu.triton import segment_sdpa as tk
 from harness import BenchParser, bench_lock, gpu_copy_bandwidth, gpu_info, machine_info, write_results  # bench/ on sys.path
 
 CONFIGS = [  # name, B, E, Hq, Hkv, D, Np, Nr
@@ -30,7 +30,7 @@ CONFIGS = [  # name, B, E, Hq, Hkv, D, Np, Nr
 
 
 def main() -> None:
-    args = BenchParser("segment_kv_gpu", __doc__, [c[0] for c in CONFIGS], what="configurations").parse_args()
+    args = BenchParser("segment_kv_gpu", __doc__, [c[0] for c in CONFIGS], what="configurations", group="gpu").parse_args()
     with bench_lock(enabled=not args.no_lock):
         info = machine_info(**gpu_info())
         copy_gbs = gpu_copy_bandwidth()

@@ -1,6 +1,6 @@
 """Where a decode step of ``ipex_segment_kv.optimize(model, weights=...)`` goes, component by component.
 
-    python bench/segment_kv_profile.py [--threads 2] [--rows kv4-bfloat16] [--weights int4] [--out bench/results]
+    python bench/segment_kv_profile.py [--threads 2] [--rows kv4-bfloat16] [--weights int4] [--out bench/results/e2e]
 
 The ``bench/segment_kv.py`` configuration (random ``llama-150m`` preset and its multi-head twin, BS=1, BW=4,
 ``--prompt`` tokens), one model per row, optimized with ``--weights`` (``float``: the fused layers on the float
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
+from aipc_kernels.tools.tiny_model import PRESETS, build_tiny_model
 from harness import BenchParser, bench_lock, machine_info, read_bandwidth, write_results  # bench/ on sys.path
 
 TITLE = "Segment KV decode step, component by component (CPU)"
@@ -65,7 +65,8 @@ def install_timers(timers: Timers, weights: str) -> None:
     """Wraps each component's entry points (where the fused layer calls them)."""
     from transformers.models.llama import modeling_llama
 
-    from aipc_kernels import decoder_layer, fused_lowbit, modules, planned_ops, segment_attention
+    from aipc_kernels.decoder import decoder_layer, fused_lowbit, segment_attention
+    from aipc_kernels.lowbit import modules, planned_ops
     from ipex_segment_kv import fused_layers
 
     if weights == "float":
@@ -148,14 +149,14 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = BenchParser("segment_kv_profile", __doc__, ROWS, default_rows=["kv4-bfloat16", "kv4-float32"],
-                         what="models (kv<KV heads>-<dtype>)")  # fmt: skip
+                         what="models (kv<KV heads>-<dtype>)", group="e2e")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2, help="torch / kernel threads, pinned to as many cores")
     parser.add_argument("--weights", default="int4", help="int8, int4, lowbit2, or float (the fused float layers)")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=64, help="decode steps timed")
     parser.add_argument("--beams", type=int, default=4)
     args = parser.parse_args()
-    from aipc_kernels.weight_schemes import SCHEMES
+    from aipc_kernels.lowbit.weight_schemes import SCHEMES
 
     if args.weights != "float" and args.weights not in SCHEMES:
         parser.error(f"--weights {args.weights!r}: use float or one of {sorted(SCHEMES)}")

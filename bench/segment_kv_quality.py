@@ -1,9 +1,9 @@
 """Quality of ``ipex_segment_kv.optimize(model, weights=...)`` on a real trained model, through the user path.
 
-    python bench/segment_kv_quality.py [--windows 4] [--context 512] [--out bench/results]
+    python bench/segment_kv_quality.py [--windows 4] [--context 512] [--out bench/results/quality]
 
 SmolLM2-135M-Instruct (Q4_1 GGUF from the package registry, read and dequantized to float32 by transformers'
-own GGUF reader, :func:`aipc_kernels.registry_models.load_transformers`; Apache-2.0) is optimized as a user
+own GGUF reader, :func:`aipc_kernels.core.registry_models.load_transformers`; Apache-2.0) is optimized as a user
 would: ``optimize(model)`` (the ``fused`` row: float weights) and ``optimize(model, weights=...)`` for
 ``int8``, ``int4`` and ``lowbit2`` (the last with ``allow_2bit_ptq=True``), and ``int4`` with
 ``act_quant="per_group"`` (row ``int4_per_group``), each on a fresh copy. Every row
@@ -54,13 +54,13 @@ def evaluate(model, xs: torch.Tensor, ys: torch.Tensor, ref_logp: list[torch.Ten
 
 
 def main() -> None:
-    parser = BenchParser("segment_kv_quality", __doc__, ROWS, what="rows")
+    parser = BenchParser("segment_kv_quality", __doc__, ROWS, what="rows", group="quality")
     parser.add_argument("--windows", type=int, default=4, help="windows per text")
     parser.add_argument("--context", type=int, default=512, help="tokens per window")
     args = parser.parse_args()
 
     import ipex_segment_kv
-    from aipc_kernels.registry_models import fetch, load_transformers
+    from aipc_kernels.core.registry_models import fetch, load_transformers
 
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
@@ -112,7 +112,7 @@ def markdown(rows: list[dict], ref_ppl: dict) -> str:
               "them) but the *_per_group ones (optimize(..., act_quant=\"per_group\"): one scale per token and weight "
               "group, the lm_head's per token). "
               "lowbit2 is 2-bit post-training quantization of a trained model: noise, as "
-              "bench/results/quality.md found for vllm_lowbit (optimize refuses it without allow_2bit_ptq=True).", ""]
+              "bench/results/quality/quality.md found for vllm_lowbit (optimize refuses it without allow_2bit_ptq=True).", ""]
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ per shape and token count, the same packed weights, the same activations, one CU
 
 ``--base``: a module file or package directory that exports ``lowbit_linear_triton`` (``triton/lowbit_linear.py``
 before the split, ``triton/lowbit/`` after); it is loaded as a submodule of the working tree's
-``aipc_kernels.triton``, so its relative imports (formats, packing, ops) resolve to the working tree's modules
+``aipc_kernels.gpu.triton``, so its relative imports (formats, packing, ops) resolve to the working tree's modules
 (the packed layout must be the same) and its shipped configs are the JSON beside it. Each version's calls over
 weight copies >= 4x the L2 are captured once (as ``bench/gemv_gpu.py`` times its rows); rounds alternate the
 order (base first, then new first, ...), each round's time is the median of 5 replays, and the median round is
@@ -25,18 +25,18 @@ from pathlib import Path
 
 import torch
 
-from aipc_kernels.packing import PackedLowBit, pack_for_triton
-from aipc_kernels.quantizers import quantize_rtn
-from aipc_kernels.triton import lowbit as new
+from aipc_kernels.lowbit.packing import PackedLowBit, pack_for_triton
+from aipc_kernels.lowbit.quantizers import quantize_rtn
+from aipc_kernels.gpu.triton import lowbit as new
 from gemv_gpu import GROUP, capture, n_copies, replay_seconds  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, gpu_info, machine_info, markdown_table, write_results
 from llama_shapes import SHAPES
 
 
 def load_base(path: str):
-    """The baseline version, as the module ``aipc_kernels.triton._ab_base``."""
+    """The baseline version, as the module ``aipc_kernels.gpu.triton._ab_base``."""
     p = Path(path)
-    name = "aipc_kernels.triton._ab_base"
+    name = "aipc_kernels.gpu.triton._ab_base"
     if p.is_dir():
         spec = importlib.util.spec_from_file_location(name, p / "__init__.py", submodule_search_locations=[str(p)])
     else:
@@ -52,7 +52,7 @@ def load_base(path: str):
 
 
 def main() -> None:
-    ap = BenchParser("triton_ab", __doc__, list(SHAPES), what="shapes")
+    ap = BenchParser("triton_ab", __doc__, list(SHAPES), what="shapes", group="gpu")
     ap.add_argument("--base", required=True, help="the baseline's triton linear module file or package directory")
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,16,1024")

@@ -26,9 +26,9 @@ GROUP = 64
 
 
 def tune_all(Ms: list[int], shapes: dict, out: Path) -> Path:
-    from aipc_kernels.packing import pack_for_triton
-    from aipc_kernels.quantizers import quantize_rtn
-    from aipc_kernels.triton.lowbit import config_key, device_name, tuning
+    from aipc_kernels.lowbit.packing import pack_for_triton
+    from aipc_kernels.lowbit.quantizers import quantize_rtn
+    from aipc_kernels.gpu.triton.lowbit import config_key, device_name, tuning
 
     name = device_name(torch.device("cuda"))
     tuned: dict[str, dict] = {}
@@ -57,7 +57,7 @@ def tune_all(Ms: list[int], shapes: dict, out: Path) -> Path:
 
 
 def merge(path: Path) -> None:
-    from aipc_kernels.triton.lowbit import SHIPPED_CONFIGS
+    from aipc_kernels.gpu.triton.lowbit import SHIPPED_CONFIGS
 
     shipped = json.loads(SHIPPED_CONFIGS.read_text())
     for device, cfgs in json.loads(path.read_text()).items():

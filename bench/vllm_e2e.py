@@ -25,7 +25,7 @@ median of ``--reps``. First token of the 32-token prompt: vLLM, T(1 token); llam
 projection); and, per row, its threads reading exactly that many bytes cyclically right after the row
 (a last-level cache larger than part of a step keeps some of it between steps, which a 1 GB probe
 does not see). The report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
-lowbit2 >= 3x vLLM bf16 decode. Results go to bench/results/vllm_e2e.{md,json} with the machine, its
+lowbit2 >= 3x vLLM bf16 decode. Results go to bench/results/e2e/vllm_e2e.{md,json} with the machine, its
 load average and the command. llama.cpp is built and its GGUFs cached as bench/bitnet_e2e.py does
 (``--llamacpp-cache``, ``--build-llamacpp``; ``harness.llamacpp``).
 """
@@ -120,11 +120,11 @@ def cache_dir() -> Path:
 
 def write_gptq_int4(src: Path, out: Path, group: int = GPTQ_GROUP) -> Path:
     """The same weights as a symmetric GPTQ int4 checkpoint (RTN per group, AutoGPTQ's v1 layout written
-    with vLLM's own packing helpers: :func:`aipc_kernels.testing.gptq_checkpoint.write_int4_checkpoint`),
+    with vLLM's own packing helpers: :func:`tests.helpers.gptq_checkpoint.write_int4_checkpoint`),
     into a temporary folder renamed when complete."""
     import shutil
 
-    from aipc_kernels.testing.gptq_checkpoint import write_int4_checkpoint
+    from tests.helpers.gptq_checkpoint import write_int4_checkpoint
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -136,7 +136,7 @@ def write_gptq_int4(src: Path, out: Path, group: int = GPTQ_GROUP) -> Path:
 def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
     """bf16 model (random, real geometry) and those of its lowbit2 and GPTQ int4 conversions that
     ``models`` names, cached."""
-    from aipc_kernels.testing.tiny_model import PRESETS, build_tiny_model
+    from aipc_kernels.tools.tiny_model import PRESETS, build_tiny_model
 
     sys.path.insert(0, str(ROOT / "plugins"))
     from vllm_lowbit.checkpoint import convert_checkpoint
@@ -151,7 +151,7 @@ def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-        # random weights: speed only (the 2-bit opt-in; real models' quality is bench/results/quality.md)
+        # random weights: speed only (the 2-bit opt-in; real models' quality is bench/results/quality/quality.md)
         convert_checkpoint(bf16, tmp, "affine", LOWBIT_GROUP, quantizer="rtn", allow_2bit_ptq=True)
         tmp.rename(lowbit)
     if "lowbit2" in models:
@@ -426,7 +426,7 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
 
 
 def main() -> None:
-    ap = BenchParser("vllm_e2e", __doc__.split("\n\n")[0], list(VARIANTS), what="variants")
+    ap = BenchParser("vllm_e2e", __doc__.split("\n\n")[0], list(VARIANTS), what="variants", group="e2e")
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--long-prompt", type=int, default=512,
@@ -505,8 +505,8 @@ def main() -> None:
         import torch
         import vllm
 
-        from aipc_kernels import native
-        from aipc_kernels.testing.tiny_model import PRESETS
+        from aipc_kernels.core import native
+        from aipc_kernels.tools.tiny_model import PRESETS
 
         p = PRESETS[args.preset]
         h, L, i, v, kv = p["hidden"], p["layers"], p["intermediate"], p["vocab"], p["kv_heads"] * p["hidden"] // p["heads"]

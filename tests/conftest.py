@@ -11,13 +11,13 @@ import pytest
 def tiny_model() -> Callable[..., Path]:
     """Factory ``tiny_model(arch="llama", **kw) -> Path``: a tiny random model with its tokenizer.
 
-    The keywords are those of ``aipc_kernels.testing.tiny_model.build_tiny_model``; models come
+    The keywords are those of ``aipc_kernels.tools.tiny_model.build_tiny_model``; models come
     from the per-machine cache (``$AIPC_CACHE_DIR``), built on first use. Skips the test when
     transformers or tokenizers is not installed.
     """
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from aipc_kernels.testing.tiny_model import build_tiny_model
+    from aipc_kernels.tools.tiny_model import build_tiny_model
 
     built: dict[tuple, Path] = {}
 

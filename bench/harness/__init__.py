@@ -1,7 +1,16 @@
 """What every benchmark in bench/ shares: the machine block, the bandwidth probe, the bench lock, the
 results writer, the worker-process runner and the command-line convention (``--rows``, ``--list-rows``, ``--out``, ``--name``,
 ``--no-lock``). The bench scripts run with bench/ on ``sys.path`` and import it as ``harness``; the
-benches with llama.cpp rows also import ``harness.llamacpp`` (build, convert, quantize, time the CPU peer)."""
+benches with llama.cpp rows also import ``harness.llamacpp`` (build, convert, quantize, time the CPU peer).
+Importing it puts the repository's root on ``sys.path`` too: the benches share the tests' fixture
+builders and references (``tests.helpers``, not shipped in the wheel)."""
+import os as _os
+import sys as _sys
+
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+if _ROOT not in _sys.path:
+    _sys.path.append(_ROOT)
+
 from harness.bandwidth import gpu_copy_bandwidth, native_probes, read_bandwidth
 from harness.cli import BenchParser, select
 from harness.lock import BENCH_LOCK, bench_lock

@@ -145,7 +145,7 @@ def sentencepiece_model(path: Path) -> None:
 
     import sentencepiece as spm
 
-    from aipc_kernels.testing.tiny_model import _corpus
+    from aipc_kernels.tools.tiny_model import _corpus
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus()), model_writer=buf, vocab_size=512,

@@ -66,7 +66,7 @@ def machine_info(**extra: Any) -> dict:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
-        from aipc_kernels import native
+        from aipc_kernels.core import native
 
         info["native_isa"] = native.get_isa() if native.available() else "none"
     except ImportError:

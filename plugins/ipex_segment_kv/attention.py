@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from aipc_kernels.segment_attention import segment_sdpa
+from aipc_kernels.decoder.segment_attention import segment_sdpa
 
 from .cache import take_pending
 

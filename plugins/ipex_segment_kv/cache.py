@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from aipc_kernels.segment_attention import max_group
-from aipc_kernels.segment_contract import SUPPORTED_DTYPES
+from aipc_kernels.decoder.segment_attention import max_group
+from aipc_kernels.decoder.segment_contract import SUPPORTED_DTYPES
 
 DEFAULT_RESPONSE_STEP = 16
 _PENDING = threading.local()  # the layer whose update() ran last on this thread, for the attention function

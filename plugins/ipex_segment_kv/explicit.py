@@ -6,9 +6,9 @@ from typing import Any, Optional
 
 import torch
 
-from aipc_kernels.config_schema import Naming, option, parse
-from aipc_kernels.segment_contract import SUPPORTED_DTYPES
-from aipc_kernels.weight_schemes import SCHEMES
+from aipc_kernels.core.config_schema import Naming, option, parse
+from aipc_kernels.decoder.segment_contract import SUPPORTED_DTYPES
+from aipc_kernels.lowbit.weight_schemes import SCHEMES
 
 from .cache import DEFAULT_RESPONSE_STEP
 from . import fused_layers as fusion

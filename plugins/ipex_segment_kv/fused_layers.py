@@ -1,4 +1,4 @@
-"""The decoder-layer rewrite of ``optimize(model)``: supported layers run ``aipc_kernels.decoder_layer``.
+"""The decoder-layer rewrite of ``optimize(model)``: supported layers run ``aipc_kernels.decoder.decoder_layer``.
 
 A supported layer (Llama, Mistral, Qwen2, Qwen3, Phi-3: pre-norm RMSNorm, SiLU-gated MLP, plain
 ``nn.Linear`` projections) keeps its modules and weights; only its class changes, to a subclass of its own
@@ -8,7 +8,7 @@ SiLU x up in the projections' prologues, residuals in their epilogues, RoPE in o
 The lm_head (a plain ``nn.Linear``) runs through ``aipc::dense_linear``. :func:`unfuse_layers` puts the
 stock classes back; no tensor is created or changed either way. A layer whose projections were all quantized
 by ``optimize(model, weights=...)`` (:mod:`ipex_segment_kv.weights`) runs the same fused forward on
-``aipc::lowbit_linear`` (:class:`aipc_kernels.fused_lowbit.LowBitProjection`, built once per layer).
+``aipc::lowbit_linear`` (:class:`aipc_kernels.decoder.fused_lowbit.LowBitProjection`, built once per layer).
 
 The fused forward falls back to the stock one when it cannot stand in for it: training or autograd,
 attention weights requested (``output_attentions``), a layer whose dtype differs from its input's.
@@ -22,10 +22,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from aipc_kernels.decoder_layer import DecoderLayerWeights, decoder_layer
-from aipc_kernels.dense_linear import dense_linear
-from aipc_kernels.fused_lowbit import LowBitProjection
-from aipc_kernels.modules import LowBitLinear
+from aipc_kernels.decoder.decoder_layer import DecoderLayerWeights, decoder_layer
+from aipc_kernels.decoder.dense_linear import dense_linear
+from aipc_kernels.decoder.fused_lowbit import LowBitProjection
+from aipc_kernels.lowbit.modules import LowBitLinear
 
 #: model types whose decoder layers are rewritten (others keep their stock layers, without an error)
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")

@@ -30,7 +30,7 @@ import torch
 from transformers.generation.utils import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
-from aipc_kernels.segment_attention import max_group
+from aipc_kernels.decoder.segment_attention import max_group
 
 from .attention import ATTN_NAME
 from .cache import DEFAULT_RESPONSE_STEP, SegmentKVCache

@@ -1,11 +1,11 @@
 """``optimize(model, weights=...)``: the model's linears quantized once and run on ``aipc::lowbit_linear``
 (the weight-only quantization ``ipex.llm.optimize`` gave CPU users, plus 2 bits).
 
-Every ``nn.Linear`` of the model becomes an :class:`aipc_kernels.modules.LowBitLinear` holding its weight in
-one of :data:`aipc_kernels.weight_schemes.SCHEMES` (the output projection in ``int8``); activations are
+Every ``nn.Linear`` of the model becomes an :class:`aipc_kernels.lowbit.modules.LowBitLinear` holding its weight in
+one of :data:`aipc_kernels.lowbit.weight_schemes.SCHEMES` (the output projection in ``int8``); activations are
 quantized to int8 inside the kernel, one scale per token (``act_quant="per_token"``) or per token and
-weight group (``"per_group"``; ``bench/results/segment_kv_quality.md`` has both). A fused decoder layer
-reads its q/k/v and gate/up modules as one weight (:mod:`aipc_kernels.fused_lowbit`); a layer the fused
+weight group (``"per_group"``; ``bench/results/quality/segment_kv_quality.md`` has both). A fused decoder layer
+reads its q/k/v and gate/up modules as one weight (:mod:`aipc_kernels.decoder.fused_lowbit`); a layer the fused
 path does not cover runs its stock forward over the same modules. A linear whose in_features is not a multiple of 32 stays float (listed in the report).
 
 Memory: the float weights are released (a tied output projection's weight stays, as the input embedding);
@@ -20,9 +20,9 @@ from typing import Any
 
 from torch import nn
 
-from aipc_kernels.modules import LowBitLinear
-from aipc_kernels.quality_gate import needs_opt_in, ptq_refusal
-from aipc_kernels.weight_schemes import HEAD_SCHEME, SCHEMES, can_quantize
+from aipc_kernels.lowbit.modules import LowBitLinear
+from aipc_kernels.lowbit.quality_gate import needs_opt_in, ptq_refusal
+from aipc_kernels.lowbit.weight_schemes import HEAD_SCHEME, SCHEMES, can_quantize
 
 from .fused_layers import stock_class
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aipc_kernels.hf_checkpoint import HFCheckpoint
+from aipc_kernels.core.hf_checkpoint import HFCheckpoint
 
 # model types whose transformers decoder layers the chunks wrap (embedding scale and sliding
 # windows handled below)

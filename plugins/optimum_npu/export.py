@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aipc_kernels.atomic_output import atomic_output_dir
-from aipc_kernels.config_schema import parse
-from aipc_kernels.hf_checkpoint import HFCheckpoint
+from aipc_kernels.core.atomic_output import atomic_output_dir
+from aipc_kernels.core.config_schema import parse
+from aipc_kernels.core.hf_checkpoint import HFCheckpoint
 
 from .compression import WeightCompression
 from .convert import IRWriter, export_tokenizers
@@ -380,7 +380,7 @@ def copy_export(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Copies the files of an exported directory (those the export wrote; not the compile cache or
     files added later) to ``dst``, like an export: whole or not at all, replacing only files this
     package wrote there."""
-    from aipc_kernels.atomic_output import RECORD_NAME, read_record
+    from aipc_kernels.core.atomic_output import RECORD_NAME, read_record
 
     from .manifest import COMPILE_CACHE_DIR
 

@@ -12,7 +12,7 @@ import types
 import warnings
 from typing import Any
 
-from aipc_kernels.config_schema import parse
+from aipc_kernels.core.config_schema import parse
 
 from .manifest import check_export_complete, is_npu_export
 from .options import (EXPORT_KWARGS, HUB_KWARGS, LOAD_KWARGS, NAMING, STOCK_KWARGS, ExportOptions, HubOptions,

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aipc_kernels.atomic_output import IncompleteOutputError, check_complete
+from aipc_kernels.core.atomic_output import IncompleteOutputError, check_complete
 
 MANIFEST_NAME = "npu_export.json"
 FORMAT_VERSION = 1

@@ -26,8 +26,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from aipc_kernels.atomic_output import signals_raise, temporary_output_dir
-from aipc_kernels.config_schema import parse
+from aipc_kernels.core.atomic_output import signals_raise, temporary_output_dir
+from aipc_kernels.core.config_schema import parse
 
 from .manifest import (COMPILE_CACHE_DIR, LOGITS, POSITION, SEQUENCE_LENGTH, TOKEN, X, X_OUT, ChunkFile,
                        NPUExportManifest, check_export_complete, is_npu_export)

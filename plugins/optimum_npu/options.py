@@ -3,7 +3,7 @@
 :class:`ExportOptions` shapes and compresses the export, :class:`LoadOptions` loads it,
 :class:`HubOptions` finds the checkpoint, :class:`StockOptions` are optimum-intel's own keywords
 that ``export_npu=True`` accepts. All are checked by
-:func:`aipc_kernels.config_schema.parse` (exact types, choices, ranges; errors name the keyword);
+:func:`aipc_kernels.core.config_schema.parse` (exact types, choices, ranges; errors name the keyword);
 rules that tie several keywords together stay with the code that applies them
 (``export.validate_shape_args``, ``compression.WeightCompression``). Importing this module is cheap.
 """
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from aipc_kernels.config_schema import Naming, field_names, option
+from aipc_kernels.core.config_schema import Naming, field_names, option
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 TARGETS = ("NPU", "CPU", "GPU")

@@ -2,7 +2,7 @@
 
 ``vllm serve DIR`` with no flag: vLLM reads ``quant_method: bitnet`` from the checkpoint's
 config.json and builds :class:`BitNetConfig` (``--quantization lowbit2`` on such a checkpoint is
-taken for it too). Every family of :mod:`aipc_kernels.bitnet_format` loads straight into the
+taken for it too). Every family of :mod:`aipc_kernels.checkpoints.bitnet` loads straight into the
 ``ternary`` code book and runs on ``aipc::lowbit_linear`` (W2A8, activations int8 per token as
 BitNet quantizes them):
 
@@ -20,7 +20,7 @@ CPU kernel's layout. ``modules_to_not_convert`` layers stay float, as in transfo
 bitnet`` on an unquantized checkpoint ternarizes it with the online rule.
 
 The output projection, which BitNet keeps in bf16, is quantized to int8 per output channel at load
-(:mod:`aipc_kernels.output_projection`: half its bytes per token, activations int8 per token like
+(:mod:`aipc_kernels.lowbit.output_projection`: half its bytes per token, activations int8 per token like
 the ternary linears'); ``"lm_head": "float"`` in the ``quantization_config`` (a key of this plugin,
 e.g. through ``--hf-overrides``) keeps it as published.
 
@@ -28,7 +28,7 @@ Tensor parallelism: a row-parallel layer (``o_proj``, ``down_proj``) gets each r
 input's features, and BitNet quantizes activations per token over all of them. Each rank all-gathers
 its slice's per-token absmax over the TP group (vLLM's collective, traceable under torch.compile)
 and passes the maximum as the op's ``act_amax``, so every rank's int8 codes are the single-rank codes
-(:func:`vllm_lowbit.linear_method.whole_row_amax`, which every lowbit linear with per-token
+(:func:`vllm_lowbit.layers.whole_row_amax`, which every lowbit linear with per-token
 activation scales uses). With one rank nothing changes.
 """
 from __future__ import annotations
@@ -44,18 +44,17 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import ModelWeightParameter
 
-from aipc_kernels import bitnet_format as bf
-from aipc_kernels.config_schema import OptionError
+from aipc_kernels.checkpoints import bitnet as bf
+from aipc_kernels.core.config_schema import OptionError
 
 from . import PLUGIN_NAME
-from .linear_method import (QuantizedLMHeadMethod, apply_lowbit, checkpoint_rows, checkpoint_tensor_name,
-                            install_packed, layer_shards, shard_index)  # fmt: skip
+from .layers import (LowBitOnlineLinearMethod, PluginQuantizationConfig, QuantizedLMHeadMethod, apply_lowbit,
+                     checkpoint_rows, checkpoint_tensor_name, install_packed, layer_shards, shard_index)  # fmt: skip
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -66,9 +65,9 @@ HEAD_FORMATS = ("int8", "float")
 
 
 @register_quantization_config(bf.QUANT_METHOD)
-class BitNetConfig(QuantizationConfig):
+class BitNetConfig(PluginQuantizationConfig):
     """A BitNet b1.58 ``quantization_config`` (transformers' keys, checked by
-    :class:`aipc_kernels.bitnet_format.BitNetQuantization`). Built without one (``--quantization
+    :class:`aipc_kernels.checkpoints.bitnet.BitNetQuantization`). Built without one (``--quantization
     bitnet`` on a float checkpoint), it ternarizes the float weights with BitNet's online rule."""
 
     def __init__(self, spec: Optional[bf.BitNetQuantization] = None, head_format: str = "int8") -> None:
@@ -88,18 +87,6 @@ class BitNetConfig(QuantizationConfig):
     @classmethod
     def get_name(cls) -> str:
         return bf.QUANT_METHOD
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BitNetConfig":
@@ -166,7 +153,7 @@ def _record(layer: torch.nn.Module, shard, value: float) -> list[int]:
     return list(slots)
 
 
-def _slot_values(layer: torch.nn.Module, config: QuantizationConfig, pname: str) -> list[float]:
+def _slot_values(layer: torch.nn.Module, config: BitNetConfig, pname: str) -> list[float]:
     """Each slot's recorded value; an error names the first checkpoint tensor that never arrived."""
     for i, shard in enumerate(layer.bitnet_shards):
         if i not in layer.bitnet_slot_value:
@@ -203,16 +190,8 @@ class BitNetPackedLinearMethod(LinearMethodBase):
     def _name(self, layer: torch.nn.Module, pname: str, shard) -> str:
         return checkpoint_tensor_name(self.config, layer, pname, shard)
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:  # fmt: skip
         vllm_loader = extra_weight_attrs["weight_loader"]
         _start(layer, output_partition_sizes)
         values = ModelWeightParameter(
@@ -264,23 +243,13 @@ class BitNetPackedLinearMethod(LinearMethodBase):
         return apply_lowbit(layer, x, bias)
 
 
-class BitNetOnlineLinearMethod(OnlineLinearBase):
+class BitNetOnlineLinearMethod(LowBitOnlineLinearMethod):
     """bf16 master weights -> BitNet's absmean ternarization per checkpoint tensor -> ``aipc::lowbit_linear``."""
 
-    def __init__(self, config: BitNetConfig):
-        super().__init__()
-        self.config = config
+    config: BitNetConfig
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
+    def prepare(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                extra_weight_attrs: dict[str, Any]) -> None:  # fmt: skip
         _start(layer, output_partition_sizes)  # slot value: the float32 1/mean|W| of its whole tensor
         vllm_loader = extra_weight_attrs["weight_loader"]
 
@@ -289,10 +258,6 @@ class BitNetOnlineLinearMethod(OnlineLinearBase):
             return _load(vllm_loader, param, loaded_weight, loaded_shard_id)
 
         extra_weight_attrs["weight_loader"] = bitnet_master_loader
-        super().create_weights(
-            layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
-            **extra_weight_attrs,
-        )  # fmt: skip
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -303,9 +268,6 @@ class BitNetOnlineLinearMethod(OnlineLinearBase):
         multipliers = _slot_values(layer, self.config, "weight")
         parts = [bf.ternarize(w, m) for w, m in zip(torch.split(weight.detach(), layer.bitnet_widths), multipliers)]
         _install(layer, torch.cat([v for v, _ in parts]), [one for _, one in parts])
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return apply_lowbit(layer, x, bias)
 
 
 __all__ = ["BitNetConfig", "BitNetOnlineLinearMethod", "BitNetPackedLinearMethod"]

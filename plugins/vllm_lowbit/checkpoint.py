@@ -3,12 +3,12 @@
 :func:`convert_checkpoint` reads a bf16/fp16/fp32 safetensors checkpoint tensor by tensor, quantizes
 every ``nn.Linear`` weight of the model (except ``lm_head``, embeddings and
 ``modules_to_not_convert``) with the shared quantizers, and writes ``X.qweight``/``X.scales``
-(/``X.zeros``) in the canonical ``lowbit2`` format (:mod:`aipc_kernels.formats`) beside the
+(/``X.zeros``) in the canonical ``lowbit2`` format (:mod:`aipc_kernels.lowbit.formats`) beside the
 untouched tensors, plus ``quantization_config`` in config.json, so that ``vllm serve OUT`` loads it
 without flags. A BitNet b1.58 checkpoint (transformers' ``quant_method: bitnet``: packed ternary
 ``bitlinear`` or ``autobitlinear`` weights with a per-tensor ``weight_scale``, or bf16 masters) is
 imported into the ``ternary`` code book with the reader the server uses
-(:mod:`aipc_kernels.bitnet_format`): the ternary codes exactly, each tensor's scale rounded once to
+(:mod:`aipc_kernels.checkpoints.bitnet`): the ternary codes exactly, each tensor's scale rounded once to
 the scale dtype; any other quantized checkpoint is refused. ``vllm serve`` also serves BitNet
 checkpoints as they are (the ``bitnet`` method of :mod:`vllm_lowbit.bitnet`): converting them is
 only needed to store them in the ``lowbit2`` layout.
@@ -22,14 +22,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
-from aipc_kernels.config_schema import parse
-from aipc_kernels import bitnet_format as bf
-from aipc_kernels.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, fitting_group_size, save_lowbit
-from aipc_kernels.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
-from aipc_kernels.modules import DEFAULT_SKIP
-from aipc_kernels.quality_gate import ErrorReport, needs_opt_in, ptq_refusal, relative_error
-from aipc_kernels.quantizers import quantize_rows
+from aipc_kernels.core.atomic_output import RECORD_NAME, atomic_output_dir
+from aipc_kernels.core.config_schema import parse
+from aipc_kernels.checkpoints import bitnet as bf
+from aipc_kernels.lowbit.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight, fitting_group_size, save_lowbit
+from aipc_kernels.core.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
+from aipc_kernels.lowbit.modules import DEFAULT_SKIP
+from aipc_kernels.lowbit.quality_gate import ErrorReport, needs_opt_in, ptq_refusal, relative_error
+from aipc_kernels.lowbit.quantizers import quantize_rows
 
 from .grid_linears import GridLinears
 from .options import API_NAMING, LowBit2Options, quantization_config_dict
@@ -45,7 +45,7 @@ OPT_IN_HINT = "pass --allow-2bit-ptq (convert_checkpoint(..., allow_2bit_ptq=Tru
 def _linear_names(config: dict[str, Any], skip: tuple[str, ...]) -> set[str]:
     """Names of the model's ``nn.Linear`` modules (from the architecture, built on the meta device)."""
     import transformers
-    from aipc_kernels.modules import linear_names
+    from aipc_kernels.lowbit.modules import linear_names
 
     cfg = dict(config)
     cfg.pop("quantization_config", None)
@@ -168,7 +168,7 @@ def convert_checkpoint(
     many K). ``detect_grid``: linears whose weights already lie on a binary/ternary/2-bit grid are
     written exactly (:mod:`vllm_lowbit.grid_linears`), the others with ``quantizer``. ``verify``:
     logs the largest reconstruction error against the source's own weights. A linear on no grid is
-    refused with a 1- or 2-bit ``codebook`` unless ``allow_2bit_ptq`` (:mod:`aipc_kernels.quality_gate`);
+    refused with a 1- or 2-bit ``codebook`` unless ``allow_2bit_ptq`` (:mod:`aipc_kernels.lowbit.quality_gate`);
     a ``group_size`` that does not divide a linear's K falls back to the largest one that does (recorded
     in ``layer_formats``), as on the server. The largest relative reconstruction error of the quantized
     linears is logged against the quality table's bounds."""
@@ -234,7 +234,7 @@ def convert_checkpoint(
 
 def _quantize(prefix: str, t: torch.Tensor, codebook: str, group_size: int, quantizer: str, scale_dtype: str) -> LowBitWeight:
     """One float linear weight quantized with the shared quantizer (a group that does not divide its K
-    falls back, :func:`~aipc_kernels.formats.fitting_group_size`); errors name the tensor."""
+    falls back, :func:`~aipc_kernels.lowbit.formats.fitting_group_size`); errors name the tensor."""
     try:
         group = fitting_group_size(group_size, t.shape[1])
         return quantize_rows(t, codebook, group, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)

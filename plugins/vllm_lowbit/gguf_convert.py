@@ -1,18 +1,18 @@
 """A llama.cpp GGUF file -> a ``lowbit2`` checkpoint that ``vllm serve OUT`` loads without flags (no vLLM
 needed): ``python -m vllm_lowbit.quantize X.gguf OUT [--verify]``.
 
-The same reader as serving the file (``vllm serve X.gguf``, :mod:`vllm_lowbit.gguf_cpu`), not a second one:
+The same reader as serving the file (``vllm serve X.gguf``, :mod:`vllm_lowbit.gguf`), not a second one:
 :func:`vllm_lowbit.gguf_source.open_gguf` checks the file (the same refusals, naming file and tensor),
 :func:`~vllm_lowbit.gguf_source.config_folder` gives config.json, tokenizer and chat template (transformers'
 GGUF conversion of the metadata, cached), :class:`~vllm_lowbit.gguf_source.GGUFTensors` the tensors under
 Hugging Face names (llama's q / k rows put back in Hugging Face order), and
-:func:`aipc_kernels.gguf_format.relayout` re-lays each quantized tensor out exactly onto the canonical
+:func:`aipc_kernels.checkpoints.gguf.relayout` re-lays each quantized tensor out exactly onto the canonical
 format. What is written:
 
 * every quantized linear as its exact re-layout (``X.qweight``/``X.scales``/``X.zeros``): Q4_1 as ``min4``
   g32 fp16, Q8_0 as ``int8`` g32, the K-quants with groups of 16 or 32 and float32 scales, ...; the
   linears vLLM merges (q / k / v, gate / up) given one form as serving does (different code books: all
-  ``min8`` with float32 scales, :func:`~aipc_kernels.gguf_format.as_min8`; fp16 with float32 scales: float32),
+  ``min8`` with float32 scales, :func:`~aipc_kernels.checkpoints.gguf.as_min8`; fp16 with float32 scales: float32),
   exact either way. ``quantization_config`` (``source: gguf``, ``prequantized: true``) records the most
   common form as ``codebook`` / ``group_size`` / ``scale_dtype`` and every other linear's in
   ``layer_formats``; the min form, groups of 16 and float32 scales are accepted in such checkpoints only;
@@ -28,10 +28,10 @@ format. What is written:
   the .gguf runs the head on the W·A8 kernels: the one place the two can differ (near ties only).
 
 ``verify``: every written weight, read back from the output files and dequantized
-(:meth:`aipc_kernels.formats.LowBitWeight.dequantize`, or the float tensor), is compared with
+(:meth:`aipc_kernels.lowbit.formats.LowBitWeight.dequantize`, or the float tensor), is compared with
 ``gguf.quants.dequantize`` of the file's original blocks (rows in Hugging Face order); the largest
 difference is logged per GGUF type and overall, and anything but 0 fails the conversion (nothing written).
-The output appears whole or not at all (:func:`aipc_kernels.atomic_output.atomic_output_dir`); an
+The output appears whole or not at all (:func:`aipc_kernels.core.atomic_output.atomic_output_dir`); an
 existing non-empty ``out_dir`` is refused.
 """
 from __future__ import annotations
@@ -44,14 +44,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from aipc_kernels.atomic_output import RECORD_NAME, atomic_output_dir
-from aipc_kernels.formats import FORMAT_NAME, LowBitWeight, load_lowbit
-from aipc_kernels.modules import DEFAULT_SKIP
+from aipc_kernels.core.atomic_output import RECORD_NAME, atomic_output_dir
+from aipc_kernels.lowbit.formats import FORMAT_NAME, LowBitWeight, load_lowbit
+from aipc_kernels.lowbit.modules import DEFAULT_SKIP
 
 from .checkpoint import CONVERTER, _linear_names, _progress, _ShardWriter
 from .options import GGUF_SOURCE, quantization_config_dict
 
-#: int8 activation scales per this many inputs, as serving the GGUF file (vllm_lowbit.gguf_cpu.ACT_GROUP,
+#: int8 activation scales per this many inputs, as serving the GGUF file (vllm_lowbit.gguf.ACT_GROUP,
 #: not imported: that module needs vLLM, the converter does not)
 ACT_GROUP = 32
 #: the Hugging Face linears that vLLM loads as one merged layer (qkv_proj, gate_up_proj)
@@ -86,7 +86,7 @@ def convert_gguf(
     file's blocks and raises (writing nothing) unless the largest difference is 0."""
     from transformers import AutoConfig
 
-    from aipc_kernels.gguf_format import common_form, relayout
+    from aipc_kernels.checkpoints.gguf import common_form, relayout
 
     from . import gguf_source
 
@@ -186,7 +186,7 @@ def _verify(part: Path, ck, tensors, log: Callable[[str], None]) -> str:
     import gguf
     import numpy as np
 
-    from aipc_kernels.gguf_format import FLOAT_TYPES, llama_unpermute
+    from aipc_kernels.checkpoints.gguf import FLOAT_TYPES, llama_unpermute
 
     per_type: dict[str, list] = {}
     for path in sorted(part.glob("*.safetensors")):

@@ -1,11 +1,11 @@
 """What a GGUF file gives vLLM, without vLLM: its config and tokenizer as a Hugging Face folder, its
-tensors under the Hugging Face names vLLM's models load (no vLLM import; :mod:`vllm_lowbit.gguf_cpu`
+tensors under the Hugging Face names vLLM's models load (no vLLM import; :mod:`vllm_lowbit.gguf`
 is the vLLM side).
 
 * :func:`open_gguf` opens and checks a file before any work: the structure (magic, version,
-  truncation, split files: :class:`aipc_kernels.gguf_format.GGUFCheckpoint`), the architecture
+  truncation, split files: :class:`aipc_kernels.checkpoints.gguf.GGUFCheckpoint`), the architecture
   (:data:`ARCHITECTURES`; any other is refused naming it), every tensor's type (a type without an
-  exact re-layout, e.g. IQ4_NL, is refused with :func:`aipc_kernels.gguf_format.unsupported_type_error`,
+  exact re-layout, e.g. IQ4_NL, is refused with :func:`aipc_kernels.checkpoints.gguf.unsupported_type_error`,
   naming the file and the tensor) and the tensors vLLM merges into one layer (q / k / v, gate / up:
   refused when their types re-lay out into different code books or groups, :func:`check_merges`).
 * :func:`config_folder` writes, once per file, ``config.json`` and the tokenizer files that
@@ -16,7 +16,7 @@ is the vLLM side).
   reader leaves its default, :func:`file_head_dim`) into a cache folder keyed by the file's identity
   (resolved path, size, mtime, and the transformers / gguf versions that converted it):
   ``$AIPC_GGUF_CACHE`` or ``~/.cache/aipc-plugins/gguf``, ``<stem>-<key>``. Nothing is written next to
-  the .gguf; the folder appears whole or not at all (:func:`aipc_kernels.atomic_output.atomic_output_dir`).
+  the .gguf; the folder appears whole or not at all (:func:`aipc_kernels.core.atomic_output.atomic_output_dir`).
 * :class:`GGUFTensors` maps GGUF tensor names to Hugging Face ones with transformers' maintained
   mapping (``get_gguf_hf_weights_map``: gguf's ``TensorNameMap`` applied to the Hugging Face model's
   own parameter names, built on the meta device) and yields the weights as vLLM's ``load_weights``
@@ -24,7 +24,7 @@ is the vLLM side).
   tensor processor, e.g. Gemma's norm offset), quantized ones as their raw blocks under
   ``...qweight`` plus their GGML type under ``...qweight_type`` (the ``vllm-gguf-plugin``'s names).
   llama.cpp stores the q / k projections of the ``llama`` architecture in interleaved-RoPE row order;
-  their rows are put back in Hugging Face's order (:func:`aipc_kernels.gguf_format.llama_unpermute`)
+  their rows are put back in Hugging Face's order (:func:`aipc_kernels.checkpoints.gguf.llama_unpermute`)
   on the raw blocks, where transformers' ``LlamaTensorProcessor`` does it on the dequantized floats.
 """
 from __future__ import annotations
@@ -59,9 +59,9 @@ MERGED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
 def open_gguf(path: str | os.PathLike):
-    """The checked :class:`~aipc_kernels.gguf_format.GGUFCheckpoint` of ``path``: ValueErrors name the
+    """The checked :class:`~aipc_kernels.checkpoints.gguf.GGUFCheckpoint` of ``path``: ValueErrors name the
     file (and the tensor or the architecture) for every refusal, before anything is converted."""
-    from aipc_kernels.gguf_format import SUPPORTED_TYPES, GGUFCheckpoint, unsupported_type_error
+    from aipc_kernels.checkpoints.gguf import SUPPORTED_TYPES, GGUFCheckpoint, unsupported_type_error
 
     ck = GGUFCheckpoint.open(path)
     if ck.architecture not in ARCHITECTURES:
@@ -79,7 +79,7 @@ def open_gguf(path: str | os.PathLike):
 
 def layout_of(qtype) -> tuple:
     """What a tensor of GGML type ``qtype`` becomes: ``("float",)`` or its (code book, group size)."""
-    from aipc_kernels.gguf_format import FLOAT_TYPES, LOWBIT_TYPES
+    from aipc_kernels.checkpoints.gguf import FLOAT_TYPES, LOWBIT_TYPES
 
     return ("float",) if qtype in FLOAT_TYPES else LOWBIT_TYPES[qtype]
 
@@ -99,7 +99,7 @@ def merge_refusal(path, layer: str, parts: list[tuple[str, Any]]) -> ValueError:
 def check_merges(ck) -> None:
     """Refuses, before loading, the blocks whose q / k / v or gate / up tensors (:data:`MERGED`) would
     become one vLLM layer of float and quantized tensors. Quantized types merge: of one code book and
-    group as they are (Q5_0 and Q8_0), of different ones as min8 (:func:`aipc_kernels.gguf_format.as_min8`,
+    group as they are (Q5_0 and Q8_0), of different ones as min8 (:func:`aipc_kernels.checkpoints.gguf.as_min8`,
     exact; Q4_K_M's Q4_K q / k with a Q6_K v)."""
     names = set(ck.tensor_names())
     for b in range(int(ck.field(f"{ck.architecture}.block_count", 0) or 0)):
@@ -132,7 +132,7 @@ def _identity(path: Path) -> dict[str, Any]:
 def config_folder(ck) -> Path:
     """The Hugging Face folder (config.json, tokenizer files, :data:`SOURCE_NAME`) of the open file
     ``ck``, written on first use into :func:`cache_root`; later calls reuse it."""
-    from aipc_kernels.atomic_output import OutputDirError, abandoned_staging_dirs, atomic_output_dir
+    from aipc_kernels.core.atomic_output import OutputDirError, abandoned_staging_dirs, atomic_output_dir
 
     path = ck.path.resolve()
     ident = _identity(path)
@@ -157,7 +157,7 @@ def config_folder(ck) -> Path:
 
 
 def _complete(dest: Path) -> bool:
-    from aipc_kernels.atomic_output import read_record
+    from aipc_kernels.core.atomic_output import read_record
 
     record = read_record(dest)
     return bool(record and record.get("complete") is True and (dest / "config.json").is_file()
@@ -256,7 +256,7 @@ class GGUFTensors:
         in float32, then cast to ``float_dtype`` (the model's) when given."""
         import numpy as np
         import torch
-        from aipc_kernels.gguf_format import FLOAT_TYPES, llama_unpermute, permute_rows
+        from aipc_kernels.checkpoints.gguf import FLOAT_TYPES, llama_unpermute, permute_rows
 
         ck = self.ck
         for gname in ck.tensor_names():

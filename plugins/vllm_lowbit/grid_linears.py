@@ -1,6 +1,6 @@
 """The converter's grid detection (``detect_grid``, no vLLM import): a float checkpoint's linears whose
 weights already lie on a binary/ternary/2-bit grid (e.g. ParetoQ's fake-quantized bf16 weights) are
-written exactly by :func:`aipc_kernels.grid_detect.detect_grid` instead of being quantized.
+written exactly by :func:`aipc_kernels.checkpoints.grid_detect.detect_grid` instead of being quantized.
 
 Linears that vLLM loads as one merged layer (:data:`FUSED`: q/k/v, gate/up under one parent) are
 detected together, on their rows concatenated as the server's on-the-fly path sees them, so they get
@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from aipc_kernels.formats import SCALE_DTYPES, LowBitWeight
-from aipc_kernels.grid_detect import detect_grid, recovered_summary, split_rows
+from aipc_kernels.lowbit.formats import SCALE_DTYPES, LowBitWeight
+from aipc_kernels.checkpoints.grid_detect import detect_grid, recovered_summary, split_rows
 
 #: sibling linears that vLLM's models merge into one layer (qkv_proj, gate_up_proj)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -3,19 +3,20 @@
 Two ways in, one flag:
 
 * ``vllm serve BF16_MODEL --quantization lowbit4``: quantized while it loads, exactly as ``lowbit2``
-  does (:class:`LowBit4Config` is a :class:`~vllm_lowbit.config.LowBit2Config` with the defaults
-  ``codebook: affine4``, ``group_size: 64``, from the real-model rows of ``bench/results/quality.md``;
+  does (:class:`LowBit4Config` is :class:`~vllm_lowbit.lowbit2.LowBit2Config` with the defaults
+  ``codebook: affine4``, ``group_size: 64``, from the real-model rows of ``bench/results/quality/quality.md``;
   every other key and ``--hf-overrides`` work as there; a group that does not divide a layer's K
   falls back to the largest one that does).
 * ``vllm serve GPTQ_OR_AWQ_MODEL --quantization lowbit4``: a published GPTQ (``quant_method: gptq``,
   4-bit, sym or asym, v1 or v2, groups in input order) or AWQ GEMM (``quant_method: awq``)
-  checkpoint is claimed for this method (without the flag vLLM's own gptq / awq method serves it).
+  checkpoint is claimed for this method (without the flag vLLM's own gptq / awq method serves it):
+  ``LowBit4Config.from_config`` reads it into an :class:`Int4CheckpointConfig`, and
   :class:`Int4CheckpointLinearMethod` declares the checkpoint's own tensors (``qweight``,
   ``qzeros``, ``scales``, GPTQ's ``g_idx``) with vLLM's parameter classes as vLLM's GPTQ and AWQ
   methods do, so merged q/k/v and gate/up shards and tensor-parallel slices land where they belong,
   checks each tensor as it arrives (shape, dtype, activation-order ``g_idx``, naming it), and
-  re-lays the integers out exactly into ``int4`` / ``affine4`` (:mod:`aipc_kernels.gptq_format`,
-  the checkpoint's fp16 scales kept) before :func:`~vllm_lowbit.linear_method.install_packed`.
+  re-lays the integers out exactly into ``int4`` / ``affine4`` (:mod:`aipc_kernels.checkpoints.gptq`,
+  the checkpoint's fp16 scales kept) before :func:`~vllm_lowbit.layers.install_packed`.
 
 The output projection follows ``lm_head`` as in lowbit2 (int8 per output channel by default; GPTQ
 and AWQ keep it float in the checkpoint). ``activations: float`` (in the on-the-fly keys, or added to a
@@ -28,12 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
-    UnquantizedLinearMethod,
-    register_weight_loader_v2_supported_method,
-)
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.parameter import (
@@ -44,19 +40,21 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from aipc_kernels import gptq_format as gf
-from aipc_kernels.config_schema import Naming
-from aipc_kernels.formats import SCALE_DTYPES
+from aipc_kernels.checkpoints import gptq as gf
+from aipc_kernels.core.config_schema import Naming
+from aipc_kernels.lowbit.formats import SCALE_DTYPES
 
-from .config import LowBit2Config
-from .linear_method import (apply_lowbit, check_partition, checkpoint_rows, checkpoint_tensor_name, install_packed,
-                            layer_shards)  # fmt: skip
+from .layers import (LowBitConfig, apply_lowbit, check_partition, checkpoint_rows, checkpoint_tensor_name,
+                     install_packed, layer_shards)  # fmt: skip
+from .lowbit2 import LowBit2Config
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
 LOWBIT4 = "lowbit4"
+#: how errors about a lowbit4 quantization_config name a key
+NAMING = Naming(f"{LOWBIT4} quantization_config", "json")
 #: lowbit2's keys with these defaults: 4-bit codes with a scale and a zero per group of 64, the best of
-#: the 4-bit formats at up to 4.5 bits per weight on the real trained models of bench/results/quality.md
+#: the 4-bit formats at up to 4.5 bits per weight on the real trained models of bench/results/quality/quality.md
 #: (perplexity x1.20 / x1.29 of float on SmolLM2-135M / Gemma-3-270M, where int4 g128 gave x1.53 / x3.11)
 DEFAULTS = {"codebook": "affine4", "group_size": 64}
 #: the published checkpoints ``--quantization lowbit4`` serves
@@ -69,41 +67,21 @@ _SCALE_DTYPES = tuple(SCALE_DTYPES.values())
 
 @register_quantization_config(LOWBIT4)
 class LowBit4Config(LowBit2Config):
-    """``lowbit2``'s config with 4-bit defaults, or (``checkpoint`` set) a GPTQ / AWQ checkpoint's
-    ``quantization_config`` read by :func:`aipc_kernels.gptq_format.parse_quantization_config`."""
+    """``lowbit2``'s config with 4-bit :attr:`defaults` (quantized on the fly; every lowbit2 key and
+    ``--hf-overrides`` as there). :meth:`from_config` builds an :class:`Int4CheckpointConfig` instead for a
+    GPTQ / AWQ checkpoint's ``quantization_config``."""
 
-    naming = Naming(f"{LOWBIT4} quantization_config", "json")
-
-    def __init__(self, /, **config: Any) -> None:
-        super().__init__(**{**DEFAULTS, **config})
-        self.checkpoint: Optional[gf.Int4Checkpoint] = None
-
-    @classmethod
-    def get_name(cls) -> str:
-        return LOWBIT4
-
-    def __repr__(self) -> str:
-        s = self.checkpoint
-        if s is None:
-            return super().__repr__().replace("LowBit2Config", "LowBit4Config", 1)
-        return (f"LowBit4Config({s.layout} checkpoint, codebook={self.codebook}, group_size={s.group_size}, "
-                f"zero_offset={s.zero_offset}, modules_to_not_convert={self.modules_to_not_convert}, "
-                f"lm_head={self.head_format})")  # fmt: skip
+    name = LOWBIT4
+    naming = NAMING
+    defaults = DEFAULTS
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "LowBit4Config":
+    def from_config(cls, config: dict[str, Any]) -> "LowBit4Config | Int4CheckpointConfig":
         """A GPTQ / AWQ checkpoint's ``quantization_config``, or lowbit2's keys (``quant_method``
         ``lowbit4`` or none) for on-the-fly quantization."""
         method = config.get("quant_method") if isinstance(config, dict) else None
         if isinstance(method, str) and method.lower() in CHECKPOINT_METHODS:
-            ours = {k: config[k] for k in CHECKPOINT_OPTIONS if k in config}
-            spec, ignored = gf.parse_quantization_config({k: v for k, v in config.items() if k not in ours})
-            if ignored:
-                logger.info("lowbit4: %s quantization_config keys %s do not change the weights; ignored", method, ignored)
-            self = cls(modules_to_not_convert=list(spec.skipped), group_size=spec.group_size,
-                       codebook="int4" if getattr(spec, "sym", False) else "affine4", **ours)  # fmt: skip
-            self.checkpoint = spec
-            return self
+            return Int4CheckpointConfig.from_config(config)
         if method == LOWBIT4:
             config = {k: v for k, v in config.items() if k != "quant_method"}
         return super().from_config(config)
@@ -119,24 +97,45 @@ class LowBit4Config(LowBit2Config):
             return LOWBIT4
         return None
 
-    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Optional[str] = None) -> None:
-        if self.checkpoint is None:  # on the fly: lowbit2's reconciliation with --hf-overrides
-            super().maybe_update_config(model_name, hf_config, revision)
+
+class Int4CheckpointConfig(LowBitConfig):
+    """``lowbit4`` serving a GPTQ / AWQ checkpoint: its :attr:`spec`, read by
+    :func:`aipc_kernels.checkpoints.gptq.parse_quantization_config`, and lowbit2's options for the code book
+    the integers are re-laid out into (``int4`` symmetric, else ``affine4``), the checkpoint's group, the
+    modules it keeps float, and ``activations`` (:data:`CHECKPOINT_OPTIONS`)."""
+
+    name = LOWBIT4
+    naming = NAMING
+
+    def __init__(self, spec: gf.Int4Checkpoint, /, **config: Any) -> None:
+        super().__init__(**config)
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        s, o = self.spec, self.options
+        return (f"{type(self).__name__}({s.layout} checkpoint, codebook={o.codebook}, group_size={s.group_size}, "
+                f"zero_offset={s.zero_offset}, modules_to_not_convert={o.modules_to_not_convert}, "
+                f"lm_head={o.head_format})")  # fmt: skip
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Int4CheckpointConfig":
+        """A GPTQ / AWQ checkpoint's ``quantization_config`` (with :data:`CHECKPOINT_OPTIONS`)."""
+        ours = {k: config[k] for k in CHECKPOINT_OPTIONS if k in config}
+        spec, ignored = gf.parse_quantization_config({k: v for k, v in config.items() if k not in ours})
+        if ignored:
+            logger.info("lowbit4: %s quantization_config keys %s do not change the weights; ignored",
+                        config.get("quant_method"), ignored)  # fmt: skip
+        return cls(spec, modules_to_not_convert=list(spec.skipped), group_size=spec.group_size,
+                   codebook="int4" if getattr(spec, "sym", False) else "affine4", **ours)  # fmt: skip
 
     def get_checkpoint_weight_mapper(self):
         """vLLM drops GPTQ's ``g_idx`` on the way in (its kernels ignore activation order); this method
         keeps it to refuse an activation-order checkpoint instead of serving it wrongly."""
-        if self.checkpoint is None:
-            return super().get_checkpoint_weight_mapper()
         from vllm.model_executor.models.utils import WeightsMapper
 
         return WeightsMapper()
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        if self.checkpoint is None or not isinstance(layer, LinearBase):
-            return super().get_quant_method(layer, prefix)  # on the fly; the output projection
-        if self.is_skipped(prefix):
-            return UnquantizedLinearMethod()
+    def linear_method(self, prefix: str) -> QuantizeMethodBase:
         return Int4CheckpointLinearMethod(self)
 
 
@@ -144,20 +143,12 @@ class LowBit4Config(LowBit2Config):
 class Int4CheckpointLinearMethod(LinearMethodBase):
     """A GPTQ / AWQ checkpoint's tensors -> exact ``int4`` / ``affine4`` -> ``aipc::lowbit_linear``."""
 
-    def __init__(self, config: LowBit4Config):
+    def __init__(self, config: Int4CheckpointConfig):
         self.config = config
-        self.spec = config.checkpoint
+        self.spec = config.spec
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:  # fmt: skip
         spec, K, N = self.spec, input_size_per_partition, sum(output_partition_sizes)
         for n in output_partition_sizes:
             gf.check_layer(spec, K, n, layer.prefix)
@@ -256,10 +247,10 @@ class Int4CheckpointLinearMethod(LinearMethodBase):
         for name in ("qzeros", "g_idx"):
             if name in layer._parameters:
                 delattr(layer, name)
-        install_packed(layer, w, self.config.act_group, self.config.activations)
+        install_packed(layer, w, self.config.options.act_group, self.config.options.activations)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)
 
 
-__all__ = ["Int4CheckpointLinearMethod", "LowBit4Config"]
+__all__ = ["Int4CheckpointConfig", "Int4CheckpointLinearMethod", "LowBit4Config"]

@@ -1,11 +1,12 @@
-"""The ``lowbit2`` options, declared once for the server and the converter (no vLLM import).
+"""The ``lowbit2`` / ``lowbit4`` options, declared once for the server and the converter (no vLLM import).
 
 :class:`LowBit2Options` holds what both take (code book, group size, quantizer, scale dtype,
 activation groups, modules kept unquantized, grid detection); :class:`QuantizationConfigOptions` is
-the whole ``quantization_config`` entry (config.json, ``--hf-overrides``, ``quantization_config_file``)
-that ``LowBit2Config`` parses, with the per-layer :class:`LayerFormat` of ``layer_formats``;
+the whole ``quantization_config`` entry (config.json, ``--hf-overrides``, ``quantization_config_file``),
+with the per-layer :class:`LayerFormat` of ``layer_formats``: the one frozen object a config keeps as
+``options`` (:class:`vllm_lowbit.layers.LowBitConfig`) and its methods read (``config.options.group_size``);
 :class:`ConverterOptions` adds the converter's ``--threads``. All are checked by
-:func:`aipc_kernels.config_schema.parse`: exact types, choices, ranges, and ``act_group`` against
+:func:`aipc_kernels.core.config_schema.parse`: exact types, choices, ranges, and ``act_group`` against
 ``group_size``.
 """
 from __future__ import annotations
@@ -13,24 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from aipc_kernels.config_schema import Naming, field_names, option, parse, to_dict
+from aipc_kernels.core.config_schema import Naming, field_names, option, parse, to_dict
 import torch
 
-from aipc_kernels.formats import CODEBOOKS, FILE_GROUP_SIZES, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
-from aipc_kernels.output_projection import HEAD_FORMATS
-from aipc_kernels.quantizers import QUANTIZERS
+from aipc_kernels.lowbit.formats import CODEBOOKS, FILE_GROUP_SIZES, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
+from aipc_kernels.lowbit.output_projection import HEAD_FORMATS
+from aipc_kernels.lowbit.quantizers import QUANTIZERS
 
 #: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
 CONFIG_NAMING = Naming(f"{FORMAT_NAME} quantization_config", "json")
 #: errors about the converter's command-line options
 CLI_NAMING = Naming("python -m vllm_lowbit.quantize", "cli")
 #: the code books a config may name: the min form (min2 / min4 / min8) holds GGUF's blocks, which
-#: vllm_lowbit.gguf_cpu serves from the file as they are
+#: vllm_lowbit.gguf serves from the file as they are
 CONFIG_CODEBOOKS = tuple(sorted(name for name, cb in CODEBOOKS.items() if not cb.mins))
 #: what a checkpoint converted from a GGUF file (``source: gguf``, written by
 #: :mod:`vllm_lowbit.gguf_convert`) may also store: the min form, GGUF's K-quant sub-blocks of 16 and their
 #: float32 scales. Never offered for quantizing float weights (the converter's options and on-the-fly
-#: quantization keep :data:`CONFIG_CODEBOOKS`, :data:`~aipc_kernels.formats.GROUP_SIZES`, ``SCALE_DTYPES``).
+#: quantization keep :data:`CONFIG_CODEBOOKS`, :data:`~aipc_kernels.lowbit.formats.GROUP_SIZES`, ``SCALE_DTYPES``).
 GGUF_SOURCE = "gguf"
 CHECKPOINT_CODEBOOKS = tuple(sorted(CODEBOOKS))
 CHECKPOINT_GROUP_SIZES = FILE_GROUP_SIZES + (-1,)
@@ -52,10 +53,10 @@ class LowBit2Options:
     act_group: int = option(0, ge=0, example=64)
     modules_to_not_convert: list[str] = option([], example=["lm_head"])
     #: layers whose float weights already lie on a binary/ternary/2-bit grid are stored exactly
-    #: (aipc_kernels.grid_detect) instead of being quantized with the options above
+    #: (aipc_kernels.checkpoints.grid_detect) instead of being quantized with the options above
     detect_grid: bool = option(True)
     #: quantize float weights that lie on no grid to a 1- or 2-bit code book anyway (refused by default:
-    #: :mod:`aipc_kernels.quality_gate` says what that does to a real trained model)
+    #: :mod:`aipc_kernels.lowbit.quality_gate` says what that does to a real trained model)
     allow_2bit_ptq: bool = option(False)
 
     def check(self, naming: Naming) -> None:
@@ -119,9 +120,25 @@ class QuantizationConfigOptions(LowBit2Options):
             return self.lm_head
         return "lowbit" if self.quantize_lm_head else "float"
 
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        """``scale_dtype`` as a torch dtype."""
+        return CHECKPOINT_SCALE_DTYPES[self.scale_dtype]
+
+    def as_quantization_config(self) -> dict[str, Any]:
+        """These options as the ``quantization_config`` entry of a checkpoint (:func:`quantization_config_dict`,
+        the current ``format_version``; ``detect_grid`` and ``allow_2bit_ptq`` only where not the default)."""
+        d = quantization_config_dict(**{k: getattr(self, k) for k in _ENTRY_KEYS},
+                                     lm_head=None if self.head_format == "int8" else self.head_format)  # fmt: skip
+        if not self.detect_grid:
+            d["detect_grid"] = False
+        if self.allow_2bit_ptq:
+            d["allow_2bit_ptq"] = True
+        return d
+
     def check(self, naming: Naming) -> None:
         gguf = self.source == GGUF_SOURCE
-        if not gguf:  # a GGUF conversion's layers widen act_group to their group (vllm_lowbit.config.for_layer)
+        if not gguf:  # a GGUF conversion's layers widen act_group to their group (vllm_lowbit.lowbit2.for_layer)
             super().check(naming)
         elif type(self) is not GGUFQuantizationConfigOptions:
             raise naming.error("source", self.source, "is read by parse_quantization_config only")
@@ -170,6 +187,9 @@ class GGUFQuantizationConfigOptions(QuantizationConfigOptions):
     scale_dtype: str = option("float16", choices=tuple(CHECKPOINT_SCALE_DTYPES))
 
 
+#: the keys of :func:`quantization_config_dict` that :meth:`QuantizationConfigOptions.as_quantization_config` passes on
+_ENTRY_KEYS = ("codebook", "group_size", "quantizer", "scale_dtype", "act_group", "modules_to_not_convert", "prequantized",
+               "source", "layer_formats")  # fmt: skip
 #: keys fixed by the tensors of a converted checkpoint (an override may not change them)
 CHECKPOINT_KEYS = ("quant_method", "format_version", "codebook", "group_size", "scale_dtype",
                    "modules_to_not_convert", "prequantized", "source", "layer_formats")  # fmt: skip

@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from aipc_kernels.config_schema import OptionError, choices_of, field_names, parse
+from aipc_kernels.core.config_schema import OptionError, choices_of, field_names, parse
 
 from .checkpoint import convert_checkpoint
 from .options import CLI_NAMING, ConverterOptions
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-2bit-ptq", dest="allow_2bit_ptq", action="store_true",
                     help="quantize linears that lie on no low-bit grid to a 1- or 2-bit code book anyway (refused by "
                          "default: 2-bit post-training quantization turns a real trained model into noise, see "
-                         "bench/results/quality.md; use a 4-bit --codebook, or a checkpoint trained for 2 bits)")
+                         "bench/results/quality/quality.md; use a 4-bit --codebook, or a checkpoint trained for 2 bits)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quantizer (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", action="store_true",

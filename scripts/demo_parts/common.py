@@ -39,7 +39,7 @@ def resolve_model(model: Path | None) -> Path:
     """``model``, or the embedded tiny model (built on first use, then reused from the cache)."""
     if model is not None:
         return model
-    from aipc_kernels.testing.tiny_model import build_tiny_model
+    from aipc_kernels.tools.tiny_model import build_tiny_model
 
     t0 = time.time()
     path = build_tiny_model(**EMBEDDED)

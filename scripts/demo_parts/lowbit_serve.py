@@ -18,7 +18,7 @@ from demo_parts.common import CHAT, Refused, run_part, same_prefix
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"]
 CODEBOOK, GROUP_SIZE = "affine", 64  # the plugin's defaults, which `--quantization lowbit2` uses
 # The embedded tiny model has random weights, on no low-bit grid: 2-bit post-training quantization of it
-# is refused unless asked for (aipc_kernels.quality_gate), so the demo asks, and says so. A --model DIR
+# is refused unless asked for (aipc_kernels.lowbit.quality_gate), so the demo asks, and says so. A --model DIR
 # of a real trained model is not given the opt-in: the plugin's refusal is the demo's answer for it.
 OPT_IN_ARGS = ["--hf-overrides", '{"quantization_config": {"quant_method": "lowbit2", "allow_2bit_ptq": true}}']
 REFERENCE_MAX_BYTES = 200e6  # checkpoints above this skip the transformers reference (minutes on 2 cores)
@@ -97,8 +97,8 @@ def server_timings(server) -> tuple[float, float]:
 def lowbit_reference(model_dir: Path, prompt_ids: list[int], n: int) -> tuple[list[int], int, int]:
     """transformers with lowbit2 linears (same quantizer and op as the plugin): its greedy tokens,
     the packed bytes of its quantized linears (the CPU layout that vLLM holds too) and their bf16 bytes."""
-    from aipc_kernels.modules import LowBitLinear
-    from aipc_kernels.testing.references import greedy, hf_model
+    from aipc_kernels.lowbit.modules import LowBitLinear
+    from tests.helpers.references import greedy, hf_model
 
     model = hf_model(model_dir, "lowbit", CODEBOOK, GROUP_SIZE)
     lin = [m for m in model.modules() if isinstance(m, LowBitLinear)]
@@ -108,8 +108,8 @@ def lowbit_reference(model_dir: Path, prompt_ids: list[int], n: int) -> tuple[li
 
 
 def main(args, model_dir: Path) -> str:
-    from aipc_kernels import native
-    from aipc_kernels.testing.vllm_server import START_TIMEOUT_S, VllmServer
+    from aipc_kernels.core import native
+    from tests.helpers.vllm_server import START_TIMEOUT_S, VllmServer
 
     embedded = args.model is None
     size = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
@@ -121,7 +121,7 @@ def main(args, model_dir: Path) -> str:
             print("$ " + " ".join(server.cmd), flush=True)
             if embedded:
                 print("(the embedded model's weights are random: 2-bit post-training quantization is served with the "
-                      "opt-in allow_2bit_ptq, which a real trained model should not get: bench/results/quality.md)",
+                      "opt-in allow_2bit_ptq, which a real trained model should not get: bench/results/quality/quality.md)",
                       flush=True)  # fmt: skip
             wait_or_refuse(server, log, start_timeout)
             print(f"server ready on {server.url} in {server.start_s:.1f} s (native kernel ISA: {native.get_isa()})", flush=True)

@@ -46,7 +46,7 @@ def main(args, model_dir: Path) -> str:
     from optimum.intel import OVModelForCausalLM
     from transformers import AutoTokenizer
 
-    from aipc_kernels.testing.references import greedy, hf_model
+    from tests.helpers.references import greedy, hf_model
     from optimum_npu import check_npu_ready
 
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""aipc_kernels.atomic_output: outputs appear whole or not at all, files this package did not write
+"""aipc_kernels.core.atomic_output: outputs appear whole or not at all, files this package did not write
 survive, interrupted runs are cleaned up (exception, SIGTERM) or named (SIGKILL)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aipc_kernels.atomic_output import (RECORD_NAME, IncompleteOutputError, OutputDirError,
+from aipc_kernels.core.atomic_output import (RECORD_NAME, IncompleteOutputError, OutputDirError,
                                         atomic_output_dir, check_complete)
 
 KW = dict(what="export", redo="export again", param="output_dir")
@@ -77,7 +77,7 @@ def test_keep_others_replaces_only_what_it_wrote(tmp_path):
 _SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from aipc_kernels.atomic_output import atomic_output_dir
+    from aipc_kernels.core.atomic_output import atomic_output_dir
     with atomic_output_dir(Path(sys.argv[1]), what="export", redo="export again") as part:
         (part / "big.bin").write_bytes(b"x" * 4096)
         print("writing", flush=True)
@@ -143,7 +143,7 @@ def test_running_writer_is_not_mistaken_for_a_leftover(tmp_path):
 def test_signal_swallowed_by_native_code_still_ends_as_interrupted(tmp_path):
     """torch can catch the handler's exception and raise a ValueError instead (seen mid-write in the
     converter): the block still ends with SIGTERM's exit status, the staging directory removed."""
-    from aipc_kernels.atomic_output import signals_raise
+    from aipc_kernels.core.atomic_output import signals_raise
 
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         pytest.skip("SIGTERM has an application handler here; signals_raise leaves it alone")

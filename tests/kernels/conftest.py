@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from aipc_kernels import native
+from aipc_kernels.core import native
 
 
 @pytest.fixture(params=native.supported_isas() if native.available() else [])

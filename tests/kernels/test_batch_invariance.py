@@ -5,9 +5,10 @@ integer group dots and the same per-group float epilogue in the same order (csrc
 import pytest
 import torch
 
-from aipc_kernels import native, ops, packing
-from aipc_kernels.formats import CODEBOOKS
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.lowbit.formats import CODEBOOKS
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 

@@ -1,4 +1,4 @@
-"""``aipc_kernels.bitnet_format`` against transformers' own BitNet code (``integrations/bitnet.py``:
+"""``aipc_kernels.checkpoints.bitnet`` against transformers' own BitNet code (``integrations/bitnet.py``:
 ``pack_weights``, ``unpack_weights``, ``WeightQuant``; ``should_convert_module``): fresh random
 tensors, odd shapes, both float dtypes."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aipc_kernels import bitnet_format as bf
+from aipc_kernels.checkpoints import bitnet as bf
 
 bitnet = pytest.importorskip("transformers.integrations.bitnet")
 

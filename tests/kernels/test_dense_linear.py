@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aipc_kernels import native
-from aipc_kernels.dense_linear import MAX_M, cpu_max_rows, dense_linear
+from aipc_kernels.core import native
+from aipc_kernels.decoder.dense_linear import MAX_M, cpu_max_rows, dense_linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 

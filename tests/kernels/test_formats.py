@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aipc_kernels import formats, packing
-from aipc_kernels.formats import CODEBOOKS, LowBitWeight, load_lowbit, pack_codes, save_lowbit, unpack_codes
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.lowbit import formats, packing
+from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight, load_lowbit, pack_codes, save_lowbit, unpack_codes
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 
 shapes = st.tuples(st.integers(1, 67), st.sampled_from([32, 64, 96, 128, 192, 256]))
 
@@ -110,7 +110,7 @@ def test_quantizer_rejects_non_finite_weights():
 def test_fitting_group_size_falls_back_to_the_largest_that_divides(group, K, want):
     """On-the-fly quantization's group per layer: the configured one, else the largest supported below
     it that divides K (SmolLM2's K=576 with 128 -> 64); -1 stays -1, the quantizers' whole-row spelling."""
-    from aipc_kernels.formats import fitting_group_size
+    from aipc_kernels.lowbit.formats import fitting_group_size
 
     assert fitting_group_size(group, K) == want
 
@@ -119,7 +119,7 @@ def test_fitting_group_size_falls_back_to_the_largest_that_divides(group, K, wan
     (64, 496, "in_features K=496 must be a multiple of 32"), (48, 576, "group_size=48 is not supported"),
 ])  # fmt: skip
 def test_fitting_group_size_refuses_what_no_group_fits(group, K, match):
-    from aipc_kernels.formats import fitting_group_size
+    from aipc_kernels.lowbit.formats import fitting_group_size
 
     with pytest.raises(ValueError, match=match):
         fitting_group_size(group, K)

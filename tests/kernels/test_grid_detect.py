@@ -5,8 +5,8 @@ bound; everything that is not on one whole-row grid -> None."""
 import pytest
 import torch
 
-from aipc_kernels.grid_detect import detect_grid, split_rows
-from aipc_kernels.testing.paretoq import paretoq_weight, random_clip_val
+from aipc_kernels.checkpoints.grid_detect import detect_grid, split_rows
+from tests.helpers.paretoq import paretoq_weight, random_clip_val
 
 CODEBOOK = {1: "binary", 0: "ternary", 2: "sym"}
 #: lowbit2 value (cmul*c - z) per ParetoQ level q (w = alpha * q): binary sign, ternary 1.5 q, sym 2 q

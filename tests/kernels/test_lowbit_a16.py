@@ -3,10 +3,11 @@ against float64 references, and the ``e0m4`` code book they were built for."""
 import pytest
 import torch
 
-from aipc_kernels import native, ops, packing
-from aipc_kernels.formats import CODEBOOKS, LowBitWeight
-from aipc_kernels.lowbit_contract import A16_DEQUANTS
-from aipc_kernels.quantizers import quantize_rtn, quantize_weight
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight
+from aipc_kernels.lowbit.contract import A16_DEQUANTS
+from aipc_kernels.lowbit.quantizers import quantize_rtn, quantize_weight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aipc_kernels import native, ops, packing
-from aipc_kernels.formats import CODEBOOKS, LowBitWeight, pack_codes
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight, pack_codes
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 
 NAN = math.nan  # the C entry's "zero points stored per group" (affine); a finite zero with zeros is the min form
 

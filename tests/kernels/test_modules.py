@@ -1,12 +1,12 @@
-"""aipc_kernels.modules.LowBitLinear: the packed weight's format survives module casts, and the forward reads
+"""aipc_kernels.lowbit.modules.LowBitLinear: the packed weight's format survives module casts, and the forward reads
 the module's buffers as they are now."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from aipc_kernels.modules import LowBitLinear
-from aipc_kernels.quantizers import quantize_weight
+from aipc_kernels.lowbit.modules import LowBitLinear
+from aipc_kernels.lowbit.quantizers import quantize_weight
 
 
 @pytest.mark.parametrize("codebook, activations", [("e0m4", "float"), ("affine4", "int8"), ("int8", "int8")])

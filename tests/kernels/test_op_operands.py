@@ -19,9 +19,10 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from aipc_kernels import native, ops, packing
-from aipc_kernels.formats import CODEBOOKS
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.lowbit.formats import CODEBOOKS
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 
 FUZZ_EXAMPLES = 200
 FUZZ_SECONDS = 60  # the child's wall-clock bound (it takes ~15 s on a shared 2-core machine)

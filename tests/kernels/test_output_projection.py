@@ -1,9 +1,10 @@
-"""The output projection's formats (aipc_kernels.output_projection): int8 per output channel by default."""
+"""The output projection's formats (aipc_kernels.lowbit.output_projection): int8 per output channel by default."""
 import pytest
 import torch
 
-from aipc_kernels import native, ops, packing
-from aipc_kernels.output_projection import int8_scale_dtype, quantize_output_projection
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.lowbit.output_projection import int8_scale_dtype, quantize_output_projection
 
 
 def _head(vocab: int = 300, hidden: int = 192, seed: int = 0, scale: float = 0.02) -> torch.Tensor:

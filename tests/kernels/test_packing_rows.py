@@ -6,8 +6,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from aipc_kernels import packing
-from aipc_kernels.formats import CODEBOOKS, LowBitWeight, pack_codes
+from aipc_kernels.lowbit import packing
+from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight, pack_codes
 
 
 def random_weight(n: int, k: int, codebook: str, group: int, dtype: torch.dtype, seed: int) -> LowBitWeight:

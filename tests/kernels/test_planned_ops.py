@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aipc_kernels import native, ops, packing, planned_ops
-from aipc_kernels.formats import CODEBOOKS
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing, planned_ops
+from aipc_kernels.lowbit.formats import CODEBOOKS
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 
 pytestmark = pytest.mark.skipif(not planned_ops.available(), reason="planned CPU ops not built")
 

@@ -1,4 +1,4 @@
-"""aipc_kernels.quality_gate: the reconstruction error the plugins log, its verdicts against the quality
+"""aipc_kernels.lowbit.quality_gate: the reconstruction error the plugins log, its verdicts against the quality
 table's bounds, which code books need the 2-bit opt-in and what the refusal says; the bounds and figures
 it quotes against the committed real-model results file."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aipc_kernels import quality_gate as qg
-from aipc_kernels.formats import CODEBOOKS
-from aipc_kernels.quantizers import quantize_weight
+from aipc_kernels.lowbit import quality_gate as qg
+from aipc_kernels.lowbit.formats import CODEBOOKS
+from aipc_kernels.lowbit.quantizers import quantize_weight
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "quality.json"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "quality" / "quality.json"
 
 
 @pytest.mark.parametrize("codebook, group", [("affine", 64), ("int4", 32), ("ternary", -1), ("int8", -1)])
@@ -49,12 +49,12 @@ def test_refusal_names_the_layer_cost_alternatives_and_opt_in():
     msg = qg.ptq_refusal("model.layers.0.mlp.down_proj", "int2", "lowbit2", "SET THE KEY")
     assert msg.startswith("lowbit2: layer 'model.layers.0.mlp.down_proj' does not lie on a 1/1.58/2-bit grid")
     for needle in ("from 15.22 to 336,864", "--quantization lowbit4", "perplexity 19.28", "BitNet b1.58", "ParetoQ",
-                   "bench/results/quality.md", "anyway: SET THE KEY"):
+                   "bench/results/quality/quality.md", "anyway: SET THE KEY"):
         assert needle in msg, needle
 
 
 def test_figures_and_bounds_are_the_committed_results():
-    """The refusal quotes SmolLM2's rows and the hint the real-model bounds of bench/results/quality.json,
+    """The refusal quotes SmolLM2's rows and the hint the real-model bounds of bench/results/quality/quality.json,
     the file the README cites: a regenerated table that moves them fails here until the constants follow."""
     data = json.loads(RESULTS.read_text())
     rows = [r for r in data["rows"] if r["model"] == "smollm2-135m-instruct"]

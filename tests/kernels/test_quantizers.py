@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from aipc_kernels.formats import CODEBOOKS
-from aipc_kernels.quantizers import quantize_activations, quantize_optimized, quantize_rtn, quantize_weight
+from aipc_kernels.lowbit.formats import CODEBOOKS
+from aipc_kernels.lowbit.quantizers import quantize_activations, quantize_optimized, quantize_rtn, quantize_weight
 
 
 def _rel_err(w, q):

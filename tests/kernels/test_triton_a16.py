@@ -11,14 +11,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from aipc_kernels import ops, packing  # noqa: E402
-from aipc_kernels.formats import CODEBOOKS  # noqa: E402
-from aipc_kernels.quantizers import quantize_rtn  # noqa: E402
-from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
+from aipc_kernels.lowbit import ops, packing  # noqa: E402
+from aipc_kernels.lowbit.formats import CODEBOOKS  # noqa: E402
+from aipc_kernels.lowbit.quantizers import quantize_rtn  # noqa: E402
+from tests.helpers.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-a16, tuning = import_kernels("aipc_kernels.triton.lowbit.a16", "aipc_kernels.triton.lowbit.tuning")
+a16, tuning = import_kernels("aipc_kernels.gpu.triton.lowbit.a16", "aipc_kernels.gpu.triton.lowbit.tuning")
 
 FOUR_BIT = sorted(name for name, cb in CODEBOOKS.items() if cb.bits == 4 and not cb.mins)  # affine4, e0m4, int4
 DEQUANTS = ("e0m4", "int")
@@ -143,7 +143,7 @@ def test_bad_input_is_refused():
         a16.lowbit_linear_a16_triton(x, p2, None, "e0m4")
     with pytest.raises(ValueError, match=r"dequant='fp4' is unknown; use one of \('e0m4', 'int'\)"):
         a16.lowbit_linear_a16_triton(x, p, None, "fp4")
-    with pytest.raises(ValueError, match="pack it with aipc_kernels.packing.pack_for_triton"):
+    with pytest.raises(ValueError, match="pack it with aipc_kernels.lowbit.packing.pack_for_triton"):
         a16.lowbit_linear_a16_triton(x.cpu(), packing.as_canonical_packed(w), None, "e0m4")
     with pytest.raises(ValueError, match="does not match x.s K=64"):
         a16.lowbit_linear_a16_triton(torch.randn(1, 64, device=DEVICE), p, None, "int")

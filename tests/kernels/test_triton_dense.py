@@ -8,11 +8,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
+from tests.helpers.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-(tdense,) = import_kernels("aipc_kernels.triton.dense_linear")
+(tdense,) = import_kernels("aipc_kernels.gpu.triton.dense_linear")
 
 # the output dtype's rounding (the interpreter truncates fp32 to bf16: a whole ulp)
 OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2**-7 if not ON_GPU else 2**-8, torch.float16: 2**-11}

@@ -1,8 +1,8 @@
 """The Triton W*A8 ``lowbit_linear`` on GGUF's forms: the min form (``min2`` / ``min4`` / ``min8``), float32
 scales and groups of 16 (the K-quants), against the float64 int8-activation reference
-(:func:`aipc_kernels.ops.reference_linear_w8`) with the existing W*A8 tests' tolerance.
+(:func:`aipc_kernels.lowbit.ops.reference_linear_w8`) with the existing W*A8 tests' tolerance.
 
-Weights are what :func:`aipc_kernels.gguf_format.relayout` makes of GGUF blocks: ``gguf.quants.quantize``
+Weights are what :func:`aipc_kernels.checkpoints.gguf.relayout` makes of GGUF blocks: ``gguf.quants.quantize``
 of random data where the package quantizes the type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), random blocks with
 moderate fp16 fields for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). Every kernel the op dispatches to
 (the heuristic's ``stream`` at M == 1, ``group`` at 1 < M <= 16 and M > 16, ``dequant``) and their
@@ -17,14 +17,14 @@ import torch
 pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
-from aipc_kernels import gguf_format as gf  # noqa: E402
-from aipc_kernels import ops, packing  # noqa: E402
-from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
+from aipc_kernels.checkpoints import gguf as gf  # noqa: E402
+from aipc_kernels.lowbit import ops, packing  # noqa: E402
+from tests.helpers.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 tlin, registry, tuning = import_kernels(
-    "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.registry", "aipc_kernels.triton.lowbit.tuning"
+    "aipc_kernels.gpu.triton.lowbit", "aipc_kernels.gpu.triton.lowbit.registry", "aipc_kernels.gpu.triton.lowbit.tuning"
 )
 T = gguf.GGMLQuantizationType
 GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
@@ -125,7 +125,7 @@ def test_gguf_forms_without_bias_whole_rows_and_bf16(qtype):
 def test_min_form_wide_groups_and_whole_rows(codebook, group):
     """The min form in groups spanning several chunks (8 bits: 64) and one group per row (4 / 8 bits: one
     int32 dot over the row, the activation sum carried with it), fp32 scales and mins (``as_min8``'s)."""
-    from aipc_kernels.quantizers import quantize_rtn
+    from aipc_kernels.lowbit.quantizers import quantize_rtn
 
     N, K = 21, 256
     w = quantize_rtn(torch.randn(N, K, generator=torch.Generator().manual_seed(5)), codebook, group)

@@ -10,17 +10,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from aipc_kernels import ops, packing  # noqa: E402
-from aipc_kernels.formats import CODEBOOKS, LowBitWeight, pack_codes  # noqa: E402
-from aipc_kernels.quantizers import quantize_rtn  # noqa: E402
-from aipc_kernels.testing.triton_kernels import import_kernels  # noqa: E402
+from aipc_kernels.lowbit import ops, packing  # noqa: E402
+from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight, pack_codes  # noqa: E402
+from aipc_kernels.lowbit.quantizers import quantize_rtn  # noqa: E402
+from tests.helpers.triton_kernels import import_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 tlin, common, registry, stream, tuning, dequant, cuda_mma, cuda_gemm = import_kernels(
-    "aipc_kernels.triton.lowbit", "aipc_kernels.triton.lowbit.common", "aipc_kernels.triton.lowbit.registry",
-    "aipc_kernels.triton.lowbit.stream", "aipc_kernels.triton.lowbit.tuning", "aipc_kernels.triton.lowbit.dequant",
-    "aipc_kernels.triton.lowbit.cuda_mma", "aipc_kernels.triton.lowbit.cuda_gemm",
+    "aipc_kernels.gpu.triton.lowbit", "aipc_kernels.gpu.triton.lowbit.common", "aipc_kernels.gpu.triton.lowbit.registry",
+    "aipc_kernels.gpu.triton.lowbit.stream", "aipc_kernels.gpu.triton.lowbit.tuning", "aipc_kernels.gpu.triton.lowbit.dequant",
+    "aipc_kernels.gpu.cuda.mma", "aipc_kernels.gpu.cuda.gemm",
 )
 
 # the min form (GGUF's Q4_1 / Q5_1 / K-quants) is tested on its own (test_triton_gguf_forms.py, below)
@@ -506,7 +506,7 @@ def test_zero_activations_and_zero_rows():
 def test_bad_input_is_refused():
     w, p = _case(16, 128, "affine", 32, seed=0)
     x = torch.randn(1, 128, device=DEVICE)
-    with pytest.raises(ValueError, match="pack it with aipc_kernels.packing.pack_for_triton"):
+    with pytest.raises(ValueError, match="pack it with aipc_kernels.lowbit.packing.pack_for_triton"):
         tlin.lowbit_linear_triton(x, packing.as_canonical_packed(w))
     with pytest.raises(ValueError, match="act_group=32"):
         tlin.lowbit_linear_triton(x, p, act_group=32)
@@ -825,7 +825,7 @@ def test_dequant_path_keeps_the_int8_activation_contract(codebook, dtype, bias_d
 def test_fake_quantized_activations_are_the_codes_times_the_scale(dtype, with_amax):
     """The dequantize path's activations: every element the int8 code times its token's scale (the
     fused kernels' activation pass) rounded once to x's dtype, on odd K."""
-    from aipc_kernels.triton.lowbit import activation
+    from aipc_kernels.gpu.triton.lowbit import activation
 
     M, K = 21, 1000
     x = (torch.randn(M, K) * torch.linspace(0.1, 4, K)).to(dtype).to(DEVICE)

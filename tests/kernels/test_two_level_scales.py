@@ -12,9 +12,10 @@ from typing import Optional
 import pytest
 import torch
 
-from aipc_kernels import native, ops, packing, planned_ops
-from aipc_kernels.formats import LowBitWeight, get_codebook, pack_codes
-from aipc_kernels.lowbit_contract import check_operands
+from aipc_kernels.core import native
+from aipc_kernels.lowbit import ops, packing, planned_ops
+from aipc_kernels.lowbit.formats import LowBitWeight, get_codebook, pack_codes
+from aipc_kernels.lowbit.contract import check_operands
 
 #: fixed-zero and min-form code books (the two-level form takes no stored zero points)
 CODEBOOKS = ["int2", "ternary", "sym", "binary", "int4", "int8", "min2", "min4", "min8"]
@@ -112,7 +113,7 @@ def test_values_layouts_and_bytes(codebook):
 
 
 def test_save_and_load_keep_the_two_levels(tmp_path):
-    from aipc_kernels.formats import load_lowbit, save_lowbit
+    from aipc_kernels.lowbit.formats import load_lowbit, save_lowbit
 
     w = two_level_weight("min4", 16, 512, 32, 256, seed=4)
     path = tmp_path / "w.safetensors"

@@ -18,7 +18,7 @@ def build_qwen3(out: Path) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from aipc_kernels.testing.tiny_model import _TOKEN_IDS, build_tokenizer
+    from aipc_kernels.tools.tiny_model import _TOKEN_IDS, build_tokenizer
 
     if (out / "model.safetensors").is_file():
         return out

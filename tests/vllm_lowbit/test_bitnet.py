@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from aipc_kernels.testing.bitnet_checkpoint import FAMILIES, write_bitnet_checkpoint
+from tests.helpers.bitnet_checkpoint import FAMILIES, write_bitnet_checkpoint
 from vllm_serving import (check_teacher_forced, completion_tokens, greedy_script, run_vllm_script, script_tokens,
                            start_server)  # fmt: skip
 
@@ -48,13 +48,13 @@ def reference(model_dir: Path, lm_head: str = "int8"):
     channel, run by the same op; ``float``: as published)."""
     from transformers import AutoModelForCausalLM
 
-    from aipc_kernels.testing.references import with_output_projection
+    from tests.helpers.references import with_output_projection
 
     return with_output_projection(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), lm_head)
 
 
 def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int, lm_head: str = "int8") -> list[list[int]]:
-    from aipc_kernels.testing.references import greedy
+    from tests.helpers.references import greedy
 
     return greedy(reference(model_dir, lm_head), prompts, n)
 
@@ -197,7 +197,7 @@ def test_converter_imports_every_family(families, family, tmp_path):
     value of a 1 is exact in fp16, else its fp16 rounding)."""
     import sys
 
-    from aipc_kernels.formats import load_lowbit
+    from aipc_kernels.lowbit.formats import load_lowbit
 
     out = tmp_path / "lowbit2"
     res = subprocess.run([sys.executable, "-m", "vllm_lowbit.quantize", str(families[family]), str(out), "--codebook",

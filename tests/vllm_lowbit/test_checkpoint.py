@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from aipc_kernels.formats import load_lowbit
-from aipc_kernels.quantizers import quantize_weight
+from aipc_kernels.lowbit.formats import load_lowbit
+from aipc_kernels.lowbit.quantizers import quantize_weight
 from vllm_serving import TINY, greedy_script, hf_greedy, run_vllm_script, script_tokens
 
 LINEAR = "model.layers.0.self_attn.k_proj"
@@ -84,7 +84,7 @@ def test_converter_killed_while_writing(llama_dir, tmp_path, interrupt_while_wri
     """SIGKILL while the converter writes: nothing at OUT_DIR, the leftover is the visible staging
     directory, which reads as incomplete and which the next run names with the command that
     removes it; SIGTERM leaves nothing behind."""
-    from aipc_kernels.atomic_output import IncompleteOutputError, check_complete
+    from aipc_kernels.core.atomic_output import IncompleteOutputError, check_complete
 
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--threads", "1", "--no-progress",
@@ -201,7 +201,7 @@ def test_bitnet_import_served_by_vllm(bitnet_lowbit2, llama_dir):
     with LowBitLinear on the imported weights (the same op), both float32."""
     from transformers import AutoModelForCausalLM
 
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.lowbit.modules import LowBitLinear
 
     got = _tokens(run_vllm_script(_generate_script(bitnet_lowbit2)))
     weights, _ = load_lowbit(str(bitnet_lowbit2 / "model.safetensors"))

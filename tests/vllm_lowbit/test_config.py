@@ -13,7 +13,7 @@ def config_cls():
     assert vllm_lowbit.register() is True
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
-    from vllm_lowbit.config import LowBit2Config
+    from vllm_lowbit.lowbit2 import LowBit2Config
 
     assert "lowbit2" in QUANTIZATION_METHODS
     assert get_quantization_config("lowbit2") is LowBit2Config
@@ -21,16 +21,17 @@ def config_cls():
 
 
 def test_defaults_and_round_trip(config_cls):
-    c = config_cls()
+    c = config_cls().options
     assert (c.codebook, c.group_size, c.quantizer, c.act_group, c.prequantized) == ("affine", 64, "optimized", 0, False)
     assert c.head_format == "int8"  # the output projection is int8 per output channel by default
-    d = dict(c.to_dict(), codebook="sym", group_size=-1, prequantized=True, lm_head="lowbit")
+    d = dict(config_cls().to_dict(), codebook="sym", group_size=-1, prequantized=True, lm_head="lowbit")
     c2 = config_cls.from_config(d)
-    assert (c2.codebook, c2.group_size, c2.prequantized, c2.head_format) == ("sym", -1, True, "lowbit")
-    assert config_cls.from_config(c2.to_dict()).head_format == "lowbit"
+    o2 = c2.options
+    assert (o2.codebook, o2.group_size, o2.prequantized, o2.head_format) == ("sym", -1, True, "lowbit")
+    assert config_cls.from_config(c2.to_dict()).options.head_format == "lowbit"
     # the older key: true is lm_head 'lowbit', false is 'float'
-    assert config_cls.from_config({"quantize_lm_head": True}).head_format == "lowbit"
-    assert config_cls.from_config({"quantize_lm_head": False}).head_format == "float"
+    assert config_cls.from_config({"quantize_lm_head": True}).options.head_format == "lowbit"
+    assert config_cls.from_config({"quantize_lm_head": False}).options.head_format == "float"
     assert config_cls.get_config_filenames() == []  # plain checkpoints + --quantization lowbit2: on the fly
 
 
@@ -88,19 +89,24 @@ def test_detect_grid_and_layer_formats(config_cls):
     """detect_grid defaults to true and round-trips when off; a converted checkpoint's layer_formats
     gives a layer (and the merged layer of its q/k/v or gate/up shards) its own format, and refuses
     shards of one merged layer with different formats, naming them."""
-    assert config_cls().detect_grid is True
+    import torch
+
+    assert config_cls().options.detect_grid is True
     off = config_cls.from_config({"quant_method": "lowbit2", "detect_grid": False})
-    assert off.detect_grid is False and config_cls.from_config(off.to_dict()).detect_grid is False
+    assert off.options.detect_grid is False and config_cls.from_config(off.to_dict()).options.detect_grid is False
     fmt = {"codebook": "ternary", "group_size": -1, "scale_dtype": "bfloat16"}
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     c = config_cls.from_config({"quant_method": "lowbit2", "prequantized": True, "layer_formats": {n: fmt for n in names}})
     c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    layer = c.for_layer("model.layers.0.self_attn.qkv_proj")
-    assert (layer.codebook, layer.group_size, layer.scale_dtype_name) == ("ternary", -1, "bfloat16")
-    assert (c.codebook, c.group_size) == ("affine", 64)  # the config itself is unchanged
+    layer = c.for_layer("model.layers.0.self_attn.qkv_proj").options
+    assert (layer.codebook, layer.group_size, layer.scale_dtype) == ("ternary", -1, "bfloat16")
+    assert layer.torch_scale_dtype is torch.bfloat16
+    assert (c.options.codebook, c.options.group_size) == ("affine", 64)  # the config itself is unchanged
     assert c.for_layer("model.layers.0.self_attn.o_proj") is c
-    assert config_cls.from_config(c.to_dict()).layer_formats == c.layer_formats
-    c.layer_formats.pop(names[2])
+    assert config_cls.from_config(c.to_dict()).options.layer_formats == c.options.layer_formats
+    c = config_cls.from_config({"quant_method": "lowbit2", "prequantized": True,
+                                "layer_formats": {n: fmt for n in names[:2]}})  # fmt: skip
+    c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     with pytest.raises(ValueError, match=r"layer_formats gives the layers .*k_proj.*v_proj.*one merged layer "
                                          r"'model.layers.0.self_attn.qkv_proj'"):  # fmt: skip
         c.for_layer("model.layers.0.self_attn.qkv_proj")
@@ -109,7 +115,8 @@ def test_detect_grid_and_layer_formats(config_cls):
 def test_exact_values_are_kept(config_cls):
     c = config_cls.from_config({"quant_method": "lowbit2", "modules_to_not_convert": ["mlp.down_proj"],
                                 "lm_head": "float", "group_size": 128, "act_group": 256})  # fmt: skip
-    assert (c.modules_to_not_convert, c.head_format, c.group_size, c.act_group) == (["mlp.down_proj"], "float", 128, 256)
+    o = c.options
+    assert (o.modules_to_not_convert, o.head_format, o.group_size, o.act_group) == (["mlp.down_proj"], "float", 128, 256)
     assert c.is_skipped("model.layers.0.mlp.down_proj") and not c.is_skipped("model.layers.0.mlp.up_proj")
     assert not c.is_skipped("model.layers.0.self_attn.o_proj")  # letters of a string would have matched
 
@@ -139,10 +146,11 @@ if __name__ == "__main__":
         try:
             q = EngineArgs(model=model, max_model_len=256, enforce_eager=True,
                            hf_overrides=overrides).create_engine_config().quant_config
+            o = None if q is None else q.options
             out.append(None if q is None else dict(
-                method=q.get_name(), codebook=q.codebook, group_size=q.group_size, act_group=q.act_group,
-                prequantized=q.prequantized, lm_head=q.head_format,
-                modules_to_not_convert=q.modules_to_not_convert))
+                method=q.get_name(), codebook=o.codebook, group_size=o.group_size, act_group=o.act_group,
+                prequantized=o.prequantized, lm_head=o.head_format,
+                modules_to_not_convert=o.modules_to_not_convert))
         except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
             out.append(dict(error=str(e)))
     print("RESULT=" + json.dumps(out))
@@ -204,4 +212,5 @@ def test_lowbit4_errors_name_its_own_quantization_config(config_cls):
         lowbit4.from_config({"quant_method": "lowbit4", "codebook": "affine", "activations": "float"})
     assert str(e.value).startswith("lowbit4 quantization_config.activations='float' needs a 4-bit codebook"), e.value
     w4a16 = lowbit4.from_config({"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"})
-    assert (w4a16.codebook, w4a16.group_size, w4a16.activations) == ("e0m4", 64, "float")  # lowbit4's group
+    o = w4a16.options
+    assert (o.codebook, o.group_size, o.activations) == ("e0m4", 64, "float")  # lowbit4's group

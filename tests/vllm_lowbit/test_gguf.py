@@ -8,7 +8,7 @@ What is exact and what is not:
   dequantizes to exactly the float tensor transformers' GGUF conversion gives (``gguf.quants.dequantize``,
   llama's q / k rows back in Hugging Face order), and the token embedding's lookup rows too;
 * the tokens, against the same op: transformers' GGUF model whose linears (and tied output projection)
-  are :class:`aipc_kernels.modules.LowBitLinear` holding the same re-laid-out weights, on the same
+  are :class:`aipc_kernels.lowbit.modules.LowBitLinear` holding the same re-laid-out weights, on the same
   ``aipc::lowbit_linear`` with int8 activations per 32 inputs;
 * against transformers' float model (W4A32) the int8 activation rounding (W4A8, as llama.cpp's own CPU
   dot products round them per 32) moves near-tied logits: measured by teacher forcing and reported.
@@ -81,8 +81,8 @@ def inspect(model):
     \"\"\"The served layers, and the largest difference of their weights (read back from the kernels' layout),
     embedding rows and norms from transformers' own GGUF dequantization.\"\"\"
     from transformers import AutoModelForCausalLM
-    from aipc_kernels.packing import dequantize_rows, to_canonical
-    from vllm_lowbit.linear_method import installed_weight
+    from aipc_kernels.lowbit.packing import dequantize_rows, to_canonical
+    from vllm_lowbit.layers import installed_weight
 
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(PATH), gguf_file=os.path.basename(PATH),
                                               dtype=torch.float32).eval()
@@ -227,8 +227,8 @@ def _same_op_reference(hf, path: Path):
     holding the file's blocks re-laid out exactly as the plugin does (llama's q / k rows unpermuted)."""
     import copy
 
-    from aipc_kernels.gguf_format import GGUFCheckpoint, llama_unpermute, permute_rows
-    from aipc_kernels.modules import LowBitLinear
+    from aipc_kernels.checkpoints.gguf import GGUFCheckpoint, llama_unpermute, permute_rows
+    from aipc_kernels.lowbit.modules import LowBitLinear
 
     model = copy.deepcopy(hf)
     ck = GGUFCheckpoint.open(path)
@@ -257,7 +257,7 @@ def test_tokens_against_the_same_op_in_transformers(engine, hf_float, smollm2, p
     """Against transformers running the same weights on the same op: equal wherever the two frameworks'
     float rounding of norms / rotary / attention does not tip an int8 activation and then a near-tie
     (teacher forcing: the reference fed vLLM's own tokens agrees at every step but a near-tie)."""
-    from aipc_kernels.testing.references import greedy
+    from tests.helpers.references import greedy
 
     model = _same_op_reference(hf_float, smollm2)
     got = engine["tokens"]
@@ -272,7 +272,7 @@ def test_tokens_against_the_same_op_in_transformers(engine, hf_float, smollm2, p
 def test_agreement_with_transformers_float_model(engine, hf_float, prompts, tokenizer):
     """The measured agreement with transformers' dequantized float model (W4A32): teacher-forced top-1 and
     how far greedy decoding runs identically."""
-    from aipc_kernels.testing.references import greedy
+    from tests.helpers.references import greedy
 
     got = engine["tokens"]
     ref = greedy(hf_float, prompts, N_NEW)
@@ -335,7 +335,7 @@ def test_bad_files_are_refused_at_load_naming_the_file(tmp_path, gguf_cache, smo
     import gguf
     import numpy as np
 
-    from aipc_kernels.gguf_format import SUPPORTED_TYPES
+    from aipc_kernels.checkpoints.gguf import SUPPORTED_TYPES
 
     T = gguf.GGMLQuantizationType
     not_gguf = tmp_path / "notes.gguf"
@@ -426,9 +426,9 @@ def test_two_level_parts_merge_and_pad_exactly():
     equal them (a Q6_K token embedding tied to the output projection, as llama.cpp's Q4_K_M files hold it)."""
     import gguf
     import numpy as np
-    from aipc_kernels import gguf_format as gf
-    from aipc_kernels.packing import dequantize_rows, pack_for_cpu
-    from vllm_lowbit.gguf_cpu import _cat_rows, _pad_rows
+    from aipc_kernels.checkpoints import gguf as gf
+    from aipc_kernels.lowbit.packing import dequantize_rows, pack_for_cpu
+    from vllm_lowbit.gguf import _cat_rows, _pad_rows
 
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(3)

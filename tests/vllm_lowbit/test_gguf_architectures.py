@@ -2,7 +2,7 @@
 style (tied), Mistral (``general.architecture = llama``, untied, F16 embedding), Qwen2 (q / k / v biases),
 Qwen3 (q / k norms) and Phi-3 (fused ``attn_qkv`` and ``ffn_up``), each a tiny random model converted by
 llama.cpp's own ``convert_hf_to_gguf.py`` and quantized per tensor with the ``gguf`` package
-(:mod:`aipc_kernels.testing.gguf_fixtures`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / F16, merged layers of mixed
+(:mod:`tests.helpers.gguf_fixtures`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / F16, merged layers of mixed
 code books). One vLLM engine per architecture (module-scoped), against transformers' own GGUF reader of the
 same file (every tensor dequantized to float32):
 
@@ -54,7 +54,7 @@ def gguf_cache(tmp_path_factory) -> Path:
 
 
 def _fixture(name: str) -> Path:
-    from aipc_kernels.testing.gguf_fixtures import build_gguf_fixture
+    from tests.helpers.gguf_fixtures import build_gguf_fixture
 
     try:
         return build_gguf_fixture(name)
@@ -84,8 +84,8 @@ def hf_params(parent, leaf, kind, ref):
 {hf_model}
 
 def inspect(model):
-    from aipc_kernels.packing import dequantize_rows, to_canonical
-    from vllm_lowbit.linear_method import installed_weight
+    from aipc_kernels.lowbit.packing import dequantize_rows, to_canonical
+    from vllm_lowbit.layers import installed_weight
 
     hf = hf_model(PATH)
     ref = {{n: p.detach() for n, p in hf.named_parameters()}}
@@ -222,7 +222,7 @@ def test_tokens_against_transformers_float_model(served):
     """Greedy tokens: the first :data:`SAME_FIRST` identical to transformers' greedy decoding; teacher-forced
     (transformers fed vLLM's own tokens) top-1 agreement >= 90 % and any disagreement a near-tie; and each of
     vLLM's tokens' log-probability within :data:`MAX_LOGPROB_DIFF` of transformers' on the same prefix."""
-    from aipc_kernels.testing.references import greedy
+    from tests.helpers.references import greedy
 
     hf, prompts, got = served["hf"], served["prompts"], served["tokens"]
     ref = greedy(hf, prompts, N_NEW)
@@ -279,7 +279,7 @@ def gguf_plugin_dir() -> Path:
     """``vllm-gguf-plugin`` (CUDA / ROCm GGUF kernels) unpacked with its .dist-info, so that a process with it
     on PYTHONPATH discovers its ``vllm.general_plugins`` entry point as if it were installed: the wheel is
     fetched from the package registry into the cache once (``pip download``), the shared venv is not touched."""
-    from aipc_kernels.testing.gguf_fixtures import cache_root
+    from tests.helpers.gguf_fixtures import cache_root
 
     root = cache_root() / "vllm-gguf-plugin"
     out = root / GGUF_PLUGIN.replace("==", "-")
@@ -322,7 +322,7 @@ def test_with_the_cuda_gguf_plugin_installed_cpu_is_served_by_this_plugin(gguf_p
     """)], capture_output=True, text=True, timeout=300, env=vllm_env(**env))  # fmt: skip
     line = [ln for ln in probe.stdout.splitlines() if ln.startswith("PROBE")]
     assert probe.returncode == 0 and line, probe.stderr[-3000:]
-    assert line[0].split()[1:] == ["True", "vllm_gguf_plugin.quantization.config", "vllm_lowbit.gguf_cpu"], line
+    assert line[0].split()[1:] == ["True", "vllm_gguf_plugin.quantization.config", "vllm_lowbit.gguf"], line
     both = run_engine(path, gguf_cache, prompts, env_extra=env)
     alone = _SERVED.get("llama") or run_engine(path, gguf_cache, prompts)
     print(f"\n[gguf-arch] with vllm-gguf-plugin installed: {both['tokens']} (alone: {alone['tokens']})")

@@ -1,6 +1,6 @@
-"""``aipc_kernels.gptq_format`` against vLLM's own GPTQ / AWQ code: tensors quantized and packed by
+"""``aipc_kernels.checkpoints.gptq`` against vLLM's own GPTQ / AWQ code: tensors quantized and packed by
 vLLM's helpers (``quantize_weights``, ``gptq_pack``, ``awq_pack``, ``pack_cols``: the published
-layouts), read back by vLLM's unpacking (``aipc_kernels.testing.gptq_checkpoint.vllm_dequantize``),
+layouts), read back by vLLM's unpacking (``tests.helpers.gptq_checkpoint.vllm_dequantize``),
 and the re-laid-out weight must dequantize to exactly the same float32 matrix, for every variant;
 then the native W4A8 op on it; then every bad input, refused naming the tensor or key."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aipc_kernels import gptq_format as gf  # noqa: E402
-from aipc_kernels.formats import LowBitWeight  # noqa: E402
-from aipc_kernels.testing.gptq_checkpoint import awq_config, gptq_config, quantize_linear, vllm_dequantize  # noqa: E402
+from aipc_kernels.checkpoints import gptq as gf  # noqa: E402
+from aipc_kernels.lowbit.formats import LowBitWeight  # noqa: E402
+from tests.helpers.gptq_checkpoint import awq_config, gptq_config, quantize_linear, vllm_dequantize  # noqa: E402
 
 #: (method, group_size, sym, checkpoint_format, desc_act)
 VARIANTS = {
@@ -94,9 +94,9 @@ def test_tensor_parallel_slices(variant):
 def test_native_op_on_the_relayout(variant):
     """The W4A8 op on the re-laid-out weight: the float32 product of the int8-rounded activations and
     vLLM's dequantized weight, up to float32 summation order."""
-    from aipc_kernels.ops import lowbit_linear
-    from aipc_kernels.packing import pack_for_cpu
-    from aipc_kernels.quantizers import quantize_activations
+    from aipc_kernels.lowbit.ops import lowbit_linear
+    from aipc_kernels.lowbit.packing import pack_for_cpu
+    from aipc_kernels.lowbit.quantizers import quantize_activations
 
     config, tensors, _ = _case(variant)
     x = torch.randn(5, 384, generator=torch.Generator().manual_seed(3))

@@ -2,7 +2,7 @@
 bf16 checkpoints quantized to ``int4`` on the fly.
 
 The checkpoints are the tiny Llama written in AutoGPTQ's / AutoAWQ's layouts with vLLM's own
-quantize and pack helpers (:mod:`aipc_kernels.testing.gptq_checkpoint`). The reference is transformers
+quantize and pack helpers (:mod:`tests.helpers.gptq_checkpoint`). The reference is transformers
 in float32 holding, in every linear, the weight vLLM's own GPTQ / AWQ code unpacks from those tensors,
 with each linear's input rounded to int8 per token (``float_a8``) and the output projection int8 per
 output channel, as the plugin serves it. The served weights are compared bit for bit with vLLM's
@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from aipc_kernels.testing.gptq_checkpoint import vllm_dequantized_linears, write_int4_checkpoint
-from aipc_kernels.testing.references import hf_model
+from tests.helpers.gptq_checkpoint import vllm_dequantized_linears, write_int4_checkpoint
+from tests.helpers.references import hf_model
 from vllm_serving import (check_teacher_forced, completion_tokens, greedy_script, hf_greedy, run_vllm_script,
                            script_tokens, start_server)  # fmt: skip
 
@@ -41,7 +41,7 @@ CHECKPOINTS = {
 #: GPTQ / AWQ code reads from the checkpoint (``SERVED=``); module-level functions: apply_model pickles
 #: them for the workers of TP>1
 _PRINT_LAYERS = """    import functools
-    from aipc_kernels.testing import gptq_checkpoint as gc
+    from tests.helpers import gptq_checkpoint as gc
     print("LAYERS=" + json.dumps(llm.apply_model(gc.served_linears)))
 """
 _PRINT_SERVED = """    print("SERVED=" + json.dumps(llm.apply_model(functools.partial(gc.served_equals_checkpoint, {model!r}))))
@@ -83,8 +83,8 @@ if __name__ == "__main__":
         try:
             q = EngineArgs(model=model, quantization=quantization, max_model_len=256, enforce_eager=True,
                            hf_overrides=overrides).create_engine_config().quant_config
-            spec = getattr(q, "checkpoint", None)
-            out.append([q.get_name(), getattr(q, "codebook", None), getattr(q, "group_size", None),
+            spec, options = getattr(q, "spec", None), getattr(q, "options", None)
+            out.append([q.get_name(), getattr(options, "codebook", None), getattr(options, "group_size", None),
                         None if spec is None else [spec.layout, spec.group_size, spec.zero_offset]])
         except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
             out.append(dict(error=str(e)))

@@ -1,11 +1,11 @@
 """ParetoQ-style checkpoints: bf16 weights already on a per-row binary / ternary / 2-bit SEQ grid
-(written with ParetoQ's own quantizers, ``aipc_kernels.testing.paretoq``), no quantization config,
+(written with ParetoQ's own quantizers, ``tests.helpers.paretoq``), no quantization config,
 served by ``LLM(dir, quantization="lowbit2")`` with no other option, and converted by
 ``python -m vllm_lowbit.quantize`` with none.
 
 What is exact. The weights vLLM installs (read back from the engine) equal the bf16 source bit for
 bit in binary and ternary layers; 2-bit SEQ layers are within the documented bound of it, exact on
-the rows whose bf16 store kept the 1:3 level ratio (``aipc_kernels.grid_detect``). Greedy tokens are
+the rows whose bf16 store kept the 1:3 level ratio (``aipc_kernels.checkpoints.grid_detect``). Greedy tokens are
 compared with transformers on the same bf16 directory (its own weights, the linears' inputs rounded
 to int8 per token as the W2A8 kernel does: ``float_a8``, no weight of ours in it) by teacher
 forcing: the two compute in a different order, and a last-bit difference can flip an int8 rounding
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aipc_kernels.formats import load_lowbit
+from aipc_kernels.lowbit.formats import load_lowbit
 from vllm_serving import check_teacher_forced, run_vllm_script
 
 #: w_bits per layer-name fragment (first match): ParetoQ's ternary (0), 1-bit (1) and 2-bit SEQ (2)
@@ -36,7 +36,7 @@ MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def _paretoq(llama_dir: Path, out: Path, bits: dict[str, int]) -> Path:
-    from aipc_kernels.testing.paretoq import write_paretoq_checkpoint
+    from tests.helpers.paretoq import write_paretoq_checkpoint
 
     written = write_paretoq_checkpoint(llama_dir, out, bits, seed=0)
     assert len(written) == 14 and None not in written.values()
@@ -106,7 +106,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 def dump(model):
-    from aipc_kernels.packing import PackedLowBit, to_canonical
+    from aipc_kernels.lowbit.packing import PackedLowBit, to_canonical
     out = {{}}
     for name, m in model.named_modules():
         if hasattr(m, "lowbit_layout") and name != "lm_head":  # the linears (the output projection is int8)

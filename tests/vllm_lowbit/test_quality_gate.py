@@ -70,7 +70,7 @@ def test_converter_4bit_group_fallback_and_error_line(tiny_model, tmp_path):
 def test_converted_fallback_checkpoint_serves_its_groups(tiny_model, tmp_path):
     """The converted hidden-576 checkpoint loads without flags: each layer with the group its
     ``layer_formats`` entry gives, tokens equal to transformers with the same quantizer, groups and op."""
-    from aipc_kernels.testing.references import hf_greedy
+    from tests.helpers.references import hf_greedy
 
     model = tiny_model("llama", hidden=576, layers=2, heads=9, kv_heads=3, intermediate=1536)
     out = tmp_path / "out"

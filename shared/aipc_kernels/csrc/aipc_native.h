@@ -1,6 +1,6 @@
 /*
  * C API of the native kernel library (_aipc_native): the entry points and every code they exchange with
- * their callers (status, dtype, ISA). This header is the one definition; aipc_kernels.native reads the
+ * their callers (status, dtype, ISA). This header is the one definition; aipc_kernels.core.native reads the
  * names and values back through the query functions below at load and refuses a library whose tables
  * differ from its own (so a stale build fails loudly instead of misreading a code).
  */
@@ -22,8 +22,9 @@ typedef enum {
     AIPC_DT_COUNT
 } aipc_dtype;
 
-/* Instruction sets, in increasing order: a CPU with one has every one before it except avx_vnni
- * (client CPUs have it without AVX-512, server CPUs AVX-512 VNNI without it). */
+/* Instruction sets. Not a total order: a CPU with one has every one before it except avx_vnni (client
+ * CPUs have it without AVX-512, server CPUs AVX-512 VNNI without it), so no kernel compares them: the
+ * dispatch table (dispatch.h) names each one's kernels and its fallback. */
 typedef enum {
     AIPC_ISA_SCALAR = 0,
     AIPC_ISA_AVX2 = 1,
@@ -80,7 +81,7 @@ AIPC_API int aipc_set_isa(int isa);
  * the W4A16 kernel with bf16 activations, the dense kernel with bf16 activations and weights. */
 AIPC_API int aipc_bf16_dot_products(void);
 
-/* ---------------------------------------------------------------- low-bit linear (lowbit_linear.c) */
+/* ---------------------------------------------------------------- low-bit linear (generic/lowbit_linear.c) */
 
 /*
  * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt`; scales and zeros use
@@ -115,7 +116,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
  * arguments costs ~2 us per call, one pointer ~0.2 us, and decode makes a call per linear layer. */
 AIPC_API int aipc_lowbit_linear_v(const int64_t *v);
 
-/* ---------------------------------------------------------------- W4A16 linear (lowbit_a16.c) */
+/* ---------------------------------------------------------------- W4A16 linear (generic/lowbit_a16.c) */
 
 /* How the activation-exact kernel turns a 4-bit code into a float (Transformer-Lite's comparison). */
 typedef enum {
@@ -135,7 +136,7 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
 /* The same with its 16 arguments in one int64 vector (zero_const as a float32 bit pattern). */
 AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v);
 
-/* ---------------------------------------------------------------- small-M dense linear (dense_linear.c) */
+/* ---------------------------------------------------------------- small-M dense linear (generic/dense_linear.c) */
 
 /*
  * y[M][N] = x[M][K] @ w[N][K]^T + bias for float weights in the model's own row-major [N][K] layout:
@@ -172,10 +173,10 @@ typedef enum {
  */
 AIPC_API int aipc_dense_linear_fused_v(const int64_t *v);
 
-/* ---------------------------------------------------------------- segment attention (segment_sdpa.c) */
+/* ---------------------------------------------------------------- segment attention (generic/segment_sdpa.c) */
 
 /*
- * out[N][Lq][Hq][D] (float32) = segment attention (see segment_sdpa.c). dt: the aipc_dtype of query,
+ * out[N][Lq][Hq][D] (float32) = segment attention (see generic/segment_sdpa.c). dt: the aipc_dtype of query,
  * prompt and response K/V. Runs the code of aipc_segment_isa().
  */
 AIPC_API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_t q_sl, const void *pk,
@@ -188,7 +189,7 @@ AIPC_API int aipc_segment_sdpa(const void *q, int64_t q_sn, int64_t q_sh, int64_
  * AIPC_ISA_AVX2 (also for avx_vnni) or AIPC_ISA_AVX512_VNNI (also for amx_int8; it needs AVX-512F/BW/VL). */
 AIPC_API int aipc_segment_isa(void);
 
-/* ---------------------------------------------------------------- rotary embedding (rope.c) */
+/* ---------------------------------------------------------------- rotary embedding (generic/rope.c) */
 
 /* out = x * cos + rotate_half(x) * sin over the first R of each head's D dimensions (the rest copied),
  * each product and the sum rounded to dt as torch's element-wise ops round them (bit-identical to

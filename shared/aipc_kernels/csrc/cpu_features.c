@@ -1,8 +1,9 @@
 /*
  * CPU features and the process-wide ISA choice: cpuid / xgetbv / the kernel's AMX permission, the best
- * ISA of this CPU, and the one the kernels use (the best unless aipc_set_isa overrode it). Every kernel
- * of the library (low-bit linear, segment attention) dispatches on aipc_get_isa().
+ * ISA of this CPU, and the one the kernels use (the best unless aipc_set_isa overrode it). Every entry
+ * point of the library runs the dispatch table's kernels for aipc_get_isa() (dispatch.h).
  */
+#include "dispatch.h"
 #include "lowbit_kernels.h"
 
 #ifdef AIPC_X86
@@ -57,7 +58,7 @@ static int g_isa = -1;
 
 /* Whether the kernels multiply bf16 by bf16 with vdpbf16ps under the current ISA (AVX-512 and AVX512-BF16). */
 AIPC_API int aipc_bf16_dot_products(void) {
-    return aipc_get_isa() >= AIPC_ISA_AVX512_VNNI && cpu_has_avx512_bf16();
+    return aipc_kernel_isa(AIPC_OP_DENSE_TILE) == AIPC_ISA_AVX512_VNNI && cpu_has_avx512_bf16();
 }
 
 /* Best ISA this CPU supports (the one used unless overridden). */

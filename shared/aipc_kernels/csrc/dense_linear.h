@@ -1,7 +1,8 @@
 /*
  * Internals shared by the small-M dense linear units (not part of the C API, see aipc_native.h):
- * the tile sizes, the arguments every tile reads, and the per-ISA tile functions. dense_linear.c holds
- * the entry point, the threading and the portable tile; dense_linear_x86.c the AVX-512 and AVX2 ones.
+ * the tile sizes, the arguments every tile reads, and the per-ISA tile functions. generic/dense_linear.c
+ * holds the entry point, the threading and the portable tile; x86/dense_linear_avx512.c and
+ * x86/dense_linear_avx2.c the SIMD ones (entries of the dispatch table, dispatch.h).
  */
 #ifndef AIPC_DENSE_LINEAR_H
 #define AIPC_DENSE_LINEAR_H
@@ -35,6 +36,9 @@ typedef struct {
     int64_t M, K, Kp, Kb, N, ldy;
     int dt, wdt;
 } dense_args;
+
+/* Bytes per element of a float32 / bf16 / fp16 array. */
+static inline int64_t dense_elem_bytes(int dt) { return dt == AIPC_DT_F32 ? 4 : 2; }
 
 /* Element i of a float32 / bf16 / fp16 array, as float32. */
 static inline __attribute__((always_inline)) float dense_load_f32(const void *p, int dt, int64_t i) {

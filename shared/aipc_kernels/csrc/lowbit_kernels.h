@@ -5,14 +5,14 @@
  *
  * (Georganas et al., "Pushing the Envelope of LLM Inference on AI-PC and Intel GPUs", III-B..D) where c
  * are the unsigned weight codes (0..2^bits - 1; 1, 2, 4 or 8 bits), w = s * (cmul * c - z), xq = round(x /
- * sx) the int8 activations (absmax per token, or per K-group: act_quant.c), and dot_g an int32 dot
+ * sx) the int8 activations (absmax per token, or per K-group: generic/act_quant.c), and dot_g an int32 dot
  * product over group g. The zero correction uses the group sum of the quantized activations, so the
- * inner loop is a pure u8 x s8 -> s32 dot product: vpdpbusd (AVX-512 VNNI: lowbit_avx512.c, AVX-VNNI:
- * lowbit_avx256.c), vpmaddubsw + vpmaddwd (AVX2: lowbit_avx256.c), tdpbssd (AMX: lowbit_amx.c), and a
- * portable C loop on the same layout (lowbit_scalar.c). lowbit_linear.c checks the arguments and picks
- * the kernel for the ISA chosen at run time (cpu_features.c).
+ * inner loop is a pure u8 x s8 -> s32 dot product: vpdpbusd (AVX-512 VNNI: x86/lowbit_avx512.c, AVX-VNNI:
+ * x86/lowbit_avx256.c), vpmaddubsw + vpmaddwd (AVX2: x86/lowbit_avx256.c), tdpbssd (AMX: x86/lowbit_amx.c),
+ * and a portable C loop on the same layout (generic/lowbit_scalar.c). generic/lowbit_linear.c checks the
+ * arguments and runs the dispatch table's kernels for the ISA chosen at run time (dispatch.h).
  *
- * Weight layout ("cpu_vnni16", produced by aipc_kernels.packing): rows in blocks of 16; per block the
+ * Weight layout ("cpu_vnni16", produced by aipc_kernels.lowbit.packing): rows in blocks of 16; per block the
  * K axis in chunks of 64 bytes. A chunk holds, at byte [n][kk] (n < 16, kk < 4), the codes of
  * k = kc*chunk + 4*q + kk for every bit-plane q (2 bits: q < 4 at bits 2q; 1 bit: q < 8 at bit q; 4 bits:
  * q < 2 at bits 4q; 8 bits: the one plane q = 0, so a chunk is already the [16 rows][4 k] operand).
@@ -147,28 +147,46 @@ static __attribute__((unused)) void store_block(const lowbit_args *a, int64_t m,
 
 /* ------------------------------------------------------------------ the units' entry points */
 
-/* act_quant.c: x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group; amax: NULL or
+/* generic/act_quant.c: x[M, K] to int8 with absmax scales per token (act_group == K) or per K-group; amax: NULL or
  * [M] given per-token absmax values (act_group == K). xq: [M][K]; sx: [M][K/G] scale of each weight
  * group; gsum: [M][K/G] group sums of xq. */
 int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G, int64_t act_group, const float *amax,
-                         int isa, int8_t *xq, float *sx, int32_t *gsum, int nthreads);
+                         int8_t *xq, float *sx, int32_t *gsum, int nthreads);
 
-/* lowbit_scalar.c: row block nb for every token in portable C. */
-void block_scalar(const lowbit_args *a, int64_t nb);
-
+/* Row block nb for every token; `up`: [K/4][64] bytes of scratch for a kernel that up-converts a row block
+ * once from UP_MIN_M tokens on (lowbit_block_kernel.up_converts), else unused. Entries of the dispatch
+ * table (dispatch.h): generic/lowbit_scalar.c (portable C), x86/lowbit_avx256.c (AVX2, AVX-VNNI),
+ * x86/lowbit_avx512.c (AVX-512 VNNI). */
+typedef void (*lowbit_block_fn)(const lowbit_args *a, int64_t nb, uint8_t *up);
+/* A row-block kernel and how the entry point feeds it. */
+typedef struct {
+    lowbit_block_fn run;
+    int interleaved; /* reads xt: the quads of a tile's T tokens side by side (else xq) */
+    int up_converts; /* up-converts each row block once from UP_MIN_M tokens on: needs `up` (not for 8 bits) */
+} lowbit_block_kernel;
+void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up);
 #ifdef AIPC_X86
-/* lowbit_avx256.c: row block nb for every token. */
-void block_avxvnni(const lowbit_args *a, int64_t nb);
-void block_avx2(const lowbit_args *a, int64_t nb);
-/* lowbit_avx512.c: row block nb for every token; `up`: [K/4][64] bytes of scratch from UP_MIN_M tokens on. */
+void block_avxvnni(const lowbit_args *a, int64_t nb, uint8_t *up);
+void block_avx2(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up);
 #endif
+/* Every row block at once, for M >= AMX_MIN_M and G >= 32 (x86/lowbit_amx.c); xq padded with zero rows to
+ * Mp = whole tiles. Returns AIPC_OK or AIPC_ERR_NOMEM. */
+typedef int (*lowbit_tiles_fn)(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads);
 #ifdef AIPC_AMX
-/* lowbit_amx.c: every row block with AMX (M >= AMX_MIN_M); xq padded with zero rows to Mp = whole tiles.
- * Returns AIPC_OK or AIPC_ERR_NOMEM. */
 int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads);
 /* cpu_features.c: AMX-INT8 on the CPU, enabled by the OS and permitted for this process. */
 int amx_usable(void);
+#endif
+
+/* One token's int8 quantization in one pass, no float copy of the row (x86/act_quant_avx512.c); x: the
+ * token's row, given: NULL or its absmax; q: its K codes; sx, gsum: its [K/G] scales and group sums. The
+ * portable path (generic/act_quant.c) runs where the table has none. */
+typedef void (*act_row_fn)(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given,
+                           int8_t *q, float *sx, int32_t *gsum);
+#ifdef AIPC_X86
+void act_row_avx512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given, int8_t *q,
+                    float *sx, int32_t *gsum);
 #endif
 
 #endif /* AIPC_LOWBIT_KERNELS_H */

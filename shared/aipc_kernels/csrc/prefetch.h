@@ -2,7 +2,7 @@
  * Software prefetch of a streamed operand (the low-bit weights, and the bandwidth probe that is measured
  * against them), two distances: into L1 just ahead of the loads, and into L2 far ahead. The far one keeps
  * more lines in flight than the L1 fill buffers allow, and crosses the 4 KiB pages where the hardware
- * streamer stops: +7-9% of DRAM bandwidth at M=1 on 2 cores (A/B in one process, bench/results/gemv_cpu.md).
+ * streamer stops: +7-9% of DRAM bandwidth at M=1 on 2 cores (A/B in one process, bench/results/cpu/gemv_cpu.md).
  * Override with -DPREFETCH_BYTES=... / -DPREFETCH_L2_BYTES=0.
  */
 #ifndef AIPC_PREFETCH_H

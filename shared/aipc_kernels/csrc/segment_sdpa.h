@@ -1,7 +1,7 @@
 /*
  * Internals shared by the segment attention units (not part of the C API, see aipc_native.h): the block
- * sizes and the per-ISA table of the kernel's inner steps. segment_sdpa.c holds the kernel and its
- * portable steps, segment_sdpa_x86.c the AVX-512 and AVX2 ones.
+ * sizes and the per-ISA table of the kernel's inner steps. generic/segment_sdpa.c holds the kernel and
+ * its portable steps, x86/segment_sdpa_avx512.c and x86/segment_sdpa_avx2.c the SIMD ones.
  */
 #ifndef AIPC_SEGMENT_SDPA_H
 #define AIPC_SEGMENT_SDPA_H
@@ -37,12 +37,14 @@ typedef struct {
     accum_rows_fn accum_rows;
 } seg_isa;
 
-/* segment_sdpa.c: the portable steps the SIMD tables reuse. */
+/* generic/segment_sdpa.c: the portable steps the SIMD tables reuse. */
 void cvt_scalar(float *dst, const void *src, int dt, int64_t D);
 float softmax_scalar(float *p, const float *sc, float m, int n);
 
+/* The step tables, entries of the dispatch table (dispatch.h): generic/segment_sdpa.c (portable, one row
+ * at a time), x86/segment_sdpa_avx2.c (one row at a time), x86/segment_sdpa_avx512.c (several rows). */
+extern const seg_isa seg_isa_scalar;
 #ifdef SEG_X86
-/* segment_sdpa_x86.c: several rows at once with AVX-512 (F, BW, VL), one row at a time with AVX2. */
 extern const seg_isa seg_isa_avx512, seg_isa_avx2;
 #endif
 

@@ -5,7 +5,7 @@
 // the shape checks that can change per call (x against the weight the caller checked once at load:
 // lowbit_contract.check_operands), the output allocation and the C kernel.
 //
-// The kernels stay in the C library (_aipc_native), which aipc_kernels.native loads with ctypes and
+// The kernels stay in the C library (_aipc_native), which aipc_kernels.core.native loads with ctypes and
 // whose ISA setting tests and benchmarks change: this library does not link it, it is handed the
 // library's entry points once at load (aipc_ops_bind), so both paths run the same kernels under the
 // same ISA. The schemas and fake kernels are defined in aipc_kernels/ops.py.
@@ -51,7 +51,7 @@ void check_dense(const Tensor& t, const char* op, const char* name) {
 
 Checked check(const char* op, const Tensor& x_in, const Tensor& qweight, const Tensor& scales,
               const std::optional<Tensor>& zeros, int64_t bits, int64_t G, int64_t N, bool a16) {
-    STD_TORCH_CHECK(g_lowbit != nullptr, op, ": the native kernel library is not bound (aipc_kernels.native loads it)");
+    STD_TORCH_CHECK(g_lowbit != nullptr, op, ": the native kernel library is not bound (aipc_kernels.core.native loads it)");
     STD_TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a feature dimension [..., K]");
     const int dt = aipc_dtype_code(x_in.scalar_type());
     STD_TORCH_CHECK(dt >= 0, op, ": x must be float32, bfloat16 or float16");
@@ -147,7 +147,7 @@ Tensor lowbit_linear_a16_cpu(Tensor x, Tensor qweight, Tensor scales, std::optio
                              std::optional<Tensor> bias, int64_t group_size, int64_t out_features, double zero,
                              int64_t dequant) {
     const char* op = "aipc::lowbit_linear_a16_cpu";
-    STD_TORCH_CHECK(g_a16 != nullptr, op, ": the native kernel library is not bound (aipc_kernels.native loads it)");
+    STD_TORCH_CHECK(g_a16 != nullptr, op, ": the native kernel library is not bound (aipc_kernels.core.native loads it)");
     Checked c = check(op, x, qweight, scales, zeros, 4, group_size, out_features, true);
     Tensor y = output(c, bias, op);
     const int status = g_a16(c.x.data_ptr(), c.dt, c.M, c.K, static_cast<const uint8_t*>(qweight.data_ptr()), 4,
@@ -161,7 +161,7 @@ Tensor lowbit_linear_a16_cpu(Tensor x, Tensor qweight, Tensor scales, std::optio
 
 }  // namespace
 
-// Called once by aipc_kernels.native with the loaded kernel library's entry points; returns the ABI
+// Called once by aipc_kernels.core.native with the loaded kernel library's entry points; returns the ABI
 // version this unit was compiled against (the caller refuses a mismatch).
 extern "C" AIPC_API int aipc_ops_bind(void* lowbit_linear, void* lowbit_linear_a16, void* status_message) {
     g_lowbit = reinterpret_cast<decltype(g_lowbit)>(lowbit_linear);

@@ -1,4 +1,4 @@
-// CPU kernel of aipc::rope (transformers' rotary embedding in one pass, aipc_kernels.rope), registered with
+// CPU kernel of aipc::rope (transformers' rotary embedding in one pass, aipc_kernels.decoder.rope), registered with
 // the dispatcher through PyTorch's stable ABI like the planned low-bit ops (lowbit_ops.cpp): a decode step
 // calls it once per layer, where the three torch element-wise ops it replaces cost about 30 us from Python.
 // The kernel is the C library's aipc_rope, handed over at load by aipc_rope_op_bind. The schema, the
@@ -24,7 +24,7 @@ decltype(&aipc_rope) g_rope = nullptr;
 
 Tensor rope(Tensor x, Tensor cos, Tensor sin) {
     const char* op = "aipc::rope";
-    STD_TORCH_CHECK(g_rope != nullptr, op, ": the native kernel library is not bound (aipc_kernels.native loads it)");
+    STD_TORCH_CHECK(g_rope != nullptr, op, ": the native kernel library is not bound (aipc_kernels.core.native loads it)");
     STD_TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, op, ": x must be [B, L, heads, head_dim] with a dense last "
                     "dimension");
     const int dt = aipc_dtype_code(x.scalar_type());
@@ -50,7 +50,7 @@ Tensor rope(Tensor x, Tensor cos, Tensor sin) {
 
 }  // namespace
 
-// Called once by aipc_kernels.native with the kernel library's aipc_rope; returns the ABI version this unit
+// Called once by aipc_kernels.core.native with the kernel library's aipc_rope; returns the ABI version this unit
 // was compiled against (the caller refuses a mismatch).
 extern "C" AIPC_API int aipc_rope_op_bind(void* rope_fn) {
     g_rope = reinterpret_cast<decltype(g_rope)>(rope_fn);

@@ -1,0 +1,71 @@
+"""The output projection (``lm_head``) quantized: its formats and the weight each one makes.
+
+Decode reads the output projection once per token, and in small models it weighs as much as every
+other linear together (Llama-3.2-1B: 525 MB in bf16 against ~300 MB of 2-bit linears). The formats:
+
+* ``int8`` (the default of the serving plugins): the ``int8`` code book with one scale per output
+  channel (round to nearest, the scale taking the row's extremes to levels 127 and -128), run by the same W·A8 kernels; half the bytes of bf16, with an
+  error of the order of the int8 activations' own;
+* ``lowbit``: the code book and group size of the model's other linears (2 bits: a quarter of int8's
+  bytes, at a quality cost);
+* ``float``: left in the model dtype.
+
+The input embedding stays a float gather in every case (a tied embedding keeps its float copy).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from aipc_kernels.lowbit.formats import LowBitWeight, fitting_group_size
+from aipc_kernels.lowbit.quantizers import quantize_rows
+
+HEAD_FORMATS = ("int8", "lowbit", "float")
+
+
+def int8_scale_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float16 (10 fraction bits) when every row's scale ``max|w|/127`` is zero (a padding row) or a
+    normal float16, else bfloat16 (whose range holds any model's)."""
+    scale = weight.detach().abs().amax(dim=1).float() / 127.0
+    fp16 = torch.finfo(torch.float16)
+    fits = (scale == 0) | ((scale >= fp16.tiny) & (scale <= fp16.max))
+    return torch.float16 if bool(fits.all()) else torch.bfloat16
+
+
+def head_act_group(head_format: str, act_group: int) -> int:
+    """The op's ``act_group`` for a head in ``head_format``: the linears' for ``lowbit``; 0 (per-token
+    activation scales) for ``int8``, whose one group per row admits no other."""
+    return act_group if head_format == "lowbit" else 0
+
+
+def quantize_output_projection(
+    weight: torch.Tensor,
+    head_format: str,
+    name: str = "lm_head",
+    codebook: Optional[str] = None,
+    group_size: Optional[int] = None,
+    quantizer: str = "optimized",
+    scale_dtype: torch.dtype = torch.float16,
+) -> Optional[LowBitWeight]:
+    """``weight [vocab, hidden]`` in ``head_format``; None for ``float``. ``codebook``, ``group_size``,
+    ``quantizer`` and ``scale_dtype`` are the other linears' (``lowbit`` needs them; a group that does not
+    divide the hidden size falls back as theirs do, :func:`~aipc_kernels.lowbit.formats.fitting_group_size`).
+    Errors name ``name``."""
+    if head_format not in HEAD_FORMATS:
+        raise ValueError(f"{name}: head format {head_format!r} is unknown; use one of {HEAD_FORMATS}")
+    if head_format == "float":
+        return None
+    if head_format == "lowbit" and (codebook is None or group_size is None):
+        raise ValueError(f"{name}: head format 'lowbit' needs the linears' codebook and group_size")
+    try:
+        if head_format == "int8":
+            return quantize_rows(weight, "int8", -1, "rtn", int8_scale_dtype(weight), name=name)
+        return quantize_rows(weight, codebook, fitting_group_size(group_size, weight.shape[1]), quantizer, scale_dtype,
+                             name=name)
+    except ValueError as e:
+        raise ValueError(f"cannot quantize the output projection {name} to {head_format}: {e}; or keep it "
+                         f"float (lm_head: float)") from None  # fmt: skip
+
+
+__all__ = ["HEAD_FORMATS", "head_act_group", "int8_scale_dtype", "quantize_output_projection"]
