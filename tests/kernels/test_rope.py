@@ -1,6 +1,6 @@
 """aipc::rope: transformers' rotary embedding in one pass, bit-identical to its torch ops (float32 / bf16 /
 fp16; strided views of a merged q/k/v output; partial rotary; cos shared by the batch; prefill and decode
-sizes; NaN and infinities), its errors, and its fake kernel under torch.compile."""
+sizes; NaN and infinities; under every ISA), its errors, and its fake kernel under torch.compile."""
 import pytest
 import torch
 
@@ -24,7 +24,8 @@ def operands(B, L, H, D, R, dt, seed, extra=24, shared_cos=False):
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 @pytest.mark.parametrize("B,L,H,D,R", [(4, 1, 16, 64, 64), (1, 300, 24, 64, 64), (2, 7, 5, 96, 32), (3, 5, 3, 128, 128),
                                        (1, 1, 1, 2, 2), (5, 2, 7, 80, 80), (2, 129, 9, 64, 48)])
-def test_bit_identical_to_transformers_ops(dt, B, L, H, D, R):
+def test_bit_identical_to_transformers_ops(dt, B, L, H, D, R, isa):
+    """Under every ISA the CPU has: each compiles the row loops for its own vectors (the dispatch table)."""
     x, cos, sin = operands(B, L, H, D, R, dt, seed=B * 1000 + L * 10 + H)
     got = torch.ops.aipc.rope(x, cos, sin)
     assert got.is_contiguous() and got.shape == x.shape and got.dtype == dt
@@ -40,7 +41,7 @@ def test_cos_shared_by_the_batch_and_contiguous_x(dt):
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
-def test_nan_and_infinities_propagate_as_in_torch(dt):
+def test_nan_and_infinities_propagate_as_in_torch(dt, isa):
     x, cos, sin = operands(2, 3, 2, 64, 64, dt, seed=5)
     x = x.clone()
     x[0, 0, 0, 3], x[1, 2, 1, 40], x[0, 1, 1, 0] = float("nan"), float("inf"), -float("inf")

@@ -13,22 +13,31 @@ static const lowbit_block_kernel LOWBIT_AVX_VNNI = {block_avxvnni, 0, 0};
 static const lowbit_block_kernel LOWBIT_AVX512 = {block_avx512, 1, 1};
 #endif
 
+/* ---------------------------------------------------------------- the one-token activation quantizers */
+
+static const act_row_kernel ACT_SCALAR = {act_row_scalar, 1};
+#ifdef AIPC_X86
+static const act_row_kernel ACT_AVX2 = {act_row_avx2, 1};
+static const act_row_kernel ACT_AVX512 = {act_row_avx512, 0};
+#endif
+
 /* ---------------------------------------------------------------- each ISA's own kernels */
 
-/* Portable C is complete: every operation either has a kernel here or a portable path in its caller. */
+/* Portable C is complete: every operation has a kernel here or a portable path in its caller (the dense
+ * prologue's); the AMX tiles alone have no fallback. */
 static const aipc_kernel_set ENTRIES[AIPC_ISA_COUNT] = {
-    [AIPC_ISA_SCALAR] = {.lowbit_block = &LOWBIT_SCALAR, .a16_block = a16_block_scalar,
-                         .dense_tile = dense_tile_scalar, .segment = &seg_isa_scalar},
+    [AIPC_ISA_SCALAR] = {.lowbit_block = &LOWBIT_SCALAR, .act_row = &ACT_SCALAR, .a16_block = a16_block_scalar,
+                         .dense_tile = dense_tile_scalar, .segment = &seg_isa_scalar, .rope = &rope_rows_scalar},
 #ifdef AIPC_X86
-    [AIPC_ISA_AVX2] = {.lowbit_block = &LOWBIT_AVX2, .a16_block = a16_block_avx2, .dense_tile = dense_tile_avx2,
-                       .dense_sumsq = dense_sumsq_avx2, .dense_prologue = dense_prologue_avx2,
-                       .segment = &seg_isa_avx2},
+    [AIPC_ISA_AVX2] = {.lowbit_block = &LOWBIT_AVX2, .act_row = &ACT_AVX2, .a16_block = a16_block_avx2,
+                       .dense_tile = dense_tile_avx2, .dense_sumsq = dense_sumsq_avx2,
+                       .dense_prologue = dense_prologue_avx2, .segment = &seg_isa_avx2, .rope = &rope_rows_avx2},
     /* VNNI's integer dot products: the W*A8 kernel; the float kernels are AVX2's */
     [AIPC_ISA_AVX_VNNI] = {.lowbit_block = &LOWBIT_AVX_VNNI},
-    [AIPC_ISA_AVX512_VNNI] = {.lowbit_block = &LOWBIT_AVX512, .act_row = act_row_avx512,
+    [AIPC_ISA_AVX512_VNNI] = {.lowbit_block = &LOWBIT_AVX512, .act_row = &ACT_AVX512,
                               .a16_block = a16_block_avx512, .dense_tile = dense_tile_avx512,
                               .dense_sumsq = dense_sumsq_avx512, .dense_prologue = dense_prologue_avx512,
-                              .segment = &seg_isa_avx512},
+                              .segment = &seg_isa_avx512, .rope = &rope_rows_avx512},
 #ifdef AIPC_AMX
     /* tiles from AMX_MIN_M tokens; fewer tokens, and everything else: AVX-512 */
     [AIPC_ISA_AMX_INT8] = {.lowbit_tiles = amx_linear},

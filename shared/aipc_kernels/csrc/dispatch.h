@@ -15,6 +15,7 @@
 #include "dense_linear.h"
 #include "lowbit_a16.h"
 #include "lowbit_kernels.h"
+#include "rope.h"
 #include "segment_sdpa.h"
 
 typedef void (*a16_block_fn)(const a16_args *a, int64_t nb, int use_bf16);
@@ -27,12 +28,13 @@ typedef void (*dense_prologue_fn)(float *dstf, uint16_t *dstb, const void *x, in
 #define AIPC_KERNEL_OPS(X)                                                                                           \
     X(LOWBIT_BLOCK, lowbit_block, const lowbit_block_kernel *) /* W*A8 row block, every token */                   \
     X(LOWBIT_TILES, lowbit_tiles, lowbit_tiles_fn)             /* W*A8 all row blocks, from AMX_MIN_M tokens */   \
-    X(ACT_ROW, act_row, act_row_fn)                            /* int8 activations of one token, one pass */      \
+    X(ACT_ROW, act_row, const act_row_kernel *)                /* int8 activations of one token */                \
     X(A16, a16_block, a16_block_fn)                            /* W4A16 row block, every token */                 \
     X(DENSE_TILE, dense_tile, dense_tile_fn)                   /* dense linear, DENSE_NB weight rows */           \
     X(DENSE_SUMSQ, dense_sumsq, dense_sumsq_fn)                /* RMSNorm prologue: sum of squares of a row */    \
     X(DENSE_PROLOGUE, dense_prologue, dense_prologue_fn)       /* dense prologue of a row */                      \
-    X(SEGMENT, segment, const seg_isa *)                       /* segment attention steps */
+    X(SEGMENT, segment, const seg_isa *)                       /* segment attention steps */                      \
+    X(ROPE, rope, const rope_rows *)                           /* rotary embedding of one position */
 
 typedef struct {
 #define AIPC_KERNEL_FIELD(OP, field, type) type field;

@@ -179,14 +179,23 @@ int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads)
 int amx_usable(void);
 #endif
 
-/* One token's int8 quantization in one pass, no float copy of the row (x86/act_quant_avx512.c); x: the
- * token's row, given: NULL or its absmax; q: its K codes; sx, gsum: its [K/G] scales and group sums. The
- * portable path (generic/act_quant.c) runs where the table has none. */
+/* One token's int8 quantization: x its row, given NULL or its absmax; q its K codes; sx, gsum its [K/G]
+ * scales and group sums; row a float32 scratch of K values where the kernel needs one (else NULL).
+ * Entries of the dispatch table: generic/act_quant.c and x86/act_quant_avx2.c (the portable body of
+ * act_quant.h), x86/act_quant_avx512.c (one fused pass, no scratch). */
 typedef void (*act_row_fn)(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given,
-                           int8_t *q, float *sx, int32_t *gsum);
+                           float *row, int8_t *q, float *sx, int32_t *gsum);
+typedef struct {
+    act_row_fn run;
+    int needs_row; /* takes the float32 scratch row */
+} act_row_kernel;
+void act_row_scalar(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given, float *row,
+                    int8_t *q, float *sx, int32_t *gsum);
 #ifdef AIPC_X86
-void act_row_avx512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given, int8_t *q,
-                    float *sx, int32_t *gsum);
+void act_row_avx2(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given, float *row,
+                  int8_t *q, float *sx, int32_t *gsum);
+void act_row_avx512(const void *x, int dt, int64_t K, int64_t G, int64_t act_group, const float *given, float *row,
+                    int8_t *q, float *sx, int32_t *gsum);
 #endif
 
 #endif /* AIPC_LOWBIT_KERNELS_H */

@@ -8,63 +8,20 @@
  * output is bit-identical to theirs (the build's -ffp-contract=off keeps the products apart from the
  * sum). x: [B][L][H][D] with element strides (sb, sl, sh), last dimension dense; cos, sin: [Bc][L][R]
  * dense in x's dtype, Bc = 1 (shared by the batch: cstride 0) or B (cstride L * R); out: dense
- * [B][L][H][D]. Threads over the B * L rows when there is enough work (prefill), else one.
+ * [B][L][H][D]. Threads over the B * L rows when there is enough work (prefill), else one. The row loops
+ * (rope.h) are the dispatch table's for the ISA (dispatch.h).
  */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "aipc_native.h"
-#include "half_float.h"
+#include "dispatch.h"
+#include "rope.h"
 
 #define ROPE_MIN_PARALLEL (1 << 15) /* elements below which one thread does the whole call (decode) */
 
-#if defined(__x86_64__) || defined(_M_X64)
-/* one copy per ISA, chosen at load (GCC's ifunc): the row loops vectorize to the CPU's widest vectors */
-#define ROPE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ROPE_CLONES
-#endif
-
-/* half_float.h's f32_to_bf16 (round to nearest even, NaN quieted) without its branch, so that loops vectorize */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t nan = (u >> 16) | 0x40u, rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
-}
-
-static inline float bf16_value(float f) { return bf16_to_f32(bf16_round(f)); }
-
-/* One position of a float32 x: its H heads against one row of cos / sin. */
-static ROPE_CLONES void row_f32(const float *x, int64_t sh, const float *c, const float *s, float *o, int64_t H,
-                                int64_t D, int64_t R) {
-    const int64_t half = R / 2;
-    for (int64_t h = 0; h < H; h++) {
-        const float *xh = x + h * sh;
-        float *oh = o + h * D;
-        for (int64_t d = 0; d < half; d++) oh[d] = xh[d] * c[d] + -xh[d + half] * s[d];
-        for (int64_t d = half; d < R; d++) oh[d] = xh[d] * c[d] + xh[d - half] * s[d];
-        for (int64_t d = R; d < D; d++) oh[d] = xh[d];
-    }
-}
-
-/* The same for bfloat16: each product and the sum rounded to bfloat16. */
-static ROPE_CLONES void row_bf16(const uint16_t *x, int64_t sh, const uint16_t *c, const uint16_t *s, uint16_t *o,
-                                 int64_t H, int64_t D, int64_t R) {
-    const int64_t half = R / 2;
-    for (int64_t h = 0; h < H; h++) {
-        const uint16_t *xh = x + h * sh;
-        uint16_t *oh = o + h * D;
-        for (int64_t d = 0; d < half; d++)
-            oh[d] = bf16_round(bf16_value(bf16_to_f32(xh[d]) * bf16_to_f32(c[d])) +
-                               bf16_value(-bf16_to_f32(xh[d + half]) * bf16_to_f32(s[d])));
-        for (int64_t d = half; d < R; d++)
-            oh[d] = bf16_round(bf16_value(bf16_to_f32(xh[d]) * bf16_to_f32(c[d])) +
-                               bf16_value(bf16_to_f32(xh[d - half]) * bf16_to_f32(s[d])));
-        for (int64_t d = R; d < D; d++) oh[d] = xh[d];
-    }
-}
+/* The row loops for the build's baseline ISA: the dispatch table's scalar entry (x86/ has the SIMD ones). */
+ROPE_ROWS_INSTANCE(rope_rows_scalar, )
 
 /* The same for float16 (scalar conversions: a CPU model rarely runs in float16). */
 static void row_f16(const uint16_t *x, int64_t sh, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t H,
@@ -98,6 +55,9 @@ AIPC_API int aipc_rope(const void *x, int dt, int64_t B, int64_t L, int64_t H, i
     if (B < 0 || L < 0 || H < 0 || D <= 0 || R <= 0 || R > D || R % 2) return AIPC_ERR_SHAPE;
     if (nthreads < 0 || nthreads > AIPC_MAX_THREADS) return AIPC_ERR_THREADS;
     const int nt = B * L * H * R < ROPE_MIN_PARALLEL ? 1 : nthreads > 0 ? nthreads : omp_get_max_threads();
+    const rope_rows *rows = aipc_kernels()->rope;
+    const rope_row_f32_fn row_f32 = rows->f32;
+    const rope_row_bf16_fn row_bf16 = rows->bf16;
     if (dt == AIPC_DT_F32) {
         ROPE_ROWS(row_f32, float)
     } else if (dt == AIPC_DT_BF16) {
