@@ -49,3 +49,11 @@ def test_names_that_did_not_move_and_helpers_that_left():
 def test_every_move_points_at_a_module():
     for new in set(MOVED.values()):
         importlib.import_module(f"aipc_kernels.{new}")
+
+
+def test_gpu_kernel_modules_import_first():
+    """Each CUDA kernel module imported first in a fresh interpreter: they belong to the Triton low-bit
+    registry, which imports them back (gpu/cuda/__init__.py orders the two)."""
+    names = [f"aipc_kernels.gpu.cuda.{m}" for m in ("build", "stream", "mma", "gemm")]
+    for name in names:
+        subprocess.run([sys.executable, "-c", f"import {name}"], check=True)
