@@ -29,8 +29,8 @@ import torch
 
 from aipc_kernels.core import native
 from aipc_kernels.decoder import segment_attention
-from aipc_kernels.lowbit.formats import get_codebook
-from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.contract import operand_plan
+from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from gemv_cpu import codebook_kernel_args  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
@@ -81,8 +81,8 @@ def kernel_vectors(kernel: str, codebook: str, group: int, sets: list, x: torch.
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
     if kernel == "dense":
         return [native.dense_linear_args(y, x, w, None) for (w,) in sets] + [y]
-    cb = get_codebook(codebook)
-    zero, dequant = float("nan") if cb.zero is None else cb.zero, "e0m4" if codebook == "e0m4" else "int"
+    zero = operand_plan(CPU_LAYOUT, codebook, group, N, x.shape[1], 0).zero  # the op's: NaN with per-group zeros
+    dequant = "e0m4" if codebook == "e0m4" else "int"
     return [native.lowbit_linear_a16_args(y, x, q, s, z, None, group, zero, dequant) for q, s, z in sets] + [y]
 
 

@@ -4,19 +4,17 @@ results writer, the worker-process runner and the command-line convention (``--r
 benches with llama.cpp rows also import ``harness.llamacpp`` (build, convert, quantize, time the CPU peer).
 Importing it puts the repository's root on ``sys.path`` too: the benches share the tests' fixture
 builders and references (``tests.helpers``, not shipped in the wheel)."""
-import os as _os
 import sys as _sys
 
-_ROOT = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
-if _ROOT not in _sys.path:
-    _sys.path.append(_ROOT)
-
 from harness.bandwidth import gpu_copy_bandwidth, native_probes, read_bandwidth
-from harness.cli import BenchParser, select
+from harness.cli import REPO_ROOT, BenchParser, select
 from harness.lock import BENCH_LOCK, bench_lock
 from harness.machine import describe, gpu_info, machine_info
 from harness.results import command_line, markdown_table, read_results, write_results
 from harness.worker import RESULT_PREFIX, run_worker
+
+if REPO_ROOT not in _sys.path:
+    _sys.path.append(REPO_ROOT)
 
 __all__ = [
     "BENCH_LOCK", "BenchParser", "bench_lock", "command_line", "describe", "gpu_copy_bandwidth", "gpu_info", "machine_info",

@@ -30,6 +30,8 @@ MOVED: dict[str, str] = {
     "testing": "tools",  # the other test helpers left the package (the repository's tests/helpers)
 }
 PACKAGE = __name__.rpartition(".")[0]
+#: MOVED's old names, longest first: a package's submodule matches its most specific entry
+_BY_LENGTH = sorted(MOVED, key=len, reverse=True)
 
 
 def new_name(old: str) -> str | None:
@@ -37,7 +39,7 @@ def new_name(old: str) -> str | None:
     rest = old[len(PACKAGE) + 1:] if old.startswith(PACKAGE + ".") else None
     if rest is None:
         return None
-    for moved in sorted(MOVED, key=len, reverse=True):
+    for moved in _BY_LENGTH:
         if rest == moved or rest.startswith(moved + "."):
             return f"{PACKAGE}.{MOVED[moved]}{rest[len(moved):]}"
     return None

@@ -275,12 +275,11 @@ def lowbit_linear_a16_into(
     if check_dense:
         for t in (y, x, qweight, scales, zeros, bias):
             _require_dense(t)
-    K = x.shape[-1]
     args = lowbit_linear_a16_args(y, x, qweight, scales, zeros, bias, group_size, zero, dequant)
     status = _lib().aipc_lowbit_linear_a16_v(args.buffer_info()[0])
     if status != 0:
         raise RuntimeError(
-            f"aipc_lowbit_linear_a16 failed: {status_message(status)} (M={args[2]}, K={K}, N={args[6]}, "
+            f"aipc_lowbit_linear_a16 failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
             f"group_size={group_size}, dequant={dequant})"
         )
 
@@ -313,12 +312,11 @@ def dense_linear_into(
     if check_dense:
         for t in (y, x, weight, bias):
             _require_dense(t)
-    K = x.shape[-1]
     args = dense_linear_args(y, x, weight, bias)
     status = _lib().aipc_dense_linear_v(args.buffer_info()[0])
     if status != 0:
         raise RuntimeError(
-            f"aipc_dense_linear failed: {status_message(status)} (M={args[2]}, K={K}, N={args[6]}, "
+            f"aipc_dense_linear failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
             f"x {x.dtype}, weight {weight.dtype})"
         )
 

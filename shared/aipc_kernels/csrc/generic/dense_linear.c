@@ -3,7 +3,8 @@
  * float32 / bf16 / fp16 weights in the model's own [N][K] layout, every weight row streamed from memory
  * once for all M tokens (the decode step of beam search or a small batch: M = beams x batch). Threads
  * split the weight rows in contiguous ranges of tiles; the dispatch table's tile for the ISA chosen at run
- * time (dispatch.h; x86/dense_linear_avx512.c, x86/dense_linear_avx2.c) accumulates in float32, so each output is the same for any M and any thread count.
+ * time (dispatch.h; x86/dense_linear_avx512.c, x86/dense_linear_avx2.c) accumulates in float32, so each
+ * output is the same for any M and any thread count.
  * bf16 x and weights on a CPU with AVX512-BF16 take vdpbf16ps (exact bf16 products, float32 sums; bf16
  * subnormal inputs read as zero), twice the products of an FMA: decode of several beams is
  * compute-bound in float32 from about 8 rows on.
@@ -19,9 +20,9 @@
 /* x after the prologue, once: [M][Kp] float32 (xf) or [M][Kb] bf16 (xb), zero padded; the tiles read it
  * from L1/L2 for every weight row. */
 static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M, int64_t K, int64_t ldx,
-                      int64_t Kp, int64_t Kb, int pro, const void *gamma, float eps) {
-    const dense_sumsq_fn sumsq = aipc_kernels()->dense_sumsq;
-    const dense_prologue_fn prologue = aipc_kernels()->dense_prologue;
+                      int64_t Kp, int64_t Kb, int pro, const void *gamma, float eps, const aipc_kernel_set *ks) {
+    const dense_sumsq_fn sumsq = ks->dense_sumsq;
+    const dense_prologue_fn prologue = ks->dense_prologue;
     for (int64_t m = 0; m < M; m++) {
         const int64_t row = m * ldx;
         float *df = xb ? NULL : xf + m * Kp;
@@ -117,7 +118,8 @@ static int dense_linear_fused(const fused_call *c) {
     else
         xf = (float *)aligned_alloc(64, (size_t)(M * Kp) * sizeof(float));
     if (!xf && !xb) return AIPC_ERR_NOMEM;
-    prepare_x(xf, xb, c->x, dt, M, K, c->ldx, Kp, Kb, c->pro, c->gamma, c->eps);
+    const aipc_kernel_set *ks = aipc_kernels();
+    prepare_x(xf, xb, c->x, dt, M, K, c->ldx, Kp, Kb, c->pro, c->gamma, c->eps, ks);
     /* one dense_args per weight, its y and residual starting at the weight's first column */
     dense_args a[AIPC_DENSE_MAX_SEGMENTS];
     int64_t first_tile[AIPC_DENSE_MAX_SEGMENTS + 1];
@@ -132,7 +134,7 @@ static int dense_linear_fused(const fused_call *c) {
         col += c->N[s];
         first_tile[s + 1] = first_tile[s] + (c->N[s] + DENSE_NB - 1) / DENSE_NB;
     }
-    const dense_tile_fn tile = aipc_kernels()->dense_tile;
+    const dense_tile_fn tile = ks->dense_tile;
     const int64_t tiles = first_tile[c->nseg];
     if (tiles < nthreads) nthreads = (int)tiles;
     int status = AIPC_OK;

@@ -101,7 +101,8 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
     if (nthreads == 0) nthreads = omp_get_max_threads();
     const a16_block_fn kernel = aipc_kernels()->a16_block;
     /* bf16 products (vdpbf16ps) only where the table's kernel is the AVX-512 one */
-    const int use_bf16 = dt == AIPC_DT_BF16 && aipc_bf16_dot_products() && aipc_kernel_isa(AIPC_OP_A16) == AIPC_ISA_AVX512_VNNI;
+    const int use_bf16 =
+        dt == AIPC_DT_BF16 && aipc_bf16_dot_products() && aipc_kernel_isa(AIPC_OP_A16) == AIPC_ISA_AVX512_VNNI;
     const int64_t ng = K / G;
     float *xs = (float *)malloc((size_t)(M * ng) * sizeof(float));
     float *xf = NULL;
