@@ -6,7 +6,7 @@ The ``bench/segment_kv.py`` configuration (random ``llama-150m`` preset and its 
 ``--prompt`` tokens), one model per row, optimized with ``--weights`` (``float``: the fused layers on the float
 weights). Each component's functions are wrapped in a wall-clock timer inside ``generate``: the layers'
 projections (the planned low-bit op, or ``aipc::fused_linear``), the lm_head, the segment SDPA, RoPE, the
-low-bit path's prologues in torch ops, the whole model forward; the step is
+low-bit path's prologues (``aipc::prologue`` for bf16, torch ops for float32), the whole model forward; the step is
 ``(T(2 + new) - T(2)) / new`` of plain ``generate`` calls (the timers' own cost, under a microsecond a call,
 is in it). ``rest of the forward`` is the forward minus the timed components (the layers' glue, cache updates,
 norms, residuals, transformers' model code); ``outside the forward`` is the step minus the forward
@@ -75,7 +75,7 @@ def install_timers(timers: Timers, weights: str) -> None:
     else:
         timers.wrap(planned_ops.CpuCall, "__call__", "projections")
         timers.wrap(modules.LowBitLinear, "forward", "lm_head")
-        timers.wrap(fused_lowbit, "prologue_reference", "prologues")
+        timers.wrap(fused_lowbit, "apply_prologue", "prologues")
     timers.wrap(segment_attention, "native_segment_sdpa", "segment_sdpa")
     timers.wrap(decoder_layer, "apply_rope", "rope")
     timers.wrap(modeling_llama.LlamaForCausalLM, "forward", "forward")

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-ABI_VERSION = 7  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 8  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -89,9 +89,9 @@ def available() -> bool:
 @lru_cache(maxsize=1)
 def ops_library() -> Optional[ctypes.CDLL]:
     """The C++ library of the native ops' CPU kernels (``csrc/ops/``: ``aipc::lowbit_linear_cpu``,
-    ``aipc::lowbit_linear_a16_cpu`` and ``aipc::rope``, registered with the dispatcher when it loads), bound
-    to the kernel library's entry points; None when either was not built (see setup.py). Loading it is what
-    registers the CPU kernels, so the modules defining their schemas call this after defining them."""
+    ``aipc::lowbit_linear_a16_cpu``, ``aipc::rope`` and ``aipc::prologue``, registered with the dispatcher when it
+    loads), bound to the kernel library's entry points; None when either was not built (see setup.py). Loading it
+    is what registers the CPU kernels, so the modules defining their schemas call this after defining them."""
     lib = library()
     found = sorted(glob.glob(os.path.join(PACKAGE_DIR, "_aipc_ops*.so")))
     if lib is None or not found:
@@ -99,7 +99,7 @@ def ops_library() -> Optional[ctypes.CDLL]:
     ops = ctypes.CDLL(found[0])
     entry = lambda fn: ctypes.cast(getattr(lib, fn), ctypes.c_void_p)  # noqa: E731
     binds = {"aipc_ops_bind": ("aipc_lowbit_linear", "aipc_lowbit_linear_a16", "aipc_status_message"),
-             "aipc_rope_op_bind": ("aipc_rope",)}  # fmt: skip
+             "aipc_rope_op_bind": ("aipc_rope",), "aipc_prologue_op_bind": ("aipc_dense_prologue",)}  # fmt: skip
     versions = set()
     for bind, entries in binds.items():
         fn = getattr(ops, bind, None)

@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 7
+#define AIPC_ABI_VERSION 8
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -172,6 +172,12 @@ typedef enum {
  * w, wdt, N, bias (bias in dt or 0).
  */
 AIPC_API int aipc_dense_linear_fused_v(const int64_t *v);
+
+/* The prologue alone (aipc_prologue, the same values aipc_dense_linear_fused multiplies): out[M][K] dense in dt
+ * from x's M rows, ldx elements apart (K, or 2K for AIPC_PRO_SILU_MUL); eps and gamma as there. For a projection
+ * whose product is not aipc_dense_linear_fused's (the low-bit ops): one pass where torch needs about six. */
+AIPC_API int aipc_dense_prologue(const void *x, int dt, int64_t M, int64_t K, int64_t ldx, int pro, const void *gamma,
+                                 float eps, void *out, int nthreads);
 
 /* ---------------------------------------------------------------- segment attention (generic/segment_sdpa.c) */
 

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 
 from aipc_kernels.core import native
 from aipc_kernels.decoder.dense_linear import DTYPES, cpu_max_rows
-
-PROLOGUES = tuple(native.PROLOGUES)
+from aipc_kernels.decoder.prologue import PROLOGUES, prologue_reference, rms_norm_like_transformers  # noqa: F401
 
 
 def check_fused_operands(
@@ -42,7 +41,7 @@ def check_fused_operands(
 ) -> None:
     """ValueError naming the operand of :func:`fused_linear` that does not fit."""
     if prologue not in PROLOGUES:
-        raise ValueError(f"fused_linear: prologue must be one of {PROLOGUES}, got {prologue!r}")
+        raise ValueError(f"fused_linear: prologue must be one of {tuple(PROLOGUES)}, got {prologue!r}")
     if not weights:
         raise ValueError("fused_linear: weights is empty; pass at least one [N, K] weight")
     if len(biases) != len(weights):
@@ -75,27 +74,6 @@ def check_fused_operands(
             raise ValueError(f"fused_linear: {name} must be a float tensor, got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"fused_linear: {name} is on {t.device}, x on {x.device}; move them to one device")
-
-
-def rms_norm_like_transformers(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """``LlamaRMSNorm.forward`` (also Mistral's, Qwen2/3's, Phi-3's): float32 statistics, the normalized row
-    rounded to x's dtype, then multiplied by gamma."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return gamma * h.to(x.dtype)
-
-
-def prologue_reference(x: torch.Tensor, prologue: str, gamma: Optional[torch.Tensor], eps: float,
-                       in_features: int) -> torch.Tensor:  # fmt: skip
-    """The prologue in torch ops at transformers' rounding points: ``gamma * rmsnorm(x)``,
-    ``silu(gate) * up`` of x's two ``in_features`` halves, or x itself."""
-    if prologue == "rmsnorm":
-        return rms_norm_like_transformers(x, gamma, eps)
-    if prologue == "silu_mul":
-        return F.silu(x[..., :in_features]) * x[..., in_features:]
-    if prologue != "none":
-        raise ValueError(f"fused_linear: prologue must be one of {PROLOGUES}, got {prologue!r}")
-    return x
 
 
 def fused_linear_reference(x, weights, biases, prologue="none", gamma=None, eps=0.0, residual=None):

@@ -9,9 +9,10 @@ modules, run by ``aipc::lowbit_linear`` (int8 activations inside the kernel).
   with no second copy, and the modules still run alone (the stock forward, ``undo``). The ``cpu_vnni16``
   layout keeps rows in blocks of 16, so this needs every module but the last to have a multiple of 16
   outputs; otherwise each module is called and the outputs concatenated.
-* The prologue (:func:`~aipc_kernels.decoder.fused_linear.prologue_reference`) and the residual are the torch ops of
-  the op's reference (transformers' rounding points), so a fused layer gives what the model's stock layer gives with the same
-  modules: activations are quantized per token, one scale per row, the same rows either way.
+* The prologue is ``aipc::prologue`` (:func:`~aipc_kernels.decoder.prologue.apply_prologue`: one native pass on
+  the CPU, at transformers' rounding points) and the residual is added to the fresh output in place, so a fused
+  layer gives what the model's stock layer gives with the same modules: activations are quantized per token, one
+  scale per row, the same rows either way (up to the prologue's float32 sum order, see its module).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from aipc_kernels.decoder.fused_linear import prologue_reference
+from aipc_kernels.decoder.prologue import apply_prologue
 from aipc_kernels.lowbit.modules import LowBitLinear
 from aipc_kernels.lowbit.packing import BLOCK_N, CPU_LAYOUT, PackedLowBit
 from aipc_kernels.lowbit.planned_ops import CpuCall, plan_cpu_call
@@ -97,7 +98,7 @@ class LowBitProjection:
 
     def __call__(self, x: torch.Tensor, prologue: str = "none", gamma: Optional[torch.Tensor] = None,
                  eps: float = 0.0, residual: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-        x = prologue_reference(x, prologue, gamma, eps, self.in_features)
+        x = apply_prologue(x, prologue, gamma, eps, self.in_features)
         if self.merged is None:
             outs = [m(x) for m in self.modules]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -108,7 +109,10 @@ class LowBitProjection:
             from aipc_kernels.lowbit.ops import lowbit_linear
 
             y = lowbit_linear(x, self.merged, self.bias, self.modules[0].act_group)
-        return y if residual is None else residual + y
+        if residual is None:
+            return y
+        same = residual.dtype == y.dtype and residual.shape == y.shape
+        return y.add_(residual) if same else residual + y  # in place on this call's own output
 
 
 __all__ = ["LowBitProjection", "share_storage"]

@@ -17,41 +17,49 @@
 #include "dense_linear.h"
 #include "dispatch.h"
 
+/* One row of x after the prologue, from element `row` (K values; 2K read for silu_mul): float32 to df, or
+ * bf16 to db, or float16 to dh (exactly one non-NULL). inv of the RMSNorm from the dispatch table's sum of
+ * squares; the values from its prologue, or from dense_prologue_value where it has none (the portable
+ * build) or for float16. */
+static void prologue_row(float *df, uint16_t *db, uint16_t *dh, const void *x, int dt, int64_t row, int64_t K, int pro,
+                         const void *gamma, float eps, const aipc_kernel_set *ks) {
+    float inv = 1.f;
+    if (pro == AIPC_PRO_RMSNORM) {
+        float ss = 0.f;
+        if (ks->dense_sumsq)
+            ss = ks->dense_sumsq(x, dt, row, K);
+        else
+            for (int64_t k = 0; k < K; k++) {
+                const float v = dense_load_f32(x, dt, row + k);
+                ss += v * v;
+            }
+        inv = 1.f / sqrtf(ss / (float)K + eps);
+    }
+    if (pro == AIPC_PRO_NONE && !dh && (db || dt == AIPC_DT_F32)) { /* x as it is: bf16 onto bf16, f32 onto f32 */
+        memcpy(db ? (void *)db : (void *)df, (const char *)x + row * (db ? 2 : 4), (size_t)K * (db ? 2 : 4));
+    } else if (ks->dense_prologue && pro != AIPC_PRO_NONE && !dh) {
+        ks->dense_prologue(df, db, x, dt, row, K, pro, gamma, inv);
+    } else {
+        for (int64_t k = 0; k < K; k++) {
+            const float v = dense_prologue_value(x, dt, row, k, K, pro, gamma, inv);
+            if (dh)
+                dh[k] = f32_to_f16(v);
+            else if (db)
+                db[k] = f32_to_bf16(v);
+            else
+                df[k] = v;
+        }
+    }
+}
+
 /* x after the prologue, once: [M][Kp] float32 (xf) or [M][Kb] bf16 (xb), zero padded; the tiles read it
  * from L1/L2 for every weight row. */
 static void prepare_x(float *xf, uint16_t *xb, const void *x, int dt, int64_t M, int64_t K, int64_t ldx,
                       int64_t Kp, int64_t Kb, int pro, const void *gamma, float eps, const aipc_kernel_set *ks) {
-    const dense_sumsq_fn sumsq = ks->dense_sumsq;
-    const dense_prologue_fn prologue = ks->dense_prologue;
     for (int64_t m = 0; m < M; m++) {
-        const int64_t row = m * ldx;
         float *df = xb ? NULL : xf + m * Kp;
         uint16_t *db = xb ? xb + m * Kb : NULL;
-        float inv = 1.f;
-        if (pro == AIPC_PRO_RMSNORM) {
-            float ss = 0.f;
-            if (sumsq)
-                ss = sumsq(x, dt, row, K);
-            else
-                for (int64_t k = 0; k < K; k++) {
-                    const float v = dense_load_f32(x, dt, row + k);
-                    ss += v * v;
-                }
-            inv = 1.f / sqrtf(ss / (float)K + eps);
-        }
-        if (pro == AIPC_PRO_NONE && (db || dt == AIPC_DT_F32)) { /* x as it is: bf16 onto bf16, f32 onto f32 */
-            memcpy(db ? (void *)db : (void *)df, (const char *)x + row * (db ? 2 : 4), (size_t)K * (db ? 2 : 4));
-        } else if (prologue && pro != AIPC_PRO_NONE) {
-            prologue(df, db, x, dt, row, K, pro, gamma, inv);
-        } else {
-            for (int64_t k = 0; k < K; k++) {
-                const float v = dense_prologue_value(x, dt, row, k, K, pro, gamma, inv);
-                if (db)
-                    db[k] = f32_to_bf16(v);
-                else
-                    df[k] = v;
-            }
-        }
+        prologue_row(df, db, NULL, x, dt, m * ldx, K, pro, gamma, eps, ks);
         if (db)
             memset(db + K, 0, (size_t)(Kb - K) * sizeof(uint16_t));
         else
@@ -199,4 +207,27 @@ AIPC_API int aipc_dense_linear_fused_v(const int64_t *v) {
         c.bias[s] = (const void *)v[16 + 4 * s];
     }
     return dense_linear_fused(&c);
+}
+
+#define PROLOGUE_MIN_PARALLEL (1 << 15) /* elements below which one thread does the whole call (decode) */
+
+AIPC_API int aipc_dense_prologue(const void *x, int dt, int64_t M, int64_t K, int64_t ldx, int pro, const void *gamma,
+                                 float eps, void *out, int nthreads) {
+    if (dt < AIPC_DT_F32 || dt >= AIPC_DT_COUNT) return AIPC_ERR_DTYPE;
+    if (pro < AIPC_PRO_NONE || pro >= AIPC_PRO_COUNT || M < 0 || K <= 0 ||
+        ldx < (pro == AIPC_PRO_SILU_MUL ? 2 * K : K))
+        return AIPC_ERR_SHAPE;
+    if (nthreads < 0 || nthreads > AIPC_MAX_THREADS) return AIPC_ERR_THREADS;
+    if (M == 0) return AIPC_OK;
+    if (!x || !out || (pro == AIPC_PRO_RMSNORM && !gamma)) return AIPC_ERR_NULL;
+    const int nt = M * K < PROLOGUE_MIN_PARALLEL ? 1 : nthreads > 0 ? nthreads : omp_get_max_threads();
+    const aipc_kernel_set *ks = aipc_kernels();
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t m = 0; m < M; m++) {
+        float *df = dt == AIPC_DT_F32 ? (float *)out + m * K : NULL;
+        uint16_t *db = dt == AIPC_DT_BF16 ? (uint16_t *)out + m * K : NULL;
+        uint16_t *dh = dt == AIPC_DT_F16 ? (uint16_t *)out + m * K : NULL;
+        prologue_row(df, db, dh, x, dt, m * ldx, K, pro, gamma, eps, ks);
+    }
+    return AIPC_OK;
 }

@@ -93,8 +93,10 @@ T256 void dense_tile_avx2(const dense_args *a, int64_t n0, int nb, float *wtile)
 
 /* ---------------------------------------------------------------- AVX2 prologue (aipc_prologue) */
 
-/* exp(x) in float32 as exp512, 2^n built in the exponent field (x clamped to [-87, 88]: n stays normal). */
+/* exp(x) in float32 as exp512, 2^n built in the exponent field (x clamped to [-87, 88]: n stays normal); inf
+ * past the float range (so that silu(-inf) is -inf / inf = NaN, as torch's). */
 static INLINE T256 __m256 exp256(__m256 x) {
+    const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
     x = _mm256_max_ps(_mm256_set1_ps(-87.f), x); /* max/min return x when it is NaN */
     x = _mm256_min_ps(_mm256_set1_ps(88.f), x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -109,7 +111,7 @@ static INLINE T256 __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY), overflow);
 }
 
 static INLINE T256 __m256 round256(__m256 v, const int dt) {
