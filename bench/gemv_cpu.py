@@ -50,7 +50,8 @@ from aipc_kernels.core import native
 from aipc_kernels.lowbit.formats import get_codebook
 import aipc_kernels.decoder.dense_linear  # noqa: F401  (registers torch.ops.aipc.dense_linear)
 import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
-from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.contract import operand_plan
+from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
 from aipc_kernels.lowbit.planned_ops import available as plan_ready, plan_cpu_call
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, read_results, select, write_results
@@ -170,7 +171,8 @@ def codebook_kernel_args(codebook: str, group: int, sets, x: torch.Tensor, N: in
     cb = get_codebook(codebook)
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
     G = group if group > 0 else x.shape[1]
-    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, G, cb.cmul, cb.zero or 0.0, x.shape[1])
+    zero = operand_plan(CPU_LAYOUT, codebook, G, N, x.shape[1], 0).zero  # the op's: NaN with per-group zeros
+    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, G, cb.cmul, zero, x.shape[1])
             for q, s, z in sets] + [y]  # y last: kept alive
 
 
@@ -187,6 +189,17 @@ def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> flo
     finally:
         del y, vectors
         native.set_isa(run_isa)
+
+
+def check_kernel_alone(kind: str, fn, sets, x: torch.Tensor, N: int) -> None:
+    """RuntimeError unless the C kernel alone, with the vectors :func:`time_kernel` times, gives the op's output
+    on the first weight set (a wrong argument there would time another code path)."""
+    *vectors, y = kernel_args(kind, sets[:1], x, N)
+    status = native._lib().aipc_lowbit_linear_v(vectors[0].buffer_info()[0])
+    want = fn(x, sets[0])
+    if status != 0 or not torch.allclose(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+        raise RuntimeError(f"{kind}: the kernel-alone vectors do not compute what the op does (status {status}, "
+                           f"largest difference {float((y - want).abs().max()):.3g})")  # fmt: skip
 
 
 def time_rotating(fn, sets, x, min_calls: int, min_s: float = 0.3) -> float:
@@ -341,7 +354,10 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                         s = probes.time_stream_read([ws[0] for ws in sets], calls=8)
                     else:
                         s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
-                    sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3) if kind in OUR_CONFIGS else None
+                    sk = None
+                    if kind in OUR_CONFIGS:
+                        check_kernel_alone(kind, fn, sets, x, N)
+                        sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3)
                     old = results.get((kind, M))
                     if old:
                         s, sk = min(s, old[0]), (min(sk, old[2]) if sk else None)
