@@ -42,10 +42,16 @@ def _ram_gib() -> float:
     return 0.0
 
 
+#: environment variables that force an instruction set on our kernels or on torch's (oneDNN, ATen, MKL):
+#: recorded in the machine block when set
+ISA_ENV = ("AIPC_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_info(**extra: Any) -> dict:
     """The machine block of a results file: CPU model name, ISA features and AMX yes/no, physical cores
     and logical threads, RAM, last-level cache, Python and torch versions, the native kernels' ISA (where
-    the library is built), the load average and date now; ``extra`` keys (a GPU, a framework version) are
+    the library is built), the ISA-forcing variables of :data:`ISA_ENV` that are set, the load average and
+    date now; ``extra`` keys (a GPU, a framework version) are
     added as given."""
     cpus = _cpuinfo()
     first = cpus[0] if cpus else {}
@@ -71,6 +77,9 @@ def machine_info(**extra: Any) -> dict:
         info["native_isa"] = native.get_isa() if native.available() else "none"
     except ImportError:
         pass
+    forced = {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}
+    if forced:
+        info["isa_env"] = forced
     info.update(loadavg=[round(v, 2) for v in os.getloadavg()], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     info.update(extra)
     return info
@@ -111,6 +120,8 @@ def describe(m: dict) -> str:
         parts.append(f"native ISA {m['native_isa']}")
     if "segment_isa" in m:
         parts.append(f"segment kernel ISA {m['segment_isa']}")
+    if m.get("isa_env"):
+        parts.append("ISA forced by " + " ".join(f"{k}={v}" for k, v in m["isa_env"].items()))
     parts.append(f"Python {m['python']}" + (f", torch {m['torch']}" if "torch" in m else ""))
     parts.append(f"load average {tuple(m['loadavg'])} at start, {m['date']}")
     if "gpu" not in m:
