@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from aipc_kernels.core import native
 from aipc_kernels.decoder.dense_linear import cpu_max_rows
-from aipc_kernels.decoder.fused_linear import fused_linear, fused_linear_reference, rms_norm_like_transformers
+from aipc_kernels.decoder.fused_linear import fused_linear, fused_linear_reference
+from aipc_kernels.decoder.prologue import rms_norm_like_transformers
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 

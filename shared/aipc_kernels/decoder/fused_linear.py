@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from aipc_kernels.core import native
 from aipc_kernels.decoder.dense_linear import DTYPES, cpu_max_rows
-from aipc_kernels.decoder.prologue import PROLOGUES, prologue_reference, rms_norm_like_transformers  # noqa: F401
+from aipc_kernels.decoder.prologue import PROLOGUES, prologue_reference
 
 
 def check_fused_operands(
