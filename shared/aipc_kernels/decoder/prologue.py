@@ -15,13 +15,12 @@ The projection that follows is not :mod:`aipc_kernels.decoder.fused_linear`'s (w
 while it copies x for its tiles): the low-bit projections of the fused layer
 (:mod:`aipc_kernels.decoder.fused_lowbit`) call this, then ``aipc::lowbit_linear``. CPU: ``aipc_dense_prologue``
 (``csrc/generic/dense_linear.c``, the dense kernel's prologue rows, threaded over rows for a prompt) through a
-stable-ABI kernel (``csrc/ops/prologue_op.cpp``): one pass where transformers' RMSNorm is six torch ops
+stable-ABI kernel (``csrc/ops/prologue_op.cpp``): one pass where transformers' RMSNorm is seven torch ops
 (float32 copy, square, mean, rsqrt, product, rounding copy, gamma product). The kernel adds the float32 sum
 of squares in another order than torch and its float32 ``exp`` is not torch's, so its float32 values may differ
 from the torch ops' in the last bit; rounded to bf16 / fp16 such a difference rarely survives.
-:func:`apply_prologue` therefore takes the kernel for bf16 and fp16 rows (the prompt's cost: a bf16 prefill
-of llama-150m spent about a sixth of its time in these torch ops) and keeps the torch ops for float32, where
-the fused low-bit layer promises the stock layer's logits: there a last-bit difference moves an int8
+:func:`apply_prologue` therefore takes the kernel for bf16 and fp16 rows and keeps the torch ops for float32,
+where the fused low-bit layer promises the stock layer's logits: there a last-bit difference moves an int8
 activation code, and a logit by a scale step. Elsewhere, and without the native build, the torch ops
 (:func:`prologue_reference`).
 """

@@ -1,7 +1,7 @@
 // CPU kernel of aipc::prologue (a decoder layer's RMSNorm or SwiGLU product in one pass, at transformers' rounding
 // points: aipc_kernels.decoder.prologue), registered with the dispatcher through PyTorch's stable ABI like
 // aipc::rope (rope_op.cpp). The low-bit projections of the fused decoder layer call it before aipc::lowbit_linear:
-// one pass where transformers' RMSNorm is six torch ops. The kernel is the C library's aipc_dense_prologue,
+// one pass where transformers' RMSNorm is seven torch ops. The kernel is the C library's aipc_dense_prologue,
 // handed over at load by aipc_prologue_op_bind. The schema, the reference and the fake kernel are in
 // aipc_kernels/decoder/prologue.py.
 #include <torch/csrc/stable/library.h>
