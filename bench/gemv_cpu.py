@@ -356,7 +356,8 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
                         s = time_rotating(fn, sets, x, min_calls=8 if M < 128 else 3)
                     sk = None
                     if kind in OUR_CONFIGS:
-                        check_kernel_alone(kind, fn, sets, x, N)
+                        if (kind, M) not in results:  # once per kind and M, not every round
+                            check_kernel_alone(kind, fn, sets, x, N)
                         sk = time_kernel(kind, sets, x, N, min_calls=8 if M < 128 else 3)
                     old = results.get((kind, M))
                     if old:

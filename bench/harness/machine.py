@@ -51,8 +51,7 @@ def machine_info(**extra: Any) -> dict:
     """The machine block of a results file: CPU model name, ISA features and AMX yes/no, physical cores
     and logical threads, RAM, last-level cache, Python and torch versions, the native kernels' ISA (where
     the library is built), the ISA-forcing variables of :data:`ISA_ENV` that are set, the load average and
-    date now; ``extra`` keys (a GPU, a framework version) are
-    added as given."""
+    date now; ``extra`` keys (a GPU, a framework version) are added as given."""
     cpus = _cpuinfo()
     first = cpus[0] if cpus else {}
     flags = set(first.get("flags", "").split())

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from aipc_kernels.core import native
 
 #: prologue codes (``aipc_prologue`` in csrc/aipc_native.h)
-PROLOGUES = dict(native.PROLOGUES)
+PROLOGUES = native.PROLOGUES
+_NAMES = {code: name for name, code in PROLOGUES.items()}
 #: dtypes :func:`apply_prologue` gives the native kernel (the op itself takes float32 too)
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -63,15 +64,10 @@ def prologue_reference(x: torch.Tensor, prologue: str, gamma: Optional[torch.Ten
     return x
 
 
-def _name(code: int) -> str:
-    for name, c in PROLOGUES.items():
-        if c == code:
-            return name
-    raise ValueError(f"aipc::prologue: prologue code {code} is not one of {PROLOGUES}")
-
-
 def _reference_op(x: torch.Tensor, prologue: int, gamma: Optional[torch.Tensor] = None, eps: float = 0.0):
-    name = _name(prologue)
+    name = _NAMES.get(prologue)
+    if name is None:
+        raise ValueError(f"aipc::prologue: prologue code {prologue} is not one of {PROLOGUES}")
     K = x.shape[-1] // 2 if name == "silu_mul" else x.shape[-1]
     return prologue_reference(x, name, gamma, eps, K).contiguous()
 

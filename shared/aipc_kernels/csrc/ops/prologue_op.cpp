@@ -11,7 +11,6 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -38,20 +37,19 @@ Tensor prologue(Tensor x, int64_t kind, std::optional<Tensor> gamma, double eps)
                     "number of columns; got ", cols);
     const int64_t K = kind == AIPC_PRO_SILU_MUL ? cols / 2 : cols;
     const int64_t M = xc.numel() / cols;
-    const void* g = nullptr;
-    Tensor gc = xc;  // keeps a contiguous gamma alive during the call
+    std::optional<Tensor> gc;  // a contiguous gamma, alive during the call
     if (kind == AIPC_PRO_RMSNORM) {
         STD_TORCH_CHECK(gamma.has_value() && gamma->dim() == 1 && gamma->size(0) == K, op,
                         ": rmsnorm needs gamma of shape (", K, ",)");
         STD_TORCH_CHECK(gamma->scalar_type() == x.scalar_type(), op, ": gamma must have x's dtype");
         gc = gamma->is_contiguous() ? *gamma : torch::stable::contiguous(*gamma);
-        g = gc.data_ptr();
     }
     std::vector<int64_t> shape;
     for (int64_t d = 0; d < xc.dim() - 1; d++) shape.push_back(xc.size(d));
     shape.push_back(K);
     Tensor out = torch::stable::new_empty(xc, shape);
     const float e = static_cast<float>(eps);
+    const void* g = gc.has_value() ? gc->data_ptr() : nullptr;
     const int status = g_prologue(xc.data_ptr(), dt, M, K, cols, static_cast<int>(kind), g, e, out.data_ptr(),
                                   static_cast<int>(torch::stable::get_num_threads()));
     STD_TORCH_CHECK(status == 0, op, " failed with status ", status);
