@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from aipc_kernels.core import native
+from aipc_kernels.core.huge_pages import on_huge_pages
 from aipc_kernels.lowbit.formats import get_codebook
 import aipc_kernels.decoder.dense_linear  # noqa: F401  (registers torch.ops.aipc.dense_linear)
 import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
@@ -128,7 +129,8 @@ def make_weights(kind: str, w: torch.Tensor):
         return dense, (t,), t.numel() * t.element_size()
     if kind == READ:
         nbytes = pack_for_cpu(quantize_rtn(w, "affine", 64)).nbytes()
-        return None, (torch.ones(nbytes, dtype=torch.uint8),), nbytes  # timed by the probes' time_stream_read
+        # timed by the probes' time_stream_read, on the pages the packed weights have
+        return None, (on_huge_pages(torch.ones(nbytes, dtype=torch.uint8)),), nbytes
     if kind in A16_CONFIGS:
         codebook, group, dequant, _ = A16_CONFIGS[kind]
         p = pack_for_cpu(quantize_rtn(w, codebook, group))

@@ -8,7 +8,9 @@ where lowbit2's decode time goes.
     python bench/vllm_e2e.py --preset llama-150m --rows 'llamacpp*' --new-tokens 8 --reps 1 --out /tmp/v
 
 The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lowbit4_gptq``,
-``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_omp_active`` (OpenMP threads spinning between regions, as llama.cpp's pool polls), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_omp_active`` (OpenMP threads spinning between regions, as llama.cpp's pool polls),
+``lowbit4_gptq_small_pages`` / ``lowbit2_small_pages`` (the packed weights on torch's small pages,
+``AIPC_HUGE_PAGES=0``, against the default's transparent huge pages), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
@@ -66,6 +68,11 @@ VARIANTS = {
     "lowbit2_omp_active": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), OMP_WAIT_POLICY=ACTIVE "
                                     "(OpenMP threads spin between parallel regions instead of sleeping)", model="lowbit2",
                                llm={}, env=dict(OMP_WAIT_POLICY="ACTIVE")),
+    "lowbit4_gptq_small_pages": dict(label="lowbit4 on the GPTQ checkpoint, packed weights on small pages "
+                                          "(AIPC_HUGE_PAGES=0: torch's allocator, as before 2026-11-30)",
+                                    model="gptq", llm=dict(quantization="lowbit4"), env=dict(AIPC_HUGE_PAGES="0")),
+    "lowbit2_small_pages": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), packed weights on small pages "
+                                     "(AIPC_HUGE_PAGES=0)", model="lowbit2", llm={}, env=dict(AIPC_HUGE_PAGES="0")),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},

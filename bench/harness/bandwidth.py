@@ -2,7 +2,9 @@
 weight-streaming decode step) and, on a GPU, the device-to-device copy bandwidth.
 
 Every committed CPU figure was made with the native read probe (``aipc_stream_read``: the low-bit
-kernels' prefetching read loop over a 1 GB buffer, all of torch's threads unless told, best of reps);
+kernels' prefetching read loop over a 1 GB buffer, all of torch's threads unless told, best of reps;
+from 2026-11-30 on, the buffer on transparent huge pages where the packed weights are too:
+``aipc_kernels.core.huge_pages``);
 the GPU figures with a device copy (bytes read + written / time)."""
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ def read_bandwidth(threads: Optional[int] = None, gb: float = 1.0, reps: int = 3
     if gb <= 0 or reps < 1:
         raise ValueError(f"read_bandwidth: gb={gb} must be > 0 and reps={reps} >= 1")
     probes = native_probes()
-    buf = torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8)
+    from aipc_kernels.core.huge_pages import on_huge_pages  # the pages the packed weights stream from
+
+    buf = on_huge_pages(torch.ones(int(gb * 1e9) // 64 * 64, dtype=torch.uint8))
     best = 0.0
     for _ in range(reps):
         t = time.perf_counter()

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from aipc_kernels.core.huge_pages import on_huge_pages
 from aipc_kernels.lowbit.formats import LowBitWeight, dequantize_codes, get_codebook, pack_codes, unpack_codes
 
 BLOCK_N = 16
@@ -96,17 +97,18 @@ class PackedLowBit:
 
 
 def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
-    """Canonical -> ``cpu_vnni16``."""
+    """Canonical -> ``cpu_vnni16``, each tensor the kernels stream on huge pages where it holds one
+    (:func:`~aipc_kernels.core.huge_pages.on_huge_pages`)."""
     return PackedLowBit(
         CPU_LAYOUT,
-        pack_cpu_codes(w.codes(), w.bits),
-        pack_cpu_groups(w.scales),
-        pack_cpu_groups(w.zeros) if w.zeros is not None else None,
+        on_huge_pages(pack_cpu_codes(w.codes(), w.bits)),
+        on_huge_pages(pack_cpu_groups(w.scales)),
+        on_huge_pages(pack_cpu_groups(w.zeros)) if w.zeros is not None else None,
         w.codebook,
         w.group_size,
         w.out_features,
         w.in_features,
-        torch.stack([pack_cpu_groups(s) for s in w.supers]) if w.supers is not None else None,
+        on_huge_pages(torch.stack([pack_cpu_groups(s) for s in w.supers])) if w.supers is not None else None,
     )
 
 
