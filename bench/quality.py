@@ -310,7 +310,7 @@ class Row:
     section: str
     weights: Optional[WFmt]  # None: the bf16 linears
     act: str  # "A16" (float), "A8 token", "A8 g64"
-    head: str  # "bf16", "int8", "lowbit"
+    head: str  # "bf16", "int8", "int6", "lowbit"
     head_fmt: Optional[WFmt] = None  # the lowbit head's format
 
     @property
@@ -341,10 +341,11 @@ def rows_for(sections: list[str]) -> list[Row]:
             rows += [Row("activations", w, a, "bf16") for a in acts]
     if "head" in sections:
         two, four = WFmt("affine", 64, "optimized"), WFmt("int4", 128, "optimized")
-        rows += [Row("head", None, "A16", h, f) for h, f in (("bf16", None), ("int8", None), ("lowbit", two),
-                                                             ("lowbit", four))]
-        for w in (two, four):  # the plugins' default linears (affine g64, A8 per token), and 4-bit ones
-            rows += [Row("head", w, "A8 token", h, w if h == "lowbit" else None) for h in ("bf16", "int8", "lowbit")]
+        rows += [Row("head", None, "A16", h, f) for h, f in (("bf16", None), ("int8", None), ("int6", None),
+                                                             ("lowbit", two), ("lowbit", four))]
+        for w in (four, two):  # 4-bit linears (lowbit4's), and the 2-bit default (affine g64), A8 per token
+            rows += [Row("head", w, "A8 token", h, w if h == "lowbit" else None)
+                     for h in ("bf16", "int8", "int6", "lowbit")]
     if "gguf" in sections:  # a GGUF as published (the float row's weights) against re-quantizing it (issue 38)
         for w in GGUF_WEIGHTS:
             per_group = "A8 g32" if w is None else "A8 g64"  # the kernels' activation groups span whole weight groups
@@ -454,7 +455,7 @@ class Evaluator:
         else:
             head_lw, head_deq = self.head_weight(row.head, row.head_fmt)
             self.head.weight.data = head_deq
-            head_act = "A8 token" if row.head == "int8" else row.act
+            head_act = "A8 token" if row.head in ("int8", "int6") else row.act  # the plugins' per-token scales
             if head_act != "A16":
                 hooks.append(self.head.register_forward_pre_hook(lambda m, a, act=head_act: (fake_quant_act(a[0], act),)))
         return hooks, bpw, head_lw

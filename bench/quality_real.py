@@ -222,6 +222,9 @@ def conclusions(model: str, rows: list[dict]) -> list[str]:
     i8 = next((r for r in rows if r["section"] == "head" and r["weights"] == "bf16" and r["head"] == "int8"), None)
     if i8:
         out.append(f"Output projection int8 per output channel with float linears: {d(i8)}.")
+    i6 = next((r for r in rows if r["section"] == "head" and r["weights"] == "bf16" and r["head"] == "int6"), None)
+    if i6:
+        out.append(f"Output projection int6 in groups of 32 (6.5 bits a weight) with float linears: {d(i6)}.")
     return out
 
 

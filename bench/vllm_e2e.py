@@ -10,7 +10,8 @@ where lowbit2's decode time goes.
 The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lowbit4_gptq``,
 ``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_omp_active`` (OpenMP threads spinning between regions, as llama.cpp's pool polls),
 ``lowbit4_gptq_small_pages`` / ``lowbit2_small_pages`` (the packed weights on torch's small pages,
-``AIPC_HUGE_PAGES=0``, against the default's transparent huge pages), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+``AIPC_HUGE_PAGES=0``, against the default's transparent huge pages), ``lowbit4_gptq_int6_head`` /
+``lowbit2_int6_head`` (the output projection in 6-bit codes, ``lm_head: int6``), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
@@ -73,6 +74,11 @@ VARIANTS = {
                                     model="gptq", llm=dict(quantization="lowbit4"), env=dict(AIPC_HUGE_PAGES="0")),
     "lowbit2_small_pages": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), packed weights on small pages "
                                      "(AIPC_HUGE_PAGES=0)", model="lowbit2", llm={}, env=dict(AIPC_HUGE_PAGES="0")),
+    "lowbit4_gptq_int6_head": dict(label="the same GPTQ checkpoint with --quantization lowbit4, lm_head int6 (6-bit "
+                                        "codes in groups of 32: 6.5 bits a weight, as a GGUF's Q6_K head)",
+                                  model="gptq", llm=dict(quantization="lowbit4"), qcfg=dict(lm_head="int6")),
+    "lowbit2_int6_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6)", model="lowbit2", llm={},
+                              qcfg=dict(lm_head="int6")),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},

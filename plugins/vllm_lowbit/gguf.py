@@ -257,7 +257,7 @@ def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: t
             raise ValueError(f"{GGUF_CPU}: GGUF tensor {name} arrived without its qweight_type")
         w = relayout(part["data"], part["type"], (part["data"].shape[0], K), name)
         weights.append(w)
-        formats.add((w.codebook, w.group_size))  # e.g. Q5_0 and Q8_0 are both int8 g32: one layer
+        formats.add((w.codebook, w.group_size))  # e.g. three Q4_K: min4 g32, one layer
     if len(formats) > 1 and ("float",) not in formats:  # e.g. Q4_K_M's Q4_K q / k and Q6_K v: one exact form
         from aipc_kernels.checkpoints.gguf import common_form
 

@@ -99,8 +99,8 @@ def merge_refusal(path, layer: str, parts: list[tuple[str, Any]]) -> ValueError:
 def check_merges(ck) -> None:
     """Refuses, before loading, the blocks whose q / k / v or gate / up tensors (:data:`MERGED`) would
     become one vLLM layer of float and quantized tensors. Quantized types merge: of one code book and
-    group as they are (Q5_0 and Q8_0), of different ones as min8 (:func:`aipc_kernels.checkpoints.gguf.as_min8`,
-    exact; Q4_K_M's Q4_K q / k with a Q6_K v)."""
+    group as they are, of different ones as min8 (:func:`aipc_kernels.checkpoints.gguf.as_min8`, exact;
+    Q4_K_M's Q4_K q / k with a Q6_K v, a Q5_0 with a Q8_0)."""
     names = set(ck.tensor_names())
     for b in range(int(ck.field(f"{ck.architecture}.block_count", 0) or 0)):
         for group in MERGED:

@@ -95,8 +95,9 @@ class QuantizationConfigOptions(LowBit2Options):
     quant_method: str = option(FORMAT_NAME, choices=(FORMAT_NAME,))
     format_version: int = option(FORMAT_VERSION, ge=1)
     prequantized: bool = option(False)
-    #: the output projection: int8 per output channel (default), ``lowbit`` (the code book and group
-    #: of the linears) or ``float`` (the model dtype); embeddings stay a float gather
+    #: the output projection: int8 per output channel (default), ``int6`` (6-bit codes in groups of 32, as a
+    #: GGUF's Q6_K head), ``lowbit`` (the code book and group of the linears) or ``float`` (the model dtype);
+    #: embeddings stay a float gather
     lm_head: str = option("int8", choices=HEAD_FORMATS)
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)

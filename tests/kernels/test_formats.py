@@ -12,7 +12,7 @@ shapes = st.tuples(st.integers(1, 67), st.sampled_from([32, 64, 96, 128, 192, 25
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=shapes, bits=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+@given(shape=shapes, bits=st.sampled_from([1, 2, 4, 6, 8]), seed=st.integers(0, 2**31 - 1))
 def test_canonical_and_cpu_packing_round_trip(shape, bits, seed):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, shape, generator=g, dtype=torch.uint8)
@@ -22,6 +22,29 @@ def test_canonical_and_cpu_packing_round_trip(shape, bits, seed):
     cpu = packing.pack_cpu_codes(codes, bits)
     assert cpu.shape == (-(-shape[0] // 16), shape[1] * bits // 32, 16, 4)
     assert torch.equal(packing.unpack_cpu_codes(cpu, bits, shape[0]), codes)
+
+
+def test_six_bit_layouts_put_each_code_where_the_kernels_read_it():
+    """Canonical: four codes in three bytes, little-endian, code k % 4 at bits 6 * (k % 4). cpu_vnni16: per
+    16 k three 64-byte units, unit u < 2 the low nibbles of k = 16c + 8u + 4j + kk at bits 4j of byte
+    [n][kk], unit 2 the high two bits of k = 16c + 4j + kk at bits 2j (csrc/lowbit_kernels.h)."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 64, (21, 64), generator=g, dtype=torch.uint8)
+    canon = pack_codes(codes, 6).long()
+    stream = canon[:, 0::3] | canon[:, 1::3] << 8 | canon[:, 2::3] << 16
+    for i in range(4):
+        assert torch.equal((stream >> (6 * i)) & 63, codes[:, i::4].long())
+    cpu = packing.pack_cpu_codes(codes, 6)  # [2 row blocks, 12 units, 16, 4]
+    assert cpu.shape == (2, 12, 16, 4)
+    for k in (0, 5, 13, 17, 38, 63):
+        c, r = divmod(k, 16)
+        u, jk = divmod(r, 8)
+        j, kk = divmod(jk, 4)
+        lo = (cpu[:, 3 * c + u, :, kk] >> (4 * j)) & 15
+        hj, hkk = divmod(r, 4)
+        hi = (cpu[:, 3 * c + 2, :, hkk] >> (2 * hj)) & 3
+        got = (lo | hi << 4).reshape(32)[:21]
+        assert torch.equal(got, codes[:, k]), k
 
 
 @settings(max_examples=40, deadline=None)

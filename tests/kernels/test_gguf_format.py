@@ -27,9 +27,9 @@ K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 #: the types gguf quantizes itself (gguf.quants has no K-quant quantizer)
 GGUF_QUANTIZES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.TQ2_0, T.TQ1_0]
 QUANTIZED = GGUF_QUANTIZES + K_QUANTS
-CODEBOOK = {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "min4", T.Q5_0: "int8", T.Q5_1: "min8", T.TQ2_0: "ternary",
-            T.TQ1_0: "ternary", T.Q2_K: "min2", T.Q3_K: "int4", T.Q4_K: "min4", T.Q5_K: "min8",
-            T.Q6_K: "int8"}  # fmt: skip
+CODEBOOK = {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "min4", T.Q5_0: "int5", T.Q5_1: "min6", T.TQ2_0: "ternary",
+            T.TQ1_0: "ternary", T.Q2_K: "min2", T.Q3_K: "int4", T.Q4_K: "min4", T.Q5_K: "min6",
+            T.Q6_K: "int6"}  # fmt: skip
 GROUP = {**{q: 32 for q in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K)}, T.TQ2_0: 128, T.TQ1_0: 128,
          T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16}  # fmt: skip
 #: byte offsets of the fp16 fields of a block: d (and m for the min form, dmin for the K-quants')
@@ -553,7 +553,7 @@ def test_smollm2_q_and_k_rows_match_transformers(smollm2):
 
 
 def test_gemma3_every_tensor_is_bit_identical(gemma3):
-    """Q4_K_M: Q4_K (min4, float32 scales and mins) and Q6_K (int8, group 16) projections, Q5_0, Q8_0
+    """Q4_K_M: Q4_K (min4, two-level scales and mins) and Q6_K (int6, group 16) projections, Q5_0 (int5), Q8_0
     (the embedding) and F32, every tensor bit-identical to gguf's."""
     checked = {T.Q4_K: 0, T.Q6_K: 0, T.Q5_0: 0, T.Q8_0: 0, T.F32: 0}
     for name in gemma3.tensor_names():
@@ -582,7 +582,7 @@ def test_smollm2_layer_through_the_op(smollm2):
 @pytest.mark.skipif(not native.available(), reason="native library not built")
 def test_gemma3_k_quant_layers_through_the_op(gemma3):
     """Real K-quant layers through the op: a Q4_K projection (min4, float32 scales and mins) and a Q6_K
-    one (int8, group 16), against the kernels' exact math in float64 on the file's weights and within
+    one (int6, group 16), against the kernels' exact math in float64 on the file's weights and within
     the int8 activation error of gguf's own values."""
     for name, qtype in (("blk.0.attn_output.weight", T.Q4_K), ("blk.0.ffn_down.weight", T.Q6_K)):
         assert gemma3.tensor_type(name) == qtype
@@ -609,6 +609,19 @@ def test_as_min8_is_exact(qtype):
     assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())
 
 
+@pytest.mark.parametrize("qtype", [q for q in QUANTIZED if not CODEBOOK[q].startswith("min")], ids=lambda q: q.name)
+def test_as_int8_is_exact(qtype):
+    """Every fixed-zero re-laid-out type (Q5_0's int5, Q6_K's int6 ...) as int8 (codes c - z + 128): the same
+    values bit for bit, two levels kept; a min-form type is refused, naming as_min8."""
+    shape = (9, 512)
+    w = gf.relayout(_random_blocks(qtype, shape, np.random.default_rng(12)), qtype, shape, "w")
+    i8 = gf.as_int8(w)
+    assert i8.codebook == "int8" and i8.group_size == w.group_size and i8.scales.dtype == w.scales.dtype
+    assert torch.equal(i8.dequantize().view(torch.int32), w.dequantize().view(torch.int32))
+    with pytest.raises(ValueError, match="no exact int8 form .* use as_min8"):
+        gf.as_int8(gf.relayout(_random_blocks(T.Q4_1, (2, 32), np.random.default_rng(1)), T.Q4_1, (2, 32), "m"))
+
+
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0), (T.Q4_1, T.Q4_K), (T.Q8_0,)],
                          ids=lambda ts: "+".join(t.name for t in ts))
 def test_common_form_of_a_merged_layer_is_exact(types):
@@ -618,8 +631,9 @@ def test_common_form_of_a_merged_layer_is_exact(types):
     parts = [gf.relayout(_random_blocks(t, (7, 256), rng), t, (7, 256), f"w{i}") for i, t in enumerate(types)]
     common = gf.common_form(parts)
     assert len({(w.codebook, w.group_size, w.scales.dtype) for w in common}) == 1
-    if len({(w.codebook, w.group_size) for w in parts}) > 1:
-        assert common[0].codebook == "min8"
+    if len({(w.codebook, w.group_size) for w in parts}) > 1:  # one group and fixed zeros: int8 (no mins)
+        one_group_fixed = len({w.group_size for w in parts}) == 1 and not any(w.cb.mins for w in parts)
+        assert common[0].codebook == ("int8" if one_group_fixed else "min8")
     # K-quants alone keep their two levels (one super-block size), mixed with other types float32 products
     assert {w.super_block for w in common} == ({256} if set(types) <= set(K_QUANTS) else {None})
     for before, after in zip(parts, common):

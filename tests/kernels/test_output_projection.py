@@ -26,6 +26,26 @@ def test_int8_is_round_to_nearest_per_output_channel():
     assert bool((err <= 0.5 * s * (1 + 2**-9) + 128 * s * 2**-11).all())
 
 
+@pytest.mark.parametrize("hidden, group", [(192, 32), (96, 32), (80, None)])
+def test_int6_is_round_to_nearest_in_groups_of_32(hidden, group):
+    """int6: GGUF Q6_K's levels -32 .. 31 in groups of 32 (16-bit scales taking each group's extremes to the
+    extreme levels), 6.5 bits a weight; a hidden size that 32 does not divide is refused naming the head."""
+    w = _head(hidden=hidden)
+    if group is None:
+        with pytest.raises(ValueError, match="cannot quantize the output projection lm_head to int6: .*K=80"):
+            quantize_output_projection(w, "int6")
+        return
+    q = quantize_output_projection(w, "int6")
+    assert (q.codebook, q.group_size, q.scales.dtype) == ("int6", group, torch.float16)
+    wg = w.float().reshape(300, -1, group)
+    s = q.scales.float()
+    expect = torch.maximum(wg.amax(-1) / 31, wg.amin(-1) / -32).to(torch.float16).float()
+    torch.testing.assert_close(s, expect, rtol=0, atol=0)
+    err = (q.dequantize().reshape(300, -1, group) - wg).abs().amax(-1)
+    assert bool((err <= 0.5 * s * (1 + 2**-9) + 32 * s * 2**-11).all())
+    assert q.qweight.numel() * 8 == 300 * hidden * 6  # six bits a code
+
+
 def test_int8_scale_dtype_keeps_tiny_rows_and_padding():
     w = _head()
     w[7] = 0  # vLLM pads the vocabulary with zero rows
@@ -43,7 +63,7 @@ def test_lowbit_and_float_formats():
     assert (q.codebook, q.group_size) == ("affine", 64)
     with pytest.raises(ValueError, match="head format 'lowbit' needs the linears' codebook and group_size"):
         quantize_output_projection(w, "lowbit")
-    with pytest.raises(ValueError, match=r"head format 'int4' is unknown; use one of \('int8', 'lowbit', 'float'\)"):
+    with pytest.raises(ValueError, match=r"head format 'int4' is unknown; use one of \('int8', 'int6', 'lowbit', 'float'\)"):
         quantize_output_projection(w, "int4")
     # a group that does not divide the hidden size falls back as the linears' does (96: 64 -> 32)
     assert quantize_output_projection(_head(hidden=96), "lowbit", codebook="affine", group_size=64).group_size == 32
@@ -60,6 +80,8 @@ def test_int8_head_logits_close_to_float(M):
     x = torch.randn(M, 256)
     ref = x.double() @ w.double().T
     y8 = ops.lowbit_linear(x, packing.pack_for_cpu(quantize_output_projection(w, "int8")))
+    y6 = ops.lowbit_linear(x, packing.pack_for_cpu(quantize_output_projection(w, "int6")))
     y2 = ops.lowbit_linear(x, packing.pack_for_cpu(quantize_output_projection(w, "lowbit", codebook="affine", group_size=64)))
     rel = lambda y: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
     assert rel(y8) < 0.015 and rel(y8) * 10 < rel(y2), (rel(y8), rel(y2))
+    assert rel(y6) < 0.03 and rel(y6) * 4 < rel(y2), (rel(y6), rel(y2))  # int6 g32: between int8 and 2 bits

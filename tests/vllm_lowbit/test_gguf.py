@@ -289,8 +289,8 @@ def test_agreement_with_transformers_float_model(engine, hf_float, prompts, toke
 
 
 def test_gemma3_q4_k_m(gemma3, gguf_cache):
-    """Gemma-3-270M Q4_K_M: K-quants (Q4_K, Q6_K: float32 scales, groups of 16), q/k (Q5_0) and v (Q8_0)
-    merged as one int8 layer, Gemma's norm offset, sliding-window layers and the file's BOS. Weights and
+    """Gemma-3-270M Q4_K_M: K-quants (Q4_K, Q6_K: two-level scales, Q6_K's 6-bit codes in groups of 16), q/k
+    (Q5_0) and v (Q8_0) merged as one int8 layer, Gemma's norm offset, sliding-window layers and the file's BOS. Weights and
     norms equal transformers' dequantization exactly; tokens by teacher forcing against its float model."""
     from transformers import AutoTokenizer
 
@@ -302,7 +302,7 @@ def test_gemma3_q4_k_m(gemma3, gguf_cache):
     info = out["info"]
     assert info["max_abs_diff"] == 0.0 and info["norm_max_abs_diff"] == 0.0 and info["checked"] == 18 * 4 + 1
     formats = {tuple(v[1:3]) for n, v in info["layers"].items() if n != "model.embed_tokens"}
-    assert {("int8", 32), ("min4", 32), ("int8", 16)} <= formats, formats  # Q5_0/Q8_0, Q4_K, Q6_K
+    assert {("int8", 32), ("min4", 32), ("int6", 16)} <= formats, formats  # Q5_0/Q8_0 merged, Q4_K, Q6_K
     assert info["lm_head_is_embed_tokens"] is True
     agree, worst, n = agreement(_hf_float(gemma3), gprompts, out["tokens"])
     print(f"[gguf] Gemma-3-270M Q4_K_M vs transformers' float model: teacher-forced agreement {agree:.1%} of {n}, "

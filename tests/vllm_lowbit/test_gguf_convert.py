@@ -2,8 +2,8 @@
 reader that serves it, checked exact (``--verify``: every written weight equals ``gguf.quants.dequantize`` of
 the file's blocks) and served by ``LLM(OUT)`` as ``LLM(X.gguf)`` serves the file: SmolLM2-135M-Instruct Q4_1
 (one type: the same packed linears and act_group 32; the Q8_0 token embedding / tied head written float32,
-exact) and Gemma-3-270M Q4_K_M (K-quants: Q4_K, Q6_K with float32 scales and groups of 16, Q5_0 and Q8_0,
-each layer's form in ``layer_formats``).
+exact) and Gemma-3-270M Q4_K_M (K-quants: Q4_K, Q6_K with float32 scales and groups of 16, Q6_K and Q5_0 in
+6-bit codes, Q8_0, each layer's form in ``layer_formats``).
 """
 from __future__ import annotations
 
@@ -97,9 +97,10 @@ def test_verify_is_exact_on_k_quants(converted_gemma3):
         assert part in stdout, stdout
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["prequantized"], qc["source"], qc["act_group"]) == ("lowbit2", True, "gguf", 32)
-    assert (qc["codebook"], qc["group_size"], qc["scale_dtype"]) == ("int8", 32, "float16")  # Q5_0 / Q8_0: the most
+    assert (qc["codebook"], qc["group_size"], qc["scale_dtype"]) == ("int5", 32, "float16")  # Q5_0: the most
     forms = {(f["codebook"], f["group_size"], f["scale_dtype"]) for f in qc["layer_formats"].values()}
-    assert forms == {("min4", 32, "float32"), ("int8", 16, "float32")}, forms  # Q4_K; Q6_K (and merged with it)
+    # q / k (Q5_0) with v (Q8_0) merged as int8; Q4_K; Q6_K in 6-bit codes
+    assert forms == {("int8", 32, "float16"), ("min4", 32, "float32"), ("int6", 16, "float32")}, forms
 
 
 def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:

@@ -12,8 +12,8 @@ type     GGUF value (fp16 d, m, dmin)        codebook  group  codes c, scales s,
 Q8_0     d * q, q int8                       int8      32     c = q XOR 0x80, s = d
 Q4_0     d * (q - 8), q 0..15                int4      32     c = q, s = d
 Q4_1     d * q + m, q 0..15                  min4      32     c = q, s = d, zeros = m
-Q5_0     d * (q - 16), q 0..31               int8      32     c = q + 112, s = d
-Q5_1     d * q + m, q 0..31                  min8      32     c = q + 128, s = d, zeros = m
+Q5_0     d * (q - 16), q 0..31               int5      32     c = q, s = d
+Q5_1     d * q + m, q 0..31                  min6      32     c = q, s = d, zeros = m
 TQ2_0    d * (q - 1), q 0..2, d per 256      ternary   128    c = q, s = d (each d in its two groups)
 TQ1_0    as TQ2_0, base-3 packed             ternary   128    c = q, s = d (each d in its two groups)
 Q2_K     (d*sc) * q - (dmin*mn), q 0..3,     min2      16     c = q, s = d x sc, zeros = -dmin x mn
@@ -22,8 +22,8 @@ Q3_K     (d*(sc - 32)) * (q - 4), q 0..7,    int4      16     c = q + 4, s = d x
          sc 6-bit per 16, q's bit 2 hmask
 Q4_K     (d*sc) * q - (dmin*mn), q 0..15,    min4      32     c = q, s = d x sc, zeros = -dmin x mn
          sc, mn 6-bit per 32
-Q5_K     as Q4_K, q 0..31                    min8      32     c = q + 128, s = d x sc, zeros = -dmin x mn
-Q6_K     (d*sc) * (q - 32), q 0..63,         int8      16     c = q + 96, s = d x sc
+Q5_K     as Q4_K, q 0..31                    min6      32     c = q, s = d x sc, zeros = -dmin x mn
+Q6_K     (d*sc) * (q - 32), q 0..63,         int6      16     c = q, s = d x sc
          sc int8 per 16
 =======  ==================================  ========  =====  =========================================
 
@@ -67,15 +67,15 @@ LOWBIT_TYPES: dict[T, tuple[str, int]] = {
     T.Q8_0: ("int8", 32),
     T.Q4_0: ("int4", 32),
     T.Q4_1: ("min4", 32),
-    T.Q5_0: ("int8", 32),
-    T.Q5_1: ("min8", 32),
+    T.Q5_0: ("int5", 32),
+    T.Q5_1: ("min6", 32),
     T.TQ2_0: ("ternary", 128),
     T.TQ1_0: ("ternary", 128),
     T.Q2_K: ("min2", 16),
     T.Q3_K: ("int4", 16),
     T.Q4_K: ("min4", 32),
-    T.Q5_K: ("min8", 32),
-    T.Q6_K: ("int8", 16),
+    T.Q5_K: ("min6", 32),
+    T.Q6_K: ("int6", 16),
 }
 SUPPORTED_TYPES: frozenset[T] = frozenset(LOWBIT_TYPES) | FLOAT_TYPES
 #: the K-quants re-laid out: 256-element super-blocks, whose weights get float32 scales (and mins)
@@ -184,7 +184,7 @@ def _weight(codes: np.ndarray, scales, zeros, qtype: T, name: str, groups_per_sc
     N = codes.shape[0]
     codes_t = torch.from_numpy(np.ascontiguousarray(codes).reshape(N, -1))
     bits = get_codebook(codebook).bits
-    qweight = codes_t if bits == 8 else pack_codes(codes_t, bits)
+    qweight = codes_t if bits == 8 else pack_codes(codes_t, bits)  # 5- and 6-bit codes: 6 bits a code
 
     def per_group(t):
         if t is None:
@@ -212,12 +212,12 @@ def _q4_1(b, name):
 
 def _q5_0(b, name):
     q = _nibbles(b[..., 6:]) | _high_bits(b[..., 2:6])
-    return _weight(q + np.uint8(112), _f16(b, 0), None, T.Q5_0, name)
+    return _weight(q, _f16(b, 0), None, T.Q5_0, name)
 
 
 def _q5_1(b, name):
     q = _nibbles(b[..., 8:]) | _high_bits(b[..., 4:8])
-    return _weight(q + np.uint8(128), _f16(b, 0), _f16(b, 2), T.Q5_1, name)
+    return _weight(q, _f16(b, 0), _f16(b, 2), T.Q5_1, name)
 
 
 def _tq2_0(b, name):
@@ -322,7 +322,7 @@ def _q5_k(b, name):
     # as Q4_K, with 32 bytes of fifth bits (bitplanes) before the 128 bytes of nibbles
     sc, mn = _scale_min_k4(b[..., 4:16])
     q = _k_nibbles(b[..., 48:176]) | (_bitplanes(b[..., 16:48]) << np.uint8(4))
-    return _weight(q + np.uint8(128), sc.astype(np.int8), mn.astype(np.int8), T.Q5_K, name,
+    return _weight(q, sc.astype(np.int8), mn.astype(np.int8), T.Q5_K, name,
                    supers=[_f32(b, 0), _min_super(_f32(b, 2))])  # fmt: skip
 
 
@@ -334,7 +334,7 @@ def _q6_k(b, name):
     ql = (b[..., :128].reshape(*lead, 2, 1, 64) >> _SHIFT4) & np.uint8(0x0F)
     qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> _SHIFT2) & np.uint8(0x03)
     q = ql.reshape(*lead, 256) | (qh.reshape(*lead, 256) << np.uint8(4))
-    return _weight(q + np.uint8(96), b[..., 192:208].view(np.int8), None, T.Q6_K, name, supers=[_f32(b, 208)])
+    return _weight(q, b[..., 192:208].view(np.int8), None, T.Q6_K, name, supers=[_f32(b, 208)])
 
 
 _DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.TQ2_0: _tq2_0,
@@ -403,9 +403,21 @@ def as_min8(w: LowBitWeight, group_size: int) -> LowBitWeight:
                         group_size, w.in_features, name=w.name)  # fmt: skip
 
 
+def as_int8(w: LowBitWeight) -> LowBitWeight:
+    """``w`` (a fixed-zero code book with levels ``c - z``, e.g. Q5_0's ``int5`` or Q4_0's ``int4``) as ``int8``
+    with codes ``c - z + 128``, scales (and super-block scales) as they are: the same values exactly."""
+    cb = w.cb
+    if cb.zero is None or cb.mins or cb.cmul != 1.0:
+        raise ValueError(f"{w.name}: codebook {w.codebook!r} has no exact int8 form (stored zero points, mins or a "
+                         f"level multiplier); use as_min8")  # fmt: skip
+    codes = (w.codes().to(torch.int16) - int(cb.zero) + 128).to(torch.uint8)
+    return LowBitWeight(codes, w.scales, None, "int8", w.group_size, w.in_features, name=w.name, supers=w.supers)
+
+
 def common_form(ws: list[LowBitWeight]) -> list[LowBitWeight]:
     """The re-laid-out tensors of one merged layer (vLLM's q / k / v or gate / up) in one stored form,
-    exactly: different code books or groups become ``min8`` with groups of their gcd (:func:`as_min8`),
+    exactly: fixed-zero code books of one group become ``int8`` (:func:`as_int8`), other mixes of code books
+    or groups ``min8`` with groups of their gcd (:func:`as_min8`),
     scales (and mins) of different dtypes float32 (e.g. Q4_1's fp16 with Q4_K's float32). Two-level
     weights stay two-level where all are, with one super-block size; else they become single-level."""
     import math
@@ -413,8 +425,11 @@ def common_form(ws: list[LowBitWeight]) -> list[LowBitWeight]:
     if any(w.supers is not None for w in ws) and len({w.super_block for w in ws}) > 1:
         ws = [w.single_level() for w in ws]
     if len({(w.codebook, w.group_size) for w in ws}) > 1:
-        group = math.gcd(*(w.group_size for w in ws))
-        ws = [as_min8(w, group) for w in ws]
+        if len({w.group_size for w in ws}) == 1 and all(w.cb.zero is not None and not w.cb.mins for w in ws):
+            ws = [as_int8(w) for w in ws]  # one group, fixed zeros (a Q5_0 q / k with a Q8_0 v): int8, no mins
+        else:
+            group = math.gcd(*(w.group_size for w in ws))
+            ws = [as_min8(w, group) for w in ws]
     if len({w.scales.dtype for w in ws}) > 1:
         ws = [LowBitWeight(w.qweight, w.scales.float(), None if w.zeros is None else w.zeros.float(), w.codebook,
                            w.group_size, w.in_features, name=w.name) for w in ws]  # fmt: skip

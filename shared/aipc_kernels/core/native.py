@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-ABI_VERSION = 8  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 9  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 8
+#define AIPC_ABI_VERSION 9
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -86,8 +86,9 @@ AIPC_API int aipc_bf16_dot_products(void);
 /*
  * y[M][N] = x[M][K] @ dequant(w)^T + bias. x and y (and bias) share `dt`; scales and zeros use
  * `scale_dt` (AIPC_DT_BF16, AIPC_DT_F16, or AIPC_DT_F32: GGUF's K-quants, whose d * sub-block scale no
- * 16-bit float holds). G: a multiple of the code's chunk (16 k for 2 bits, 8 for 4, 4 for 8; GGUF's
- * 16-element sub-blocks included) dividing K. Levels are cmul * code - zero point: zero_const for a code
+ * 16-bit float holds). bits: 1, 2, 4, 6 or 8 (6: GGUF's Q5 / Q6_K codes, 192 bytes per 16 rows x 16 k).
+ * G: a multiple of the code's chunk (16 k for 2 and 6 bits, 8 for 4, 4 for 8; GGUF's 16-element
+ * sub-blocks included) dividing K. Levels are cmul * code - zero point: zero_const for a code
  * book with a fixed zero point (zeros NULL), NaN for one with per-group zero points (then zeros is
  * required). zeros given with a finite zero_const is the min form: zeros holds a min m per group and
  * w = s * (cmul * code - zero_const) + m (GGUF's Q4_1 / Q5_1 blocks, exactly). act_group: K for per-token activation scales, or the weight group size (or a

@@ -4,7 +4,7 @@
  *   y[m, n] = sum_g  sx[m,g] * ( s[n,g] * cmul * dot_g(c[n,:], xq[m,:]) - s[n,g] * z[n,g] * sum_g(xq[m,:]) ) + bias[n]
  *
  * (Georganas et al., "Pushing the Envelope of LLM Inference on AI-PC and Intel GPUs", III-B..D) where c
- * are the unsigned weight codes (0..2^bits - 1; 1, 2, 4 or 8 bits), w = s * (cmul * c - z), xq = round(x /
+ * are the unsigned weight codes (0..2^bits - 1; 1, 2, 4, 6 or 8 bits), w = s * (cmul * c - z), xq = round(x /
  * sx) the int8 activations (absmax per token, or per K-group: generic/act_quant.c), and dot_g an int32 dot
  * product over group g. The zero correction uses the group sum of the quantized activations, so the
  * inner loop is a pure u8 x s8 -> s32 dot product: vpdpbusd (AVX-512 VNNI: x86/lowbit_avx512.c, AVX-VNNI:
@@ -15,7 +15,8 @@
  * Weight layout ("cpu_vnni16", produced by aipc_kernels.lowbit.packing): rows in blocks of 16; per block the
  * K axis in chunks of 64 bytes. A chunk holds, at byte [n][kk] (n < 16, kk < 4), the codes of
  * k = kc*chunk + 4*q + kk for every bit-plane q (2 bits: q < 4 at bits 2q; 1 bit: q < 8 at bit q; 4 bits:
- * q < 2 at bits 4q; 8 bits: the one plane q = 0, so a chunk is already the [16 rows][4 k] operand).
+ * q < 2 at bits 4q; 8 bits: the one plane q = 0, so a chunk is already the [16 rows][4 k] operand; 6 bits:
+ * 192 bytes per 16 k, see six_bit_code).
  * So one 64-byte load and a shift + mask per plane yield a [16 rows][4 k] u8 vector, exactly the
  * operand vpdpbusd wants against a broadcast of 4 consecutive int8 activations.
  * Scales (and affine zeros) are [N/16][K/G][16] in fp16 or bf16.
@@ -43,7 +44,7 @@
 #define CHUNK_BYTES 64
 #define OTF_M 4    /* tokens per tile when up-converting on the fly (2 bits; half that for 1 bit) */
 #define UP_M 8     /* tokens per tile once a row block is up-converted */
-#define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once */
+#define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once (6 bits: from 2) */
 #define AMX_M 16   /* tokens per AMX tile (tile rows); two tiles share each weight tile */
 #define AMX_MIN_M 16 /* from this many tokens on, AMX (where available) does the int8 dot products */
 
@@ -83,14 +84,28 @@ typedef struct {
     int out_dt;
 } lowbit_args;
 
-static inline int64_t chunk_k(int bits) { return CHUNK_BYTES * 8 / bits / BLOCK_N; }
+/* 6-bit codes (GGUF's Q6_K) take three 64-byte units per chunk of 16 k: the low nibbles of k 0-7 and of
+ * k 8-15 in the 4-bit layout, then the high two bits of k 0-15 in the 2-bit layout (six_bit_quad) */
+#define SIX_BIT_UNITS 3
+static inline int64_t chunk_k(int bits) { return bits == 6 ? 16 : CHUNK_BYTES * 8 / bits / BLOCK_N; }
+static inline int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_BIT_UNITS * CHUNK_BYTES : CHUNK_BYTES; }
+
+/* Tokens from which a kernel that up-converts does so: 6-bit codes have no on-the-fly tile. */
+static inline int64_t up_min_m(int bits) { return bits == 6 ? 2 : UP_MIN_M; }
+
+/* The u8 code (0..63) of a 6-bit chunk's byte i (n * 4 + kk, i < 64) in quad q (k = 4q + kk). */
+static inline int six_bit_code(const uint8_t *chunk, int i, int q) {
+    return ((chunk[(q >> 1) * CHUNK_BYTES + i] >> (4 * (q & 1))) & 15) | (((chunk[2 * CHUNK_BYTES + i] >> (2 * q)) & 3) << 4);
+}
 
 /* 8-bit codes: |dot| <= G * 255 * 127 must stay below 2^31 */
 #define MAX_G_8BIT 65536
 /* 4-bit codes with stored zeros: |dot| <= G * 15 * 127 stays below 2^24 (the float epilogue is exact) */
 #define MAX_G_4BIT_ZEROS 8192
+/* 6-bit codes: G * 63 * 127 below 2^31 (MAX_G_8BIT holds that too), and below 2^24 with stored zeros */
+#define MAX_G_6BIT_ZEROS 2048
 
-/* Whether the epilogue takes u in integers (see lowbit_args): 4 and 8 bits with a fixed zero. */
+/* Whether the epilogue takes u in integers (see lowbit_args): 4, 6 and 8 bits with a fixed zero. */
 static inline int int_epilogue(const lowbit_args *a) { return a->bits >= 4 && !a->zeros; }
 
 /* u of the epilogue in integers, exact (see lowbit_args). */

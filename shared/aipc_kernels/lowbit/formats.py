@@ -2,7 +2,7 @@
 
 A weight ``W[N, K]`` is stored as unsigned codes ``c`` packed along K (2 bits: 4 per byte, 1 bit:
 8 per byte, 4 bits: 2 per byte, 8 bits: one per byte; element ``k`` at bits ``bits*(k % per_byte)``
-of byte ``k // per_byte``, low bits first),
+of byte ``k // per_byte``, low bits first; 6 bits: four codes in three bytes, :func:`pack_codes`),
 per-group scales ``s[N, K/G]`` (fp16 or bf16) and a code book that maps codes to values:
 
     W[n, k] = s[n, g] * (cmul * c[n, k] - z[n, g]),   g = k // G
@@ -17,10 +17,13 @@ ternary   2     {-1, 0, 1} (BitNet b1.58; c <= 2)    1
 binary    1     {-1, +1} (cmul = 2)                  1
 int4      4     {-8, ..., 7} (GPTQ symmetric)        8
 affine4   4     {0, ..., 15} - z (GPTQ/AWQ asym.)    per group, stored (``zeros``)
+int5      6     {-16, ..., 15} (GGUF's Q5_0)          16 (codes 0..31 in the 6-bit layout)
+int6      6     {-32, ..., 31} (GGUF's Q6_K)          32
 int8      8     {-128, ..., 127}                     128 (``c`` is int8 ``w`` XOR 0x80)
 e0m4      4     {0, ..., 15} - z (Transformer-Lite)  per group, stored: an integer in [0, 15]
 min2      2     {0, 1, 2, 3}, plus a min per group  0; ``zeros`` holds the mins m
 min4      4     {0, ..., 15}, plus a min per group   0; ``zeros`` holds the mins m
+min6      6     {0, ..., 63}, plus a min per group   0; ``zeros`` holds the mins m
 min8      8     {-128, ..., 127}, plus a min         128; ``zeros`` holds the mins m
 ========  ====  ==================================  =============================
 
@@ -133,10 +136,13 @@ CODEBOOKS: dict[str, Codebook] = {
         Codebook("binary", 1, 2.0, 1.0, 1),
         Codebook("int4", 4, 1.0, 8.0, 15),
         Codebook("affine4", 4, 1.0, None, 15),
+        Codebook("int5", 6, 1.0, 16.0, 31),
+        Codebook("int6", 6, 1.0, 32.0, 63),
         Codebook("int8", 8, 1.0, 128.0, 255),
         Codebook("e0m4", 4, 1.0, None, 15, integer_zero=True),
         Codebook("min2", 2, 1.0, 0.0, 3, mins=True),
         Codebook("min4", 4, 1.0, 0.0, 15, mins=True),
+        Codebook("min6", 6, 1.0, 0.0, 63, mins=True),
         Codebook("min8", 8, 1.0, 128.0, 255, mins=True),
     )
 }
@@ -184,7 +190,12 @@ def fitting_group_size(group_size: int, in_features: int) -> int:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packs codes ``[..., K]`` (uint8, < 2**bits) along K into ``[..., K*bits/8]`` bytes."""
+    """Packs codes ``[..., K]`` (uint8, < 2**bits) along K into ``[..., K*bits/8]`` bytes (6 bits: four
+    codes in three bytes, a little-endian stream of 24 bits, code ``k % 4`` at bits ``6*(k % 4)``)."""
+    if bits == 6:
+        c = codes.to(torch.int32).unflatten(-1, (-1, 4))
+        v = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+        return torch.stack([v & 255, (v >> 8) & 255, v >> 16], -1).to(torch.uint8).flatten(-2)
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * bits
     grouped = codes.to(torch.uint8).unflatten(-1, (-1, per_byte))
@@ -193,6 +204,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: bytes ``[..., B]`` -> codes ``[..., B*8/bits]``."""
+    if bits == 6:
+        b = packed.to(torch.int32).unflatten(-1, (-1, 3))
+        v = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        return torch.stack([(v >> (6 * i)) & 63 for i in range(4)], -1).to(torch.uint8).flatten(-2)
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, dtype=torch.uint8, device=packed.device) * bits
     return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)

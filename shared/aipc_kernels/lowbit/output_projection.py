@@ -6,6 +6,9 @@ other linear together (Llama-3.2-1B: 525 MB in bf16 against ~300 MB of 2-bit lin
 * ``int8`` (the default of the serving plugins): the ``int8`` code book with one scale per output
   channel (round to nearest, the scale taking the row's extremes to levels 127 and -128), run by the same W·A8 kernels; half the bytes of bf16, with an
   error of the order of the int8 activations' own;
+* ``int6``: the ``int6`` code book (GGUF's Q6_K levels, -32 .. 31) in groups of 32 with 16-bit scales,
+  round to nearest as ``int8``: 6.5 bits a weight, 0.77x int8's bytes (what a GGUF's Q6_K output
+  projection reads, 6.56), on the 6-bit W·A8 kernels;
 * ``lowbit``: the code book and group size of the model's other linears (2 bits: a quarter of int8's
   bytes, at a quality cost);
 * ``float``: left in the model dtype.
@@ -21,13 +24,16 @@ import torch
 from aipc_kernels.lowbit.formats import LowBitWeight, fitting_group_size
 from aipc_kernels.lowbit.quantizers import quantize_rows
 
-HEAD_FORMATS = ("int8", "lowbit", "float")
+HEAD_FORMATS = ("int8", "int6", "lowbit", "float")
+INT6_GROUP = 32  # the int6 head's group (or the largest supported below it that divides the hidden size)
 
 
-def int8_scale_dtype(weight: torch.Tensor) -> torch.dtype:
-    """float16 (10 fraction bits) when every row's scale ``max|w|/127`` is zero (a padding row) or a
-    normal float16, else bfloat16 (whose range holds any model's)."""
-    scale = weight.detach().abs().amax(dim=1).float() / 127.0
+def int8_scale_dtype(weight: torch.Tensor, group_size: int = -1, top: float = 127.0) -> torch.dtype:
+    """float16 (10 fraction bits) when every group's scale ``max|w|/top`` (a group: a row, or ``group_size``
+    columns) is zero (a padding row) or a normal float16, else bfloat16 (whose range holds any model's)."""
+    w = weight.detach()
+    groups = w.reshape(w.shape[0], -1, group_size) if group_size > 0 else w.unsqueeze(1)
+    scale = groups.abs().amax(dim=-1).float() / top
     fp16 = torch.finfo(torch.float16)
     fits = (scale == 0) | ((scale >= fp16.tiny) & (scale <= fp16.max))
     return torch.float16 if bool(fits.all()) else torch.bfloat16
@@ -35,7 +41,7 @@ def int8_scale_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def head_act_group(head_format: str, act_group: int) -> int:
     """The op's ``act_group`` for a head in ``head_format``: the linears' for ``lowbit``; 0 (per-token
-    activation scales) for ``int8``, whose one group per row admits no other."""
+    activation scales) for ``int8``, whose one group per row admits no other, and ``int6``."""
     return act_group if head_format == "lowbit" else 0
 
 
@@ -61,6 +67,9 @@ def quantize_output_projection(
     try:
         if head_format == "int8":
             return quantize_rows(weight, "int8", -1, "rtn", int8_scale_dtype(weight), name=name)
+        if head_format == "int6":
+            group = fitting_group_size(INT6_GROUP, weight.shape[1])
+            return quantize_rows(weight, "int6", group, "rtn", int8_scale_dtype(weight, group, 31.0), name=name)
         return quantize_rows(weight, codebook, fitting_group_size(group_size, weight.shape[1]), quantizer, scale_dtype,
                              name=name)
     except ValueError as e:
@@ -68,4 +77,4 @@ def quantize_output_projection(
                          f"float (lm_head: float)") from None  # fmt: skip
 
 
-__all__ = ["HEAD_FORMATS", "head_act_group", "int8_scale_dtype", "quantize_output_projection"]
+__all__ = ["HEAD_FORMATS", "INT6_GROUP", "head_act_group", "int8_scale_dtype", "quantize_output_projection"]

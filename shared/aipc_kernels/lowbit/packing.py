@@ -30,7 +30,14 @@ def _planes(bits: int) -> int:
 
 
 def pack_cpu_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``[N, K]`` -> ``cpu_vnni16`` bytes ``[ceil(N/16), K/kc, 16, 4]`` (rows past N are zero)."""
+    """Codes ``[N, K]`` -> ``cpu_vnni16`` bytes ``[ceil(N/16), K/kc, 16, 4]`` (rows past N are zero); 6 bits:
+    ``[ceil(N/16), 3K/16, 16, 4]``, per 16 k the low nibbles of k 0-7 and 8-15 as 4-bit chunks, then the high
+    two bits of k 0-15 as a 2-bit chunk."""
+    if bits == 6:
+        c = codes.to(torch.uint8)
+        lo, hi = pack_cpu_codes(c & 15, 4), pack_cpu_codes(c >> 4, 2)
+        nb, K16 = hi.shape[0], hi.shape[1]
+        return torch.cat([lo.view(nb, K16, 2, BLOCK_N, 4), hi.view(nb, K16, 1, BLOCK_N, 4)], 2).view(nb, 3 * K16, BLOCK_N, 4)
     N, K = codes.shape
     planes = _planes(bits)
     Np = -(-N // BLOCK_N) * BLOCK_N
@@ -43,6 +50,11 @@ def pack_cpu_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_cpu_codes(packed: torch.Tensor, bits: int, n_rows: int) -> torch.Tensor:
     """Inverse of :func:`pack_cpu_codes`: -> codes ``[n_rows, K]``."""
+    if bits == 6:
+        nb, K16 = packed.shape[0], packed.shape[1] // 3
+        units = packed.view(nb, K16, 3, BLOCK_N, 4)
+        lo = unpack_cpu_codes(units[:, :, :2].reshape(nb, 2 * K16, BLOCK_N, 4), 4, n_rows)
+        return lo | (unpack_cpu_codes(units[:, :, 2].contiguous(), 2, n_rows) << 4)
     nb, chunks = packed.shape[:2]
     planes = _planes(bits)
     shifts = torch.arange(planes, dtype=torch.uint8, device=packed.device) * bits
@@ -149,8 +161,8 @@ def unpack_triton_codes(packed: torch.Tensor, bits: int, in_features: int) -> to
 
 def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
     """Canonical -> ``triton_k32`` (codes re-packed, scales/zeros transposed to ``[K/G, N]``; the two-level
-    form as its float32 products)."""
-    w = w.single_level()
+    form as its float32 products; 6-bit codes as their 8-bit equivalent: :func:`as_eight_bit`)."""
+    w = as_eight_bit(w.single_level())
     return PackedLowBit(
         TRITON_LAYOUT,
         pack_triton_codes(w.codes(), w.bits),
@@ -161,6 +173,17 @@ def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
         w.out_features,
         w.in_features,
     )
+
+
+def as_eight_bit(w: LowBitWeight) -> LowBitWeight:
+    """A 6-bit weight as the same values in 8 bits: ``int5`` / ``int6`` as ``int8``, ``min6`` as ``min8``
+    (codes ``c + 128 - z``; scales, mins and super-blocks as they are): the form for kernels without a
+    6-bit layout (Triton). Other weights as they are."""
+    if w.bits != 6:
+        return w
+    cb = get_codebook(w.codebook)
+    codes = w.codes() + int(128 - cb.zero)  # every 6-bit code book has a fixed zero
+    return replace(w, qweight=pack_codes(codes, 8), codebook="min8" if cb.mins else "int8")
 
 
 LAYOUTS = (CPU_LAYOUT, TRITON_LAYOUT, CANONICAL_LAYOUT)
@@ -219,11 +242,17 @@ def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = to
     bits, K, G = cb.bits, p.in_features, p.group_size
     rows = rows.reshape(-1).long()
     if p.layout == CPU_LAYOUT:
-        planes, mask = _planes(bits), (1 << bits) - 1
         blk, r = rows // BLOCK_N, rows % BLOCK_N
         q = p.qweight[blk, :, r, :]  # [M, K/kc, 4]: byte kk of a chunk, bit-plane j: k = chunk*4*planes + 4j + kk
-        shifts = torch.arange(planes, dtype=torch.uint8, device=q.device) * bits
-        codes = ((q.unsqueeze(-1) >> shifts) & mask).transpose(-1, -2).reshape(rows.numel(), K)
+        if bits == 6:  # per 16 k: two 4-bit units (k = 8u + 4j + kk), one 2-bit unit (high bits, k = 4j + kk)
+            u = q.view(rows.numel(), K // 16, 3, 4)
+            lo = (u[:, :, :2].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8, device=q.device)) & 15
+            hi = (u[:, :, 2].unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=q.device)) & 3
+            codes = (lo.transpose(-1, -2).reshape(rows.numel(), K) | (hi.transpose(-1, -2).reshape(rows.numel(), K) << 4))
+        else:
+            planes, mask = _planes(bits), (1 << bits) - 1
+            shifts = torch.arange(planes, dtype=torch.uint8, device=q.device) * bits
+            codes = ((q.unsqueeze(-1) >> shifts) & mask).transpose(-1, -2).reshape(rows.numel(), K)
         scales = p.scales[blk, :, r]
         zeros = p.zeros[blk, :, r] if p.zeros is not None else None
         supers = p.supers[:, blk, :, r].transpose(0, 1) if p.supers is not None else None  # [S, M, K/SB]

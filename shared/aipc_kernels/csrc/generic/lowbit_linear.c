@@ -16,11 +16,13 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
                       const void *scales, const void *zeros, int scale_dt, int64_t G, float cmul, float *zero_const,
                       const void *y, int64_t act_group, int nthreads, const float *act_amax, const float *supers,
                       int64_t SB) {
-    if (bits != 1 && bits != 2 && bits != 4 && bits != 8) return AIPC_ERR_BITS;
+    if (bits != 1 && bits != 2 && bits != 4 && bits != 6 && bits != 8) return AIPC_ERR_BITS;
     /* sizes: every index (m * K + k, block offsets, scratch) stays far from int64 / size_t overflow */
     if (M < 0 || N <= 0 || K <= 0 || K % chunk_k(bits) || K > (INT64_C(1) << 40) / (M > N ? M : N)) return AIPC_ERR_SHAPE;
     if (G <= 0 || K % G || G % chunk_k(bits) || act_group <= 0 || K % act_group || act_group % G) return AIPC_ERR_GROUP;
-    if ((bits == 8 && G > MAX_G_8BIT) || (bits == 4 && zeros && G > MAX_G_4BIT_ZEROS)) return AIPC_ERR_GROUP;
+    if ((bits >= 6 && G > MAX_G_8BIT) || (bits == 4 && zeros && G > MAX_G_4BIT_ZEROS) ||
+        (bits == 6 && zeros && G > MAX_G_6BIT_ZEROS))
+        return AIPC_ERR_GROUP;
     if (act_amax && act_group != K) return AIPC_ERR_AMAX;
     if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || scale_dt < AIPC_DT_F32 || scale_dt > AIPC_SCALE_I8) return AIPC_ERR_DTYPE;
     if (scale_dt == AIPC_SCALE_I8) { /* the two-level form: SB / G a power of two, no stored zero points */
@@ -51,7 +53,7 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
 /* The row-block kernel over every row block, threads splitting the blocks. */
 static int run_blocks(const lowbit_args *a, const lowbit_block_kernel *kernel, int nthreads) {
     const int64_t M = a->M, K = a->K, nblocks = (a->N + BLOCK_N - 1) / BLOCK_N;
-    const int need_up = kernel->up_converts && M >= UP_MIN_M && a->bits != 8; /* 8 bits: stored as the operand */
+    const int need_up = kernel->up_converts && M >= up_min_m(a->bits) && a->bits != 8; /* 8 bits: stored as the operand */
     int status = AIPC_OK;
     if (nblocks < nthreads) nthreads = (int)nblocks;
 #pragma omp parallel num_threads(nthreads)
@@ -84,7 +86,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
     /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
-    const int64_t T = M == 1 ? 1 : M >= UP_MIN_M ? UP_M : bits == 1 ? OTF_M / 2 : OTF_M, K4 = K / 4;
+    const int64_t T = M == 1 ? 1 : M >= up_min_m(bits) ? UP_M : bits == 1 ? OTF_M / 2 : OTF_M, K4 = K / 4;
     const int interleave = ks->lowbit_block->interleaved && T > 1 && !use_amx;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
     /* scratch, zeroed: [Mp][K/G] each (AMX reads whole tiles of rows) sx and zq (float), gsum (int32);

@@ -9,19 +9,20 @@
 void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up) {
     (void)up; /* up-converted scratch: the AVX-512 kernels only */
     const int64_t kc = chunk_k(a->bits), ng = a->K / a->G, nq = kc / 4;
-    const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
+    const uint8_t *wb = a->w + nb * (a->K / kc) * chunk_bytes(a->bits);
     const int mask = (1 << a->bits) - 1;
     for (int64_t m = 0; m < a->M; m++) {
         float acc[BLOCK_N] = {0};
         for (int64_t g = 0; g < ng; g++) {
             int32_t dot[BLOCK_N] = {0};
             for (int64_t c = g * a->G / kc; c < (g + 1) * a->G / kc; c++) {
-                const uint8_t *wc = wb + c * CHUNK_BYTES;
+                const uint8_t *wc = wb + c * chunk_bytes(a->bits);
                 for (int64_t q = 0; q < nq; q++) {
                     const int8_t *xp = a->xq + m * a->K + c * kc + q * 4;
                     for (int n = 0; n < BLOCK_N; n++)
                         for (int kk = 0; kk < 4; kk++)
-                            dot[n] += ((wc[n * 4 + kk] >> (q * a->bits)) & mask) * xp[kk];
+                            dot[n] += (a->bits == 6 ? six_bit_code(wc, n * 4 + kk, (int)q)
+                                                    : (wc[n * 4 + kk] >> (q * a->bits)) & mask) * xp[kk];
                 }
             }
             const int64_t si = (nb * ng + g) * BLOCK_N, mg = m * ng + g;

@@ -1,8 +1,9 @@
 /*
  * AVX-512 VNNI kernels of the low-bit linear layer: decode (one token: gemv512_2b / gemv512_1b /
- * gemv512_4b / gemv512_8b), small
+ * gemv512_4b / gemv512_6b / gemv512_8b), small
  * batches (tile_otf512: up-convert on the fly, a tile of tokens shares each plane), and from UP_MIN_M
- * tokens on each row block up-converted once and reused by every token tile (tile_up512).
+ * tokens on each row block up-converted once and reused by every token tile (tile_up512; 6-bit codes from
+ * 2 tokens on).
  */
 #include "lowbit_kernels.h"
 #ifdef AIPC_X86
@@ -180,6 +181,35 @@ static T512 __attribute__((noinline)) void gemv512_8b(const lowbit_args *a, int6
     store512(a, m, 1, nb, &acc);
 }
 
+/* 6-bit codes: each chunk's three units (lowbit_kernels.h) become four quads of u8 codes, one chain each. */
+static T512 __attribute__((noinline)) void gemv512_6b(const lowbit_args *a, int64_t nb, int64_t m) {
+    const int64_t cb = chunk_bytes(6), ng = a->K / a->G, cpg = a->G / chunk_k(6);
+    const uint8_t *wb = a->w + nb * (a->K / chunk_k(6)) * cb;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *wp = wb + g * cpg * cb;
+        const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * 4;
+        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t c = 0; c < cpg; c++) {
+            const uint8_t *wc = wp + c * cb;
+            _mm_prefetch((const char *)wc + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)wc + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)wc + PREFETCH_BYTES + 128, _MM_HINT_T0);
+            PREFETCH_L2(wc);
+            PREFETCH_L2(wc + 128);
+            const __m512i la = _mm512_loadu_si512((const void *)wc), lb = _mm512_loadu_si512((const void *)(wc + 64)),
+                          hi = _mm512_loadu_si512((const void *)(wc + 128));
+            d0 = dpbusd512(d0, six_bit_quad512(la, lb, hi, 0), _mm512_set1_epi32(xp[c * 4]));
+            d1 = dpbusd512(d1, six_bit_quad512(la, lb, hi, 1), _mm512_set1_epi32(xp[c * 4 + 1]));
+            d2 = dpbusd512(d2, six_bit_quad512(la, lb, hi, 2), _mm512_set1_epi32(xp[c * 4 + 2]));
+            d3 = dpbusd512(d3, six_bit_quad512(la, lb, hi, 3), _mm512_set1_epi32(xp[c * 4 + 3]));
+        }
+        __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_add_epi32(d2, d3));
+        group_epilogue512(a, nb, g, m, 1, &dot, &acc);
+    }
+    store512(a, m, 1, nb, &acc);
+}
+
 /* Block already up-converted to int8 planes in `up` ([K/4][64] bytes): reused by every token tile. */
 static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_args *a, int64_t nb, int64_t m0,
                                                                    const int MT, const uint8_t *up) {
@@ -200,7 +230,7 @@ static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_a
 }
 
 T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
-    if (a->M >= UP_MIN_M) {
+    if (a->M >= up_min_m(a->bits)) {
         if (a->bits == 8) up = (uint8_t *)a->w + nb * (a->K / 4) * CHUNK_BYTES; /* stored as the operand */
         else upconvert_block512(a, nb, up);
         int64_t m0 = 0;
@@ -219,6 +249,7 @@ T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     }
     if (a->M == 1) {
         if (a->bits == 2) gemv512_2b(a, nb, 0);
+        else if (a->bits == 6) gemv512_6b(a, nb, 0);
         else if (a->bits == 8) gemv512_8b(a, nb, 0);
         else if (a->bits == 4) gemv512_4b(a, nb, 0);
         else gemv512_1b(a, nb, 0);
