@@ -36,9 +36,9 @@ def test_quality_smoke_writes_every_row(tmp_path):
     assert ("affine g64 optimized", "A8 g64") in acts and ("int4 g128 optimized", "A8 g64") not in acts  # 64 % 128
     assert {("e0m4 g128 rtn", "A16"), ("e0m4 g128 rtn", "A8 token")} <= acts  # Transformer-Lite's FP4, W4A16 vs W4A8
     heads = {(r["weights"], r["head"]) for r in rows if r["section"] == "head"}
-    assert {("bf16", "bf16"), ("bf16", "int8"), ("bf16", "lowbit affine g64 optimized"),
-            ("affine g64 optimized", "int8")} <= heads  # fmt: skip
-    assert len(rows) == 1 + 28 + 10
+    assert {("bf16", "bf16"), ("bf16", "int8"), ("bf16", "int6"), ("bf16", "lowbit affine g64 optimized"),
+            ("affine g64 optimized", "int8"), ("int4 g128 optimized", "int6")} <= heads  # fmt: skip
+    assert len(rows) == 1 + 28 + 13
 
     ref = rows[0]
     assert ref["section"] == "reference" and ref["kl"] == 0.0 and ref["top1"] == 1.0
