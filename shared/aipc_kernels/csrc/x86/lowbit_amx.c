@@ -74,9 +74,17 @@ static TAMX void amx_upconvert(const lowbit_args *a, const amx_plan *pl, int64_t
     const int64_t kc = chunk_k(a->bits), nq = kc / 4, nchunks = a->K / kc;
     const uint8_t *wb = a->w + nb * nchunks * chunk_bytes(a->bits);
     const __m512i sub = _mm512_set1_epi8((char)pl->level_sub);
+    if (a->bits == 6) { /* codes first (three units a chunk), then their levels in place; level_mul is 1 */
+        upconvert_block512(a, nb, up);
+        for (int64_t kq = 0; kq < a->K / 4; kq++)
+            _mm512_store_si512((void *)(up + kq * CHUNK_BYTES),
+                               _mm512_sub_epi8(_mm512_load_si512((const void *)(up + kq * CHUNK_BYTES)), sub));
+        return;
+    }
     for (int64_t c = 0; c < nchunks; c++) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
         for (int q = 0; q < nq; q++) {
-            __m512i v = chunk_plane512(wb, c, q, a->bits);
+            __m512i v = plane512(w, q, a->bits);
             if (pl->level_mul == 2) v = _mm512_add_epi8(v, v);
             _mm512_store_si512((void *)(up + (c * nq + q) * CHUNK_BYTES), _mm512_sub_epi8(v, sub));
         }

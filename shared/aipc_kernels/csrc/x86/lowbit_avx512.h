@@ -109,22 +109,24 @@ static inline T512 __m512i six_bit_quad512(__m512i la, __m512i lb, __m512i hi, i
     return _mm512_ternarylogic_epi32(_mm512_and_si512(lo, m4), h2, m30, 0xf8); /* lo | (h2 & m30) */
 }
 
-/* Plane (quad) q of chunk c of a row block's codes wb as 16 rows x 4 k of u8 codes, any width. */
-static inline T512 __m512i chunk_plane512(const uint8_t *wb, int64_t c, int q, int bits) {
-    const uint8_t *wc = wb + c * chunk_bytes(bits);
-    if (bits == 6)
-        return six_bit_quad512(_mm512_loadu_si512((const void *)wc), _mm512_loadu_si512((const void *)(wc + CHUNK_BYTES)),
-                               _mm512_loadu_si512((const void *)(wc + 2 * CHUNK_BYTES)), q);
-    return plane512(_mm512_loadu_si512((const void *)wc), q, bits);
-}
-
-/* Row block nb up-converted to int8 planes: up[(c * nq + q) * 64] = plane q of chunk c ([K/4][64] bytes). */
+/* Row block nb up-converted to int8 planes: up[(c * nq + q) * 64] = plane q of chunk c ([K/4][64] bytes);
+ * 6-bit chunks: their three units loaded once, four quads out. */
 static inline T512 void upconvert_block512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     const int64_t kc = chunk_k(a->bits), nq = kc / 4, nchunks = a->K / kc;
     const uint8_t *wb = a->w + nb * nchunks * chunk_bytes(a->bits);
-    for (int64_t c = 0; c < nchunks; c++)
-        for (int q = 0; q < nq; q++)
-            _mm512_store_si512((void *)(up + (c * nq + q) * CHUNK_BYTES), chunk_plane512(wb, c, q, a->bits));
+    if (a->bits == 6) {
+        for (int64_t c = 0; c < nchunks; c++) {
+            const uint8_t *wc = wb + c * chunk_bytes(6);
+            const __m512i la = _mm512_loadu_si512((const void *)wc), lb = _mm512_loadu_si512((const void *)(wc + 64)),
+                          hi = _mm512_loadu_si512((const void *)(wc + 128));
+            for (int q = 0; q < 4; q++) _mm512_store_si512((void *)(up + (c * 4 + q) * CHUNK_BYTES), six_bit_quad512(la, lb, hi, q));
+        }
+        return;
+    }
+    for (int64_t c = 0; c < nchunks; c++) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
+        for (int q = 0; q < nq; q++) _mm512_store_si512((void *)(up + (c * nq + q) * CHUNK_BYTES), plane512(w, q, a->bits));
+    }
 }
 
 #endif /* AIPC_LOWBIT_AVX512_H */
