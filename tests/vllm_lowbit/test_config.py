@@ -52,7 +52,7 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"modules_to_not_convert": "lm_head"}, 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]'),
     ({"modules_to_not_convert": ["lm_head", 3]}, "must be a list of strings"),
     ({"quantize_lm_head": "false"}, "quantize_lm_head='false' must be true or false (a JSON boolean, without quotes)"),
-    ({"lm_head": "int4"}, "lm_head='int4' is not supported; use one of \"int8\", \"lowbit\", \"float\""),
+    ({"lm_head": "int4"}, "lm_head='int4' is not supported; use one of \"int8\", \"int6\", \"lowbit\", \"float\""),
     ({"lm_head": "float", "quantize_lm_head": True}, "quantize_lm_head=True is the older spelling of lm_head; give lm_head alone"),
     ({"activations": "float"}, "activations='float' needs a 4-bit codebook (['affine4', 'e0m4', 'int4']); 'affine' has 2-bit codes: use activations int8"),
     ({"activations": "bf16"}, "activations='bf16' is not supported; use one of \"int8\", \"float\""),
