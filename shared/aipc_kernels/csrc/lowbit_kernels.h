@@ -85,7 +85,7 @@ typedef struct {
 } lowbit_args;
 
 /* 6-bit codes (GGUF's Q6_K) take three 64-byte units per chunk of 16 k: the low nibbles of k 0-7 and of
- * k 8-15 in the 4-bit layout, then the high two bits of k 0-15 in the 2-bit layout (six_bit_quad) */
+ * k 8-15 in the 4-bit layout, then the high two bits of k 0-15 in the 2-bit layout (six_bit_code) */
 #define SIX_BIT_UNITS 3
 static inline int64_t chunk_k(int bits) { return bits == 6 ? 16 : CHUNK_BYTES * 8 / bits / BLOCK_N; }
 static inline int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_BIT_UNITS * CHUNK_BYTES : CHUNK_BYTES; }
