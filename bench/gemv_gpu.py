@@ -19,6 +19,10 @@ linear) on the same bf16 weight as ``bf16``, called directly: the op itself call
 Row ``ours_dequant`` (M > 16): the op's dequantize-then-GEMM path forced (the weight written in bf16 by a
 Triton pass, then cuBLAS on the int8-coded activations); ``ours_w2a8`` runs whichever kernel the
 autotuner chose for the shape and M (its ``config`` in the json, with every kernel's tuning time).
+Rows ``ours_w2a8_prog`` / ``ours_w4a8_prog``: the same op on the progressive two-level form
+(:mod:`aipc_kernels.lowbit.progressive`: a float scale per output channel, int8 levels ``s1 * c + m`` per
+group; ``min2`` group 64 / ``min4`` group 128, random codes and integer scales in the form's range), which runs
+the ``progressive`` kernel (int32 accumulation over the whole K) at every M.
 Row ``int8_mm`` (M > 16): torch's cuBLASLt int8 GEMM on an int8 weight, the matrix units with none of
 the low-bit work (unpacking, group rescale, activation quantization).
 
@@ -53,8 +57,10 @@ OURS_FORMATS = {
     "ours_w4a16_e0m4": ("e0m4", 128, "e0m4"),
     "ours_w4a16_int": ("e0m4", 128, "int"),
 }
-ROWS = ("bf16", "dense_bf16", "ours_w2a8", "ours_dequant", "ours_invariant", *OURS_FORMATS, "gemlite_a16w2", "gemlite_a8w8", "read",
-        "int8_mm")
+#: ours in the progressive two-level form: code book, group size
+PROGRESSIVE_FORMATS = {"ours_w2a8_prog": ("min2", 64), "ours_w4a8_prog": ("min4", 128)}
+ROWS = ("bf16", "dense_bf16", "ours_w2a8", "ours_dequant", "ours_invariant", *OURS_FORMATS, *PROGRESSIVE_FORMATS,
+        "gemlite_a16w2", "gemlite_a8w8", "read", "int8_mm")
 GROUP = 64
 MAX_COPIES = 1024
 
@@ -186,6 +192,44 @@ def row_ours_format(W, x, l2, state, row: str):
     return [lambda w=w: lowbit_linear_a16(x, w, None, dequant) for w in ws], b, len(ws)
 
 
+def row_ours_progressive(W, x, l2, state, row: str):
+    """Ours on a progressive two-level weight (:data:`PROGRESSIVE_FORMATS`) of W's shape: random codes, integer
+    group scales and mins over the form's whole range, fp16-valued per-channel scales (speed does not
+    depend on the values; tests/kernels/test_progressive.py checks them)."""
+    from aipc_kernels.lowbit import progressive
+
+    codebook, group = PROGRESSIVE_FORMATS[row]
+    if row not in state:
+        N, K = W.shape
+        top = progressive.get_codebook(codebook).max_code
+        codes = torch.randint(0, top + 1, (N, K), dtype=torch.uint8, device=W.device)
+        s1 = torch.randint(1, progressive.max_sub_scale(codebook) + 1, (N, K // group), device=W.device)
+        m = (-128 + torch.rand(N, K // group, device=W.device) * (256 - s1 * top)).floor().long()
+        s0 = (W.float().abs().amax(1) / 127).half().float()
+        state[row + "_lw"] = progressive.from_parts(codes, s1, m, s0, codebook, group)
+        state[row] = pack_for_triton(state[row + "_lw"])
+    p = state[row]
+    state.setdefault("prog_err", {})[row] = check_progressive(x, p, state[row + "_lw"])
+    b = p.nbytes()
+    ws = [p] + [
+        PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), p.zeros.clone(), p.codebook, p.group_size,
+                     p.out_features, p.in_features, p.supers.clone())  # fmt: skip
+        for _ in range(n_copies(b, l2) - 1)
+    ]
+    return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
+
+
+def check_progressive(x, p, lw, rows: int = 64) -> float:
+    """Relative error (norm) of the op on the first ``rows`` tokens of ``x`` (the config the tuner picks for
+    all of x) against float64: the int8 activations times the dequantized weight."""
+    from aipc_kernels.lowbit.quantizers import quantize_activations
+
+    y = lowbit_linear(x, p)[:rows].double()
+    xq, sx = quantize_activations(x[:rows])
+    ref = (xq.double() @ lw.dequantize(torch.float64).t()) * sx.double()  # sx: [rows, 1]
+    return ((y - ref).norm() / ref.norm()).item()
+
+
 def row_ours_invariant(W, x, l2, state):
     """Ours in the batch-invariant mode (``AIPC_BATCH_INVARIANT=1``): the config the op would run with
     the flag set, i.e. the group kernel unsplit at every M."""
@@ -198,6 +242,12 @@ def row_ours_invariant(W, x, l2, state):
     cfg = tlin.invariant_config(tlin.select_config(x, ws[0], None, y), M, N, K, 2, x.device)
     state.setdefault("invariant_configs", {})[M] = cfg
     return [lambda w=w: tlin.lowbit_linear_triton(x, w, config=cfg) for w in ws], b, copies
+
+
+def progressive_bits(codebook: str) -> int:
+    from aipc_kernels.lowbit.formats import get_codebook
+
+    return get_codebook(codebook).bits
 
 
 def launch_floor_us(calls: int = 256) -> float:
@@ -401,6 +451,8 @@ def run(args, Ms: list[int], shapes: dict) -> int:
                         calls, b, copies = row_ours_dequant(W, x, l2, state)
                     elif row in OURS_FORMATS:
                         calls, b, copies = row_ours_format(W, x, l2, state, row)
+                    elif row in PROGRESSIVE_FORMATS:
+                        calls, b, copies = row_ours_progressive(W, x, l2, state, row)
                     elif row == "int8_mm":
                         if M <= 16:
                             continue
@@ -439,6 +491,14 @@ def run(args, Ms: list[int], shapes: dict) -> int:
 
                 cfgs = tlin.cached_configs(tlin.device_name(x.device))
                 entry["ours_w2a8"]["config"] = cfgs.get(tlin.config_key(M, N, K, GROUP, 2), "heuristic")
+            for row in PROGRESSIVE_FORMATS:
+                if isinstance(entry.get(row), dict) and "us" in entry[row]:
+                    from aipc_kernels.gpu.triton import lowbit as tlin
+
+                    cb, g = PROGRESSIVE_FORMATS[row]
+                    key = tlin.config_key(M, N, K, g, progressive_bits(cb), progressive=True)
+                    entry[row]["config"] = tlin.cached_configs(tlin.device_name(x.device)).get(key, "heuristic")
+                    entry[row]["rel_err"] = state["prog_err"][row]
             if isinstance(entry.get("ours_invariant"), dict) and "us" in entry["ours_invariant"]:
                 entry["ours_invariant"]["config"] = state["invariant_configs"][M]
             if isinstance(entry.get("read"), dict) and "read_config" in state:
@@ -483,7 +543,7 @@ def summary(results, rows, Ms) -> list[str]:
         lines.append(line)
     for M in Ms:
         sel = [e for e in results if e["M"] == M and e["shape"] in EIGHT_B]
-        for row in (*OURS_FORMATS, "dense_bf16"):
+        for row in (*OURS_FORMATS, *PROGRESSIVE_FORMATS, "dense_bf16"):
             got = [e[row] for e in sel if "us" in e.get(row, {}) and "x_bf16" in e[row]]
             if got:
                 lines.append(f"- {row} M={M}, Llama-3-8B shapes: x_bf16 {min(g['x_bf16'] for g in got):.2f}-"
@@ -536,6 +596,27 @@ def targets(results: list, Ms: list[int]) -> list[str]:
         bad = [k for k, v in r.items() if v < 2]
         lines.append(f"| M=16: >= 2x bf16 | 8B | x_bf16 {min(r.values()):.2f}-{max(r.values()):.2f} | "
                      f"{'yes' if not bad else 'no: ' + ', '.join(bad)} |")
+    for row in (r for r in PROGRESSIVE_FORMATS if any(_us(e, r) for e in results)):
+        for M in Ms:
+            sel = [e for e in results if e["M"] == M and _us(e, row) and _us(e, "bf16")]
+            if sel:
+                xs = {e["shape"]: _us(e, "bf16") / _us(e, row) for e in sel}
+                slow = [k for k, v in xs.items() if v < 1]
+                lines.append(f"| {row} M={M}: never slower than bf16 | {len(sel)} 1B/8B shapes | x_bf16 {min(xs.values()):.2f}-"
+                             f"{max(xs.values()):.2f} | {'yes' if not slow else 'no: ' + ', '.join(slow)} |")
+        for M in (m for m in Ms if m >= 1024):
+            sel = [e for e in results if e["M"] == M and e["shape"] in EIGHT_B and _us(e, row) and _us(e, "bf16")]
+            if sel:
+                xb = {e["shape"]: _us(e, "bf16") / _us(e, row) for e in sel}
+                bad = [k for k, v in xb.items() if v < 1.2]
+                lines.append(f"| {row} M={M}: >= 1.2x bf16 | 8B | x_bf16 {min(xb.values()):.2f}-{max(xb.values()):.2f} | "
+                             f"{'yes' if not bad else 'no: ' + ', '.join(bad)} |")
+                sel = [e for e in sel if _us(e, "int8_mm")]
+                if sel:
+                    r = {e["shape"]: _us(e, "int8_mm") / _us(e, row) for e in sel}
+                    bad = [k for k, v in r.items() if v < 1.1]
+                    lines.append(f"| {row} M={M}: >= 1.1x torch._int_mm | 8B | int8_mm time / ours {min(r.values()):.2f}-"
+                                 f"{max(r.values()):.2f} | {'yes' if not bad else 'no: ' + ', '.join(bad)} |")
     lines += ["", "read = the fastest read-only kernel over ours' int2 bytes, measured in this run at the first M (best of a "
               "sweep over grid, warps and loads in flight, and of torch's copy_ of as many bytes; the winner is in the json)."]
     return lines

@@ -50,7 +50,9 @@ optimized), float activations, bf16 head; ``activations``: A16 / A8 per token / 
 bf16 linears and with the plugins' default linears; ``gguf`` (real models): the file's own linears (as
 published) and lowbit4 int4 / affine4 / e0m4 and lowbit2 affine g64 re-quantized from them, each with
 A8 per token and per group (32 for the file's own: llama.cpp's, the GGUF serving default; 64, the
-weight group, for the re-quantized ones), float and int8 output projection. ``--smoke``: a tiny model, a few steps, a few
+weight group, for the re-quantized ones), float and int8 output projection; ``progressive``: the progressive
+two-level form (``aipc_kernels.lowbit.progressive``, the GPU prefill kernels' form) at 2 and 4 bits beside
+today's float16 group scales of the same bits, A8 per token. ``--smoke``: a tiny model, a few steps, a few
 files (seconds on a CPU; checks the script, measures nothing).
 """
 from __future__ import annotations
@@ -77,12 +79,13 @@ import torch.nn.functional as F
 from aipc_kernels.lowbit.formats import CODEBOOKS, LowBitWeight, fitting_group_size
 from aipc_kernels.lowbit.modules import linear_names
 from aipc_kernels.lowbit.ops import reference_linear_w8
+from aipc_kernels.lowbit.progressive import quantize_progressive
 from aipc_kernels.lowbit.output_projection import quantize_output_projection
 from aipc_kernels.lowbit.quantizers import quantize_activations, quantize_weight
 from aipc_kernels.core.registry_models import MODELS as REGISTRY_MODELS
 from harness import BenchParser, bench_lock, gpu_info, machine_info, markdown_table, write_results  # bench/ on sys.path
 
-SECTIONS = ("weights", "activations", "head", "gguf")
+SECTIONS = ("weights", "activations", "head", "gguf", "progressive")
 GROUPS = (32, 64, 128, -1)  # -1: one group per row
 QUANTIZERS = ("rtn", "optimized")
 SCALE_DTYPE = torch.float16  # the plugins' default scale_dtype
@@ -328,6 +331,12 @@ GGUF_WEIGHTS = (None, WFmt("int4", 64, "optimized"), WFmt("affine4", 64, "optimi
                 WFmt("affine", 64, "optimized"))
 
 
+#: the ``progressive`` section: the progressive two-level form (a float scale per channel, int8 levels per group)
+#: beside the single-level formats of the same bits (float16 group scales, optimized quantizer)
+PROGRESSIVE_WEIGHTS = (WFmt("affine", 64, "optimized"), WFmt("min2", 64, "progressive"), WFmt("int4", 128, "optimized"),
+                       WFmt("affine4", 128, "optimized"), WFmt("min4", 128, "progressive"))
+
+
 def rows_for(sections: list[str]) -> list[Row]:
     rows: list[Row] = [Row("reference", None, "A16", "bf16")]
     if "weights" in sections:
@@ -346,6 +355,8 @@ def rows_for(sections: list[str]) -> list[Row]:
         for w in (four, two):  # 4-bit linears (lowbit4's), and the 2-bit default (affine g64), A8 per token
             rows += [Row("head", w, "A8 token", h, w if h == "lowbit" else None)
                      for h in ("bf16", "int8", "int6", "lowbit")]
+    if "progressive" in sections:  # the GPU prefill form (issue 41) against the float group scales it replaces
+        rows += [Row("progressive", w, "A8 token", "bf16") for w in PROGRESSIVE_WEIGHTS]
     if "gguf" in sections:  # a GGUF as published (the float row's weights) against re-quantizing it (issue 38)
         for w in GGUF_WEIGHTS:
             per_group = "A8 g32" if w is None else "A8 g64"  # the kernels' activation groups span whole weight groups
@@ -398,7 +409,10 @@ class Evaluator:
             for K, names in self.by_k.items():
                 w = torch.cat([self.base[n] for n in names])
                 group = fitting_group_size(fmt.group, K)
-                lw = quantize_weight(w, fmt.codebook, group, method=fmt.quantizer, scale_dtype=SCALE_DTYPE)
+                if fmt.quantizer == "progressive":  # its own quantizer: s0 per channel, integer s1 and m per group
+                    lw = quantize_progressive(w, fmt.codebook, group)
+                else:
+                    lw = quantize_weight(w, fmt.codebook, group, method=fmt.quantizer, scale_dtype=SCALE_DTYPE)
                 lws[K] = lw
                 bits += lw.nbytes() * 8
                 numel += w.numel()
@@ -435,7 +449,8 @@ class Evaluator:
             start += self.base[n].shape[0]
         lw, stop = lws[K], start + self.base[self.check_name].shape[0]
         return LowBitWeight(lw.qweight[start:stop].cpu(), lw.scales[start:stop].cpu(),
-                            None if lw.zeros is None else lw.zeros[start:stop].cpu(), lw.codebook, lw.group_size, K)
+                            None if lw.zeros is None else lw.zeros[start:stop].cpu(), lw.codebook, lw.group_size, K,
+                            supers=None if lw.supers is None else lw.supers[:, start:stop].cpu())  # fmt: skip
 
     def _setup(self, row: Row) -> tuple[list, Optional[float], Optional[LowBitWeight]]:
         """Puts ``row``'s weights in the model and hooks its activation rounding; returns the hooks,
@@ -601,6 +616,14 @@ def tables(rows: list[dict]) -> str:
                      "act: the linears' activations (a lowbit head reads the same; an int8 head always reads "
                      "A8 per token). head_bpw: bits per weight of the quantized head with its scales.\n\n"
                      + markdown_table([fmt_row(r, cols) for r in h], cols))
+    pg = [r for r in rows if r["section"] == "progressive"]
+    if pg:
+        cols = ["weights", "bpw", "ppl", "dppl", "kl", "top1", "ref_err"]
+        body = [fmt_row(r, cols) for r in pg]
+        for b in body:
+            b["ref_err"] = "" if b["ref_err"] is None else f"{b['ref_err']:.1e}"
+        parts.append("## The progressive two-level form against float16 group scales (A8 per token, bf16 output "
+                     "projection)\n\n" + markdown_table(body, cols))
     return "\n\n".join(parts)
 
 

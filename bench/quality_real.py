@@ -159,6 +159,11 @@ def tables(model: str, rows: list[dict]) -> str:
     if h:
         body = [dict(weights=r["weights"], act=r["act"], head=r["head"], **_line(r, ref)) for r in h]
         parts.append(f"### {model}: output projection\n\n" + markdown_table(body, list(body[0])))
+    pg = [r for r in rows if r["section"] == "progressive"]
+    if pg:
+        body = [dict(weights=r["weights"], bpw=f"{r['bpw']:.2f}", **_line(r, ref)) for r in pg]
+        parts.append(f"### {model}: the progressive two-level form against float16 group scales (A8 per token, float "
+                     f"output projection)\n\n" + markdown_table(body, list(body[0])))
     g = [r for r in rows if r["section"] == "gguf"]
     if g:
         body = [dict(linears=published(r), act=r["act"], head=r["head"], **_line(r, ref)) for r in g]
@@ -209,6 +214,11 @@ def conclusions(model: str, rows: list[dict]) -> list[str]:
         if tok:
             out.append(f"{weights}: A16 {d(find('activations', weights))}, A8 per token {d(tok)}"
                        + (f", A8 per 64-group {d(grp)}" if grp else "") + ".")
+    prog = {w: find("progressive", w, "A8 token") for w in ("min2 g64 progressive", "affine g64 optimized",
+                                                             "min4 g128 progressive", "affine4 g128 optimized")}
+    if any(prog.values()):
+        out.append("Progressive two-level form (A8 per token, float output projection): " + "; ".join(
+            f"{w} {d(r)}" for w, r in prog.items()) + ".")  # fmt: skip
     g = [r for r in rows if r["section"] == "gguf"]
     if g:
         pub = find("gguf", "bf16", "A8 g32")

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from aipc_kernels.lowbit.formats import CODEBOOKS, FILE_GROUP_SIZES, SCALE_DTYPES, WEIGHT_SCALE_DTYPES
-from aipc_kernels.lowbit.packing import CPU_LAYOUT, LAYOUTS, packed_shapes, super_shape
+from aipc_kernels.lowbit.packing import CPU_LAYOUT, LAYOUTS, TRITON_LAYOUT, packed_shapes, super_shape
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x (and y) dtypes of every path
 #: how ``aipc::lowbit_linear_a16`` turns 4-bit codes into floats: E0M4's bit operations, or a conversion
@@ -148,6 +148,14 @@ def check_supers(plan: OperandPlan, scales: torch.Tensor, supers: Optional[torch
     if plan.per_group_zeros:
         raise ValueError(f"lowbit_linear: codebook {codebook!r} stores zero points; the two-level form (supers) takes "
                          f"fixed-zero and min-form code books")  # fmt: skip
+    if layout == TRITON_LAYOUT:  # the progressive form only: one super-block a row (any number of groups)
+        if not plan.mins or supers.dtype != torch.float32 or tuple(supers.shape) != (2, 1, out_features):
+            raise ValueError(
+                f"lowbit_linear: supers of shape {tuple(supers.shape)} and dtype {supers.dtype} with codebook {codebook!r}: "
+                f"{layout} takes the two-level form as the progressive one (a min form, float32 supers [2, 1, "
+                f"{out_features}]): pack the weight with aipc_kernels.lowbit.packing.pack_for_triton"
+            )
+        return
     nsb = supers.shape[-2] if layout == CPU_LAYOUT and supers.dim() == 4 else supers.shape[-1] if supers.dim() == 3 else 0
     SB = K // nsb if nsb and K % nsb == 0 else 0
     per = SB // group_size if SB and SB % group_size == 0 else 0

@@ -34,6 +34,8 @@ A group's scale is ``supers[0] * scales`` and its min ``supers[1] * mins``, each
 (exact for an fp16 ``d`` times a 6- or 8-bit integer), the values the same weight holds with those
 products stored as float32 scales: :meth:`LowBitWeight.single_level` turns one form into the other.
 A row then reads 1 byte per group for its scale (2 with mins) and 4 (8) per super-block, not 4 (8) per group.
+The progressive form (:mod:`aipc_kernels.lowbit.progressive`) is this min form with one super scale per row
+in both sets and every level ``s1 * c + m`` an int8: the form of the GPU prefill kernels.
 
 The min form (``min2``, ``min4``, ``min8``): ``W[n, k] = s[n, g] * (cmul * c[n, k] - z) + m[n, g]`` with a fixed
 ``z`` and a stored min ``m`` per group (in the ``zeros`` slot, same shape and dtype as ``scales``). It

@@ -144,15 +144,15 @@ def _lowbit_linear_cpu(x, qweight, scales, zeros, bias, layout, codebook, group_
 def _lowbit_linear_gpu(x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group,
                        act_amax=None, supers=None):  # fmt: skip
     """CUDA / XPU: the Triton kernels for the ``triton_k32`` layout (which check the operands with
-    :func:`check_operands`; single-level scales), else the reference."""
-    if layout != TRITON_LAYOUT or supers is not None:
+    :func:`check_operands`; single-level scales, or the progressive form's), else the reference."""
+    if layout != TRITON_LAYOUT:
         return _lowbit_linear_reference(
             x, qweight, scales, zeros, bias, layout, codebook, group_size, out_features, act_group, act_amax, supers
         )
     from aipc_kernels.gpu.triton.lowbit import lowbit_linear_triton  # lazy: triton is imported only here
 
     K = x.shape[-1] if x.dim() else 0
-    w = _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K)
+    w = _as_packed(qweight, scales, zeros, layout, codebook, group_size, out_features, K, supers)
     return lowbit_linear_triton(x, w, bias, act_group, act_amax=act_amax)
 
 

@@ -6,8 +6,10 @@ chunk holds, in bit-plane ``q``, the code of ``k = chunk*kc + 4q + kk`` (kc = 16
 operand of one VNNI dot product against four broadcast int8 activations (the paper's
 [N/16][K/kc][16][4] blocking with bit-planes instead of a LUT). Scales and zeros become
 ``[N/16][K/G][16]`` so one 32-byte load feeds a whole row block; the two-level form's super-block
-scales ``[S][N/16][K/SB][16]``. ``triton_k32`` takes single-level scales: a two-level weight is packed
-for it with its float32 products (:meth:`~aipc_kernels.lowbit.formats.LowBitWeight.single_level`).
+scales ``[S][N/16][K/SB][16]``. ``triton_k32`` takes the two-level form only as the progressive form
+(:mod:`~aipc_kernels.lowbit.progressive`: int8 levels, one ``s0`` per row, supers ``[2, 1, N]``, the
+``progressive`` kernel's operands); any other two-level weight is packed for it with its float32 products
+(:meth:`~aipc_kernels.lowbit.formats.LowBitWeight.single_level`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from aipc_kernels.core.huge_pages import on_huge_pages
 from aipc_kernels.lowbit.formats import LowBitWeight, dequantize_codes, get_codebook, pack_codes, unpack_codes
+from aipc_kernels.lowbit.progressive import row_scales, super_block
 
 BLOCK_N = 16
 CPU_LAYOUT = "cpu_vnni16"
@@ -160,8 +163,14 @@ def unpack_triton_codes(packed: torch.Tensor, bits: int, in_features: int) -> to
 
 
 def pack_for_triton(w: LowBitWeight) -> PackedLowBit:
-    """Canonical -> ``triton_k32`` (codes re-packed, scales/zeros transposed to ``[K/G, N]``; the two-level
-    form as its float32 products; 6-bit codes as their 8-bit equivalent: :func:`as_eight_bit`)."""
+    """Canonical -> ``triton_k32`` (codes re-packed, scales/zeros transposed to ``[K/G, N]``; the progressive
+    form with its int8 scales and mins and ``s0`` as supers ``[2, 1, N]``, any other two-level form as its
+    float32 products; 6-bit codes as their 8-bit equivalent: :func:`as_eight_bit`)."""
+    s0 = row_scales(w)
+    if s0 is not None:
+        return PackedLowBit(TRITON_LAYOUT, pack_triton_codes(w.codes(), w.bits), w.scales.t().contiguous(),
+                            w.zeros.t().contiguous(), w.codebook, w.group_size, w.out_features, w.in_features,
+                            s0.view(1, 1, -1).expand(2, 1, -1).contiguous())  # fmt: skip
     w = as_eight_bit(w.single_level())
     return PackedLowBit(
         TRITON_LAYOUT,
@@ -191,13 +200,16 @@ LAYOUTS = (CPU_LAYOUT, TRITON_LAYOUT, CANONICAL_LAYOUT)
 
 def super_shape(layout: str, out_features: int, super_blocks: int) -> tuple[int, ...]:
     """Shape of one set of super-block scales (``supers[i]``) with ``super_blocks`` per row in ``layout``
-    (the two-level form: ``cpu_vnni16`` and ``canonical``)."""
+    (the two-level form: ``cpu_vnni16`` and ``canonical``; ``triton_k32``: the progressive form's one per row)."""
+    if layout == TRITON_LAYOUT and super_blocks == 1:
+        return (1, out_features)
     if layout == CPU_LAYOUT:
         return (-(-out_features // BLOCK_N), super_blocks, BLOCK_N)
     if layout == CANONICAL_LAYOUT:
         return (out_features, super_blocks)
-    raise ValueError(f"layout={layout!r} takes no two-level scales (int8 scales with supers); use {CPU_LAYOUT!r} "
-                     f"or {CANONICAL_LAYOUT!r}, or pack the weight's single_level() form")  # fmt: skip
+    raise ValueError(f"layout={layout!r} takes no two-level scales (int8 scales with supers) but the progressive "
+                     f"form's (one super-block a row); use {CPU_LAYOUT!r} or {CANONICAL_LAYOUT!r}, or pack the "
+                     f"weight's single_level() form")  # fmt: skip
 
 
 def packed_shapes(layout: str, bits: int, out_features: int, in_features: int, group_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -222,7 +234,8 @@ def to_canonical(p: PackedLowBit) -> LowBitWeight:
     if p.layout == TRITON_LAYOUT:
         codes = unpack_triton_codes(p.qweight, p.bits, p.in_features)
         zeros = p.zeros.t().contiguous() if p.zeros is not None else None
-        return LowBitWeight(pack_codes(codes, p.bits), p.scales.t().contiguous(), zeros, p.codebook, p.group_size, p.in_features)
+        return LowBitWeight(pack_codes(codes, p.bits), p.scales.t().contiguous(), zeros, p.codebook, p.group_size,
+                            p.in_features, supers=_canonical_supers(p))  # fmt: skip
     if p.layout != CPU_LAYOUT:
         raise ValueError(f"layout={p.layout!r} is not known to aipc_kernels.lowbit.packing")
     N = p.out_features
@@ -231,6 +244,15 @@ def to_canonical(p: PackedLowBit) -> LowBitWeight:
     supers = torch.stack([unpack_cpu_groups(s, N) for s in p.supers]) if p.supers is not None else None
     return LowBitWeight(pack_codes(codes, p.bits), unpack_cpu_groups(p.scales, N), zeros, p.codebook, p.group_size,
                         p.in_features, supers=supers)  # fmt: skip
+
+
+def _canonical_supers(p: PackedLowBit) -> Optional[torch.Tensor]:
+    """The canonical supers ``[2, N, K/SB]`` of a progressive ``triton_k32`` weight (``s0`` repeated per
+    super-block, :func:`~aipc_kernels.lowbit.progressive.super_block`), None for single-level scales."""
+    if p.supers is None:
+        return None
+    nsb = p.in_features // super_block(p.in_features, p.group_size)
+    return p.supers[:, 0, :, None].expand(-1, -1, nsb).contiguous()
 
 
 def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -260,7 +282,7 @@ def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = to
         codes = unpack_triton_codes(p.qweight[rows], bits, K)
         scales = p.scales[:, rows].t()
         zeros = p.zeros[:, rows].t() if p.zeros is not None else None
-        supers = None  # triton_k32 holds single-level scales
+        supers = None if p.supers is None else p.supers[:, 0, rows, None]  # progressive: s0 per row
     elif p.layout == CANONICAL_LAYOUT:
         codes = unpack_codes(p.qweight[rows], bits)
         scales = p.scales[rows]

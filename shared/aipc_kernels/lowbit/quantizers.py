@@ -87,7 +87,7 @@ def _finish(codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, cb: Codebook,
     )
 
 
-def _check_weight(w: torch.Tensor) -> None:
+def check_weight(w: torch.Tensor) -> None:
     if w.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
     if not torch.isfinite(w).all():
@@ -98,7 +98,7 @@ def quantize_rtn(
     w: torch.Tensor, codebook: str = "affine", group_size: int = 64, scale_dtype: torch.dtype = torch.float16
 ) -> LowBitWeight:
     """Min-max round-to-nearest quantization of ``w[N, K]``."""
-    _check_weight(w)
+    check_weight(w)
     cb = get_codebook(codebook)
     G = resolve_group_size(group_size, w.shape[1])
     wg = _grouped(w, G)
@@ -133,7 +133,7 @@ def quantize_optimized(
 ) -> LowBitWeight:
     """Alternating least-squares fit of scale (and zero) per group, from the best of several clipping
     ratios of the RTN range. Never worse than RTN (ratio 1.0 is its starting point)."""
-    _check_weight(w)
+    check_weight(w)
     cb = get_codebook(codebook)
     G = resolve_group_size(group_size, w.shape[1])
     wg = _grouped(w, G)

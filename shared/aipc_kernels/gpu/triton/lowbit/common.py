@@ -81,6 +81,25 @@ def act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_KX: tl.con
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile ``pid`` of an [M, N] result in grouped order (GROUP_M row blocks share their weight
+    columns in L2): ``(offs_m, offs_n, m_mask, n_mask, rm, rn)``, ``rm`` / ``rn`` the offsets clamped into
+    range (unmasked loads; the results past M / N are dropped at the store)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsz = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsz
+    pid_n = (pid % width) // gsz
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    return offs_m, offs_n, m_mask, n_mask, tl.where(m_mask, offs_m, 0), tl.where(n_mask, offs_n, 0)
+
+
+@triton.jit
 def fence_gpu(v):
     """``v``, after a GPU-scope fence by every thread: its writes (atomic adds included) are visible
     device-wide before the barrier and ticket that follow (CUDA only: PTX)."""
@@ -221,5 +240,6 @@ def dense_call(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tenso
         weight.layout, weight.qweight.contiguous(), weight.scales.contiguous(),
         None if weight.zeros is None else weight.zeros.contiguous(),
         weight.codebook, weight.group_size, weight.out_features, weight.in_features,
+        None if weight.supers is None else weight.supers.contiguous(),
     )  # fmt: skip
     return x2, weight, bias, y

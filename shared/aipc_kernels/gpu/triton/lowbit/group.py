@@ -38,6 +38,7 @@ from aipc_kernels.gpu.triton.lowbit.common import GEMV_MAX_M, k_splits, path, sm
 from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED, pdl_ok
 
 NAME = "group"
+FORMS = ("single", "progressive")  # registry.takes: the progressive form's int8 scales and mins too, times s0
 # M > 16: (BLOCK_N, BLOCK_M, num_warps, num_stages, WA)
 _GEMM_TILES = [(128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (256, 64, 8, 3, 1), (128, 128, 8, 3, 1),
                (128, 64, 8, 3, 1), (128, 64, 4, 3, 0)]
@@ -107,7 +108,7 @@ def _half_term(acc, dh, xt, hm, sc_cur, z_cur, og, gi, HAS_ZEROS: tl.constexpr,
 
 @triton.jit
 def _group_kernel(
-    xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    xq_ptr, sx_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, s0_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, Kp, NG, KB, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr, FMUL: tl.constexpr, G: tl.constexpr,
     WHOLE_ROW: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -115,6 +116,7 @@ def _group_kernel(
     ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     ASM4: tl.constexpr, ASM5: tl.constexpr, ASM6: tl.constexpr, ASM7: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr, MINS: tl.constexpr = False,
+    ROW_SCALE: tl.constexpr = False,
 ):
     """One [BLOCK_N, BLOCK_M] output tile (weights as the dot's A operand with ``WA``, else
     [BLOCK_M, BLOCK_N]): the int32 accumulator starts at 0x4B400000, so its bits read as fp32 are
@@ -324,6 +326,12 @@ def _group_kernel(
             else:
                 acc += gx_run.to(tl.float32)[:, None] * m_row[None, :]
     sx = tl.load(sx_ptr + rm)
+    if ROW_SCALE:  # the progressive form: int8 group scales and mins, one float scale per row
+        s0 = tl.load(s0_ptr + rn)
+        if WA:
+            acc = acc * s0[:, None]
+        else:
+            acc = acc * s0[None, :]
     if WA:
         acc = acc * sx[None, :]
         bias = tl.load(b_ptr + rn).to(tl.float32)[:, None] if HAS_BIAS else 0.0
@@ -400,11 +408,12 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     _group_kernel[(tiles, split)](
         xq_ptr=xq, sx_ptr=sx, xsum_ptr=sx if xsum is None else xsum, w_ptr=weight.qweight,
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
-        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+        s0_ptr=weight.scales if weight.supers is None else weight.supers, b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
         M=M, N=N, Kp=Kp, NG=weight.scales.shape[0], KB=weight.qweight.shape[1], CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CA=ca, CB=cbias, FMUL=fmul, G=K if whole else weight.group_size, WHOLE_ROW=whole,
         HAS_ZEROS=weight.zeros is not None and not cb.mins, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), WA=bool(cfg.get("WA", 0)), HW_ASM=hw,
         SPLIT_K=split, ATOMIC=atomic, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **asm,
-        **({"MINS": True} if cb.mins else {}), **({"launch_pdl": True} if pdl else {}),
+        **({"MINS": True} if cb.mins else {}), **({"ROW_SCALE": True} if weight.supers is not None else {}),
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -29,7 +29,7 @@ def _validate(x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor
     if x.dim() and x.shape[-1] != weight.in_features:
         raise ValueError(f"lowbit_linear: weight of in_features={weight.in_features} does not match x's K={x.shape[-1]}")
     check_operands(x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
-                   weight.group_size, weight.out_features, act_group, act_amax)  # fmt: skip
+                   weight.group_size, weight.out_features, act_group, act_amax, supers=weight.supers)  # fmt: skip
     K, G, chunk = x.shape[-1], weight.group_size, triton_chunk(weight.bits)
     if G == 16 and G != K and weight.bits == 1:
         raise ValueError(f"group_size=16 takes codes of 2 bits or more (GGUF's K-quants), not {weight.codebook!r}")
@@ -71,7 +71,7 @@ def lowbit_linear_triton(
         cfg = select_config(x2, weight, bias, y)
         if not runs(cfg, x2, weight):  # a cached config (keyed by shape, group and bits) of a kernel that refuses
             # this weight's form (e.g. a CUDA C kernel and GGUF's min form or float32 scales): the portable one
-            cfg = heuristic_config(M, N, K, weight.bits, x.device)
+            cfg = heuristic_config(M, N, K, weight.bits, x.device, progressive=weight.supers is not None)
         if batch_invariant():
             cfg = invariant_config(cfg, M, N, K, weight.bits, x.device)
     launch(x2, weight, bias, y, cfg, None if act_amax is None else act_amax.reshape(-1).contiguous())

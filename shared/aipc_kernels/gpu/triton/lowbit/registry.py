@@ -15,12 +15,20 @@ import torch
 
 from aipc_kernels.lowbit.packing import PackedLowBit
 from aipc_kernels.gpu.cuda import gemm as cuda_gemm, mma as cuda_mma, stream as cuda_stream
-from aipc_kernels.gpu.triton.lowbit import dequant, group, stream
-from aipc_kernels.gpu.triton.lowbit.common import check_config
+from aipc_kernels.gpu.triton.lowbit import dequant, expand, group, stream
+from aipc_kernels.gpu.triton.lowbit import progressive as progressive_kernel
+from aipc_kernels.gpu.triton.lowbit.common import GEMV_MAX_M, check_config
 from aipc_kernels.gpu.triton.lowbit.interpret import interpreter_scope
 
 KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant, cuda_stream.NAME: cuda_stream,
-                                 cuda_mma.NAME: cuda_mma, cuda_gemm.NAME: cuda_gemm}
+                                 cuda_mma.NAME: cuda_mma, cuda_gemm.NAME: cuda_gemm, progressive_kernel.NAME: progressive_kernel,
+                                 expand.NAME: expand}
+
+
+def takes(kernel: ModuleType, weight: PackedLowBit) -> bool:
+    """Whether ``kernel`` takes ``weight``'s form: ``"progressive"`` (the two-level form with supers in
+    ``triton_k32``) or ``"single"``, as listed in the module's ``FORMS`` (default: single-level only)."""
+    return ("progressive" if weight.supers is not None else "single") in getattr(kernel, "FORMS", ("single",))
 
 
 def kernel_of(cfg: dict) -> ModuleType:
@@ -62,7 +70,7 @@ def runs(cfg: dict, x2: torch.Tensor, weight: PackedLowBit) -> bool:
     cfg)``, which raises a ValueError naming what it refuses): the CUDA C kernels take 2-bit codes with
     16-bit scales and no min form; every Triton kernel's heuristic config takes every valid weight."""
     kernel = KERNELS.get(cfg.get("KERNEL"))
-    if kernel is None:
+    if kernel is None or not takes(kernel, weight):
         return False
     check = getattr(kernel, "check", None)
     if check is None:
@@ -74,9 +82,15 @@ def runs(cfg: dict, x2: torch.Tensor, weight: PackedLowBit) -> bool:
     return True
 
 
-def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
+def heuristic_config(M: int, N: int, K: int, bits: int, device: torch.device, progressive: bool = False) -> dict:
     """The untuned default: ``stream`` at M == 1, ``dequant`` from M = ``dequant.MIN_M``, ``group``
-    otherwise (each module's own rule)."""
+    otherwise (each module's own rule); ``progressive`` (a weight in the progressive two-level form): that
+    form's kernels at M > 16 (``expand`` from ``expand.MIN_M`` tokens, ``progressive`` below), ``stream`` /
+    ``group`` at M <= 16 as for every weight."""
+    if progressive:  # decode on today's M <= 16 kernels, prompts on the form's own
+        if M <= GEMV_MAX_M:
+            return (stream if M == 1 else group).heuristic(M, N, K, bits, device)
+        return (expand if M >= expand.MIN_M else progressive_kernel).heuristic(M, N, K, bits, device)
     if M == 1:
         return stream.heuristic(M, N, K, bits, device)
     return dequant.heuristic(M, N, K, bits, device) or group.heuristic(M, N, K, bits, device)
@@ -95,7 +109,8 @@ def invariant_config(cfg: dict, M: int, N: int, K: int, bits: int, device: torch
     (no split-K). Each output element is then the same sequence of operations whatever the tile or M:
     an exact int32 dot per group, ``acc += dot * s`` (``- s * z * xsum``) in group order, ``* sx +
     bias``; and every M uses the same row-wise activation pass. A tuned group tile is kept, another
-    kernel's config becomes the heuristic's group tile (M = 1 takes the M <= 16 one)."""
-    if cfg.get("KERNEL") != group.NAME:
+    kernel's config becomes the heuristic's group tile (M = 1 takes the M <= 16 one). The ``progressive``
+    kernel (its own form) stays, unsplit: one exact int32 sum per output whatever the tile."""
+    if cfg.get("KERNEL") not in (group.NAME, progressive_kernel.NAME):
         cfg = group.heuristic(max(M, 2), N, K, bits, device)
     return dict({k: v for k, v in cfg.items() if k != "ATOMIC"}, SPLIT_K=1)

@@ -36,6 +36,9 @@ from aipc_kernels.gpu.triton.lowbit.common import k_splits, sm_count, split_plan
 from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED, pdl_ok
 
 NAME = "stream"
+#: the weight forms it takes (registry.takes): single-level scales, and the progressive two-level form (int8
+#: group scales and mins like 16-bit ones, times the row's ``s0`` at the end)
+FORMS = ("single", "progressive")
 # the tuning space: every tile whose step holds 1-64 int32 words per thread, split-K only with >= 16 rows
 SPACE = [
     {"KERNEL": NAME, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": 1, "BLOCK_C": bc, "XPACK": 1, "PDL": 1}
@@ -122,12 +125,12 @@ def _half_sums(xw, BLOCK_C: tl.constexpr, HW: tl.constexpr):
 
 @triton.jit
 def _stream_kernel(
-    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, s0_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, FULLX: tl.constexpr,
-    MINS: tl.constexpr = False,
+    MINS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False,
 ):
     """Each program owns BLOCK_N rows and (a split of) K; per step it holds [BLOCK_N, BLOCK_C chunks,
     8 words] of packed codes (16-byte loads) and prefetches the next step's tile before using this
@@ -252,6 +255,8 @@ def _stream_kernel(
             res = u * CMUL * sc_row * sx
     else:
         res = tl.sum(acc, axis=1) * sx
+    if ROW_SCALE:  # the progressive form: int8 group scales and mins, one float scale per row
+        res = res * tl.load(s0_ptr + offs_n, mask=n_mask, other=0.0)
     bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, pid_n, SPLIT_K, HAS_BIAS)
 
@@ -271,12 +276,12 @@ def _pick(q: tl.constexpr, v0, v1, v2, v3):
 
 @triton.jit
 def _stream_rows_kernel(
-    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, s0_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     N, NG, KW, CHUNKS_PER_SPLIT,
     BITS: tl.constexpr, CMUL: tl.constexpr, ZERO: tl.constexpr, G: tl.constexpr, WHOLE_ROW: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HW_DP4A: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_K: tl.constexpr, RB: tl.constexpr,
-    MINS: tl.constexpr = False,
+    MINS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False,
 ):
     """``RB`` > 1: the GEMV with the activations stationary. A program owns RB blocks of BLOCK_N rows
     and one K range (a split), all of it in one step (BLOCK_C chunks cover it): the activation words of
@@ -349,6 +354,8 @@ def _stream_rows_kernel(
             gmask = n_mask[:, None] & (c_mask & (g < NG))[None, :]
             acc += _group_term(dot, xs, g, gmask, offs_n, s_ptr, z_ptr, N, CMUL, ZERO, HAS_ZEROS, SIGNED, MINS)
         res = tl.sum(acc, axis=1) * sx
+        if ROW_SCALE:
+            res = res * tl.load(s0_ptr + offs_n, mask=n_mask, other=0.0)
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
         store_or_reduce(res, bias, y_ptr, ws_ptr, lock_ptr, offs_n, n_mask, N, pid_k, tile, SPLIT_K, HAS_BIAS)
         wv = wn
@@ -363,7 +370,7 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     """The untuned M == 1 default (the H200 winners: 8 rows, wide K tiles), split over K (at most 4)
     while fewer than two programs per SM would run."""
     chunks = -(-K // triton_chunk(bits))
-    bn, bc = 8, min(32, max(1, chunks))
+    bn, bc = 8, min(32, 1 << (max(1, chunks).bit_length() - 1))  # a power of two (tl.arange), at most the chunks
     split = k_splits(-(-N // bn), chunks // bc, 4, 2 * sm_count(device))  # every split keeps two steps of bc chunks
     return {"KERNEL": NAME, "XPACK": 1, "PDL": 1, "BLOCK_N": bn, "BLOCK_C": bc, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
 
@@ -403,13 +410,13 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     args = dict(
         xw_ptr=xq.view(torch.int32), xs_ptr=xs, sx_ptr=sx, w_ptr=weight.qweight.view(torch.int32),
         s_ptr=weight.scales, z_ptr=weight.scales if weight.zeros is None else weight.zeros,
-        b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+        s0_ptr=weight.scales if weight.supers is None else weight.supers, b_ptr=weight.scales if bias is None else bias, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
         N=N, NG=weight.scales.shape[0], KW=weight.qweight.shape[1] // 4, CHUNKS_PER_SPLIT=per_split * cpg,
         BITS=cb.bits, CMUL=float(cb.cmul), ZERO=float(cb.zero or 0.0), G=K if whole else weight.group_size,
         WHOLE_ROW=whole, HAS_ZEROS=weight.zeros is not None and not cb.mins, HAS_BIAS=bias is not None,
         HW_DP4A=x2.device.type == "cuda" and not INTERPRETED, PDL=pdl, BLOCK_N=bn, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"MINS": True} if cb.mins else {}),
-        **({"launch_pdl": True} if pdl else {}),
+        **({"ROW_SCALE": True} if weight.supers is not None else {}), **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if rb > 1:  # one step covers the split's chunks
         _stream_rows_kernel[(triton.cdiv(tiles, rb), split)](BLOCK_C=triton.next_power_of_2(per_split * cpg), RB=rb, **args)

@@ -21,7 +21,7 @@ import triton
 
 from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
 from aipc_kernels.gpu.triton.lowbit.common import GEMV_MAX_M, path
-from aipc_kernels.gpu.triton.lowbit.registry import KERNELS, heuristic_config, launch, usable
+from aipc_kernels.gpu.triton.lowbit.registry import KERNELS, heuristic_config, launch, takes, usable
 
 SHIPPED_CONFIGS = Path(__file__).with_name("lowbit_linear_configs.json")
 _mem_cache: dict[str, dict[str, dict]] = {}
@@ -36,10 +36,11 @@ def _m_bucket(M: int) -> int:
     return min(1 << (M - 1).bit_length(), 4096)
 
 
-def config_key(M: int, N: int, K: int, group_size: int, bits: int) -> str:
-    """The autotune cache key of a problem (path, M bucket, N, K, group, bits)."""
+def config_key(M: int, N: int, K: int, group_size: int, bits: int, progressive: bool = False) -> str:
+    """The autotune cache key of a problem (path, M bucket, N, K, group, bits; ``:p``: the progressive
+    two-level form, whose kernels are others)."""
     g = "row" if group_size == K else group_size
-    return f"{path(M)}:m{_m_bucket(M)}:n{N}:k{K}:g{g}:b{bits}"
+    return f"{path(M)}:m{_m_bucket(M)}:n{N}:k{K}:g{g}:b{bits}" + (":p" if progressive else "")
 
 
 def device_name(device: torch.device) -> str:
@@ -111,7 +112,7 @@ def candidates(M: int, weight: PackedLowBit) -> list[dict]:
     """The configs :func:`tune` times for ``M`` tokens on ``weight``: every registered kernel's space,
     less K splits longer than the weight's chunks and row tiles far wider than N."""
     chunks = weight.qweight.shape[1] * 8 // weight.bits // triton_chunk(weight.bits)
-    return [c for kernel in KERNELS.values() for c in kernel.space(M)
+    return [c for kernel in KERNELS.values() if takes(kernel, weight) for c in kernel.space(M)
             if c.get("SPLIT_K", 1) <= chunks and c["BLOCK_N"] <= max(16, 2 * weight.out_features)]
 
 
@@ -131,7 +132,8 @@ def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y
         if t < best_t:
             best, best_t = cfg, t
     if best is None:
-        raise RuntimeError(f"lowbit_linear: no Triton configuration ran for {config_key(M, weight.out_features, K, weight.group_size, weight.bits)}")
+        raise RuntimeError(f"lowbit_linear: no Triton configuration ran for "
+                           f"{config_key(M, weight.out_features, K, weight.group_size, weight.bits, weight.supers is not None)}")
     return dict(best, us=round(best_t * 1e3, 2), by_kernel=by_kernel)
 
 
@@ -140,13 +142,14 @@ def select_config(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.T
     M, K = x2.shape
     dev = x2.device
     name = device_name(dev)
-    key = config_key(M, weight.out_features, K, weight.group_size, weight.bits)
+    two_level = weight.supers is not None
+    key = config_key(M, weight.out_features, K, weight.group_size, weight.bits, two_level)
     cfgs = cached_configs(name)
     if key in cfgs and usable(cfgs[key], dev):
         return cfgs[key]
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not autotune_enabled(dev) or capturing:
-        return heuristic_config(M, weight.out_features, K, weight.bits, dev)
+        return heuristic_config(M, weight.out_features, K, weight.bits, dev, two_level)
     cfg = tune(x2, weight, bias, y)
     save_config(name, key, cfg)
     return cfg

@@ -1,0 +1,236 @@
+"""The progressive two-level form (per-channel float scale, int8 levels ``s1 * c + m`` per group): its
+quantizer, its layouts, the Triton ``progressive`` kernel (compiled on a CUDA GPU, interpreted on CPU
+tensors otherwise) and the native CPU kernels against a float64 reference of the dequantized weight with
+the op's int8 activations; the kernel choice and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aipc_kernels.lowbit import ops, packing, progressive
+from aipc_kernels.lowbit.contract import check_operands
+from aipc_kernels.lowbit.quantizers import quantize_activations, quantize_optimized
+
+pytest.importorskip("triton")
+
+from tests.helpers.triton_kernels import import_kernels  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+tlin, registry, tuning, pkernel = import_kernels(
+    "aipc_kernels.gpu.triton.lowbit", "aipc_kernels.gpu.triton.lowbit.registry", "aipc_kernels.gpu.triton.lowbit.tuning",
+    "aipc_kernels.gpu.triton.lowbit.progressive",
+)
+TOL = 2e-5  # the W*A8 tests' fp32 tolerance (test_triton_lowbit._close)
+GEMM = {"KERNEL": "progressive", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}
+GEMM_B = dict(GEMM, WA=0)  # the levels as the dot's B operand
+GEMM_CAT = dict(GEMM, KCAT=1, WA=0)  # a chunk's planes joined: one dot of K = 128 (2 bits) / 64 (4 bits)
+GEMV = {"KERNEL": "progressive", "BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "SPLIT_K": 3}
+EXPAND = {"KERNEL": "expand", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+# today's kernels on the form (int8 group scales and mins like 16-bit ones, times the row's s0)
+STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
+STREAM_RB = dict(STREAM, RB=3, SPLIT_K=1)
+GROUP16 = {"KERNEL": "group", "BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "WA": 1, "SPLIT_K": 2}
+GROUP = {"KERNEL": "group", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2, "WA": 0}
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIPC_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("AIPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_mem_cache", {})
+
+
+def _weight(N: int, K: int, codebook: str, group: int, seed: int, outliers: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.02
+    if outliers:  # a few input channels 10x the rest: many groups then span a small part of the int8 range
+        w[:, torch.randperm(K, generator=g)[:3]] *= 10
+    return w, progressive.quantize_progressive(w, codebook, group)
+
+
+def _reference(x: torch.Tensor, q, bias=None) -> torch.Tensor:
+    """float64: the op's int8 activations (per token) times the dequantized weight (+ bias)."""
+    xq, sx = quantize_activations(x.double())
+    y = (xq.double() @ q.dequantize(torch.float64).t()) * sx.double()
+    return y if bias is None else y + bias.double()
+
+
+def _close(y, ref, rtol=TOL):
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+
+
+def _qserve_rtn(w: torch.Tensor, codebook: str, G: int) -> float:
+    """Squared error of the plain progressive rounding (QServe's): s0 = absmax / 127, per group
+    s1 = ceil(range / max code) and m = round(min), codes rounded: the baseline the search must beat."""
+    top = progressive.get_codebook(codebook).max_code
+    s0 = (w.abs().amax(1, keepdim=True) / 127).half().float()
+    u = (w / s0).clamp(-128, 127).reshape(w.shape[0], -1, G)
+    lo, hi = u.amin(-1, keepdim=True), u.amax(-1, keepdim=True)
+    s1 = torch.ceil((hi - lo) / top).clamp(1, progressive.max_sub_scale(codebook))
+    m = torch.minimum(torch.round(lo).clamp_min(-128), 127 - s1 * top)
+    c = torch.clamp(torch.round((u - m) / s1), 0, top)
+    return (((s1 * c + m) * s0[:, :, None] - w.reshape(u.shape)) ** 2).sum().item()
+
+
+@pytest.mark.parametrize("codebook", progressive.CODEBOOKS)
+@pytest.mark.parametrize("N,K,group", [(37, 576, 64), (16, 4096, 128), (24, 384, 32), (9, 256, -1)])
+def test_quantizer_gives_the_form(codebook, N, K, group):
+    w, q = _weight(N, K, codebook, group, seed=N + K)
+    s0 = progressive.row_scales(q)
+    assert s0 is not None and torch.equal(s0.half().float(), s0)
+    w8 = q.dequantize(torch.float64) / s0.double()[:, None]
+    assert torch.equal(w8, w8.round()) and w8.min() >= -128 and w8.max() <= 127  # s0 * an int8, exactly
+    G = K if group == -1 else group
+    assert q.super_block == progressive.super_block(K, G) and (q.super_block // G) & (q.super_block // G - 1) == 0
+    err = ((q.dequantize() - w) ** 2).sum().item()
+    assert err <= _qserve_rtn(w, codebook, G)  # the search never loses to the plain rounding
+    flt = ((quantize_optimized(w, codebook, group, scale_dtype=torch.float32).dequantize() - w) ** 2).sum().item()
+    assert err <= (1.1 if codebook == "min2" else 2.0) * flt  # the integer grid's cost over a float fit, bounded
+
+
+def test_row_scales_refuses_weights_outside_the_form():
+    _, q = _weight(8, 256, "min2", 64, seed=1)
+    bad = q.scales.clone()
+    bad[0, 0] = 86  # 3 * 86 spans more than the int8 range
+    assert progressive.row_scales(packing.replace(q, scales=bad)) is None
+    sup = q.supers.clone()
+    sup[1, 2, 0] *= 2  # the mins' super scale differs from the scales'
+    assert progressive.row_scales(packing.replace(q, supers=sup)) is None
+    assert progressive.row_scales(q.single_level()) is None
+    with pytest.raises(ValueError, match="leave the int8 range"):
+        progressive.from_parts(q.codes(), q.scales.int() + 90, q.zeros.int(), q.supers[0, :, 0], "min2", 64)
+    with pytest.raises(ValueError, match="float16 values"):
+        progressive.from_parts(q.codes(), q.scales.int(), q.zeros.int(), q.supers[0, :, 0] * (1 + 2**-20), "min2", 64)
+    with pytest.raises(ValueError, match="progressive form takes"):
+        progressive.quantize_progressive(torch.randn(8, 256), "affine", 64)
+
+
+@pytest.mark.parametrize("codebook", progressive.CODEBOOKS)
+def test_layouts_round_trip(codebook):
+    _, q = _weight(21, 576, codebook, 64, seed=3)
+    p = packing.pack_for_triton(q)
+    assert p.scales.dtype == torch.int8 and p.supers.shape == (2, 1, 21)
+    back = packing.to_canonical(p)
+    assert torch.equal(back.dequantize(), q.dequantize()) and torch.equal(back.supers, q.supers)
+    rows = torch.tensor([0, 7, 20])
+    for layout in (p, packing.pack_for_cpu(q), packing.as_canonical_packed(q)):
+        assert torch.equal(packing.dequantize_rows(layout, rows), q.dequantize()[rows])
+    # a two-level weight outside the form goes to triton_k32 as its float32 products, as before
+    single = packing.pack_for_triton(packing.replace(q, supers=q.supers * torch.tensor([1.0, 2.0]).view(2, 1, 1)))
+    assert single.supers is None and single.scales.dtype == torch.float32
+
+
+CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tiles, K padded past the last group
+    (1, 40, 576, "min2", 64, GEMV), (5, 72, 256, "min4", 32, GEMV), (16, 33, 384, "min2", 128, None),
+    (17, 48, 512, "min4", -1, GEMM), (40, 65, 576, "min2", 64, GEMM), (33, 32, 1024, "min2", 32, dict(GEMM, SPLIT_K=2)),
+    (64, 50, 320, "min4", 64, None), (40, 65, 576, "min2", 64, GEMM_B), (17, 48, 512, "min4", -1, GEMM_B),
+    (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
+    (33, 40, 512, "min2", 32, dict(GEMM_CAT, WA=1, SPLIT_K=2)),
+    (1, 40, 576, "min2", 64, STREAM), (1, 33, 512, "min4", 128, STREAM), (1, 40, 512, "min2", 32, STREAM_RB),
+    (1, 24, 256, "min2", -1, STREAM), (7, 40, 576, "min2", 64, GROUP16), (16, 33, 256, "min4", -1, GROUP16),
+    (40, 65, 576, "min2", 64, GROUP), (20, 33, 512, "min4", 128, GROUP),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("M,N,K,codebook,group,cfg", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_matches_float64(M, N, K, codebook, group, cfg, dtype):
+    _, q = _weight(N, K, codebook, group, seed=M + N)
+    p = packing.pack_for_triton(q).to(DEVICE)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g)
+    ref = _reference(x.float(), q, bias)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: every element written
+    y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, out=out)
+    _close(y, ref, TOL if dtype == torch.float32 else 8e-3)
+    y_op = ops.lowbit_linear(x.to(DEVICE), p, bias.to(DEVICE))
+    if ON_GPU:  # the op: the progressive kernel, heuristic config
+        _close(y_op, ref, TOL if dtype == torch.float32 else 8e-3)
+    else:  # a CPU tensor in triton_k32: the op's weight-only reference, float activations
+        _close(y_op, ops.reference_linear(x.double(), packing.to_canonical(p), bias).double(), 1e-5 if dtype == torch.float32 else 8e-3)
+
+
+def test_extreme_levels_and_activations():
+    """Every level at -128 or +127 against activations of +-127: the int32 accumulator's largest sums."""
+    N, K = 16, 2048
+    codes = torch.randint(0, 2, (N, K), dtype=torch.uint8) * 3
+    s1 = torch.full((N, K // 64), 85)
+    m = torch.full((N, K // 64), -128)
+    q = progressive.from_parts(codes, s1, m, torch.full((N,), 2.0**-10), "min2", 64)
+    x = torch.where(torch.rand(3, K) < 0.5, -1.0, 1.0)
+    ref = _reference(x, q)
+    _close(tlin.lowbit_linear_triton(x.to(DEVICE), packing.pack_for_triton(q).to(DEVICE), config=GEMV), ref)
+
+
+def test_expanded_levels_are_the_weight_over_s0():
+    from aipc_kernels.gpu.triton.lowbit.expand import expand_levels  # imported (interpreted or not) with the registry
+    from aipc_kernels.gpu.triton.lowbit.interpret import interpreter_scope
+
+    for codebook, K in (("min2", 576), ("min4", 320)):
+        _, q = _weight(19, K, codebook, 64, seed=K)
+        with interpreter_scope():
+            w8 = expand_levels(packing.pack_for_triton(q).to(DEVICE)).cpu()
+        want = (q.dequantize(torch.float64) / progressive.row_scales(q).double()[:, None]).to(torch.int8)
+        assert torch.equal(w8[:, :K], want)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Unsplit, a row's output is one exact int32 sum then one rounding: the same bits alone and in a batch."""
+    _, q = _weight(48, 512, "min2", 64, seed=9)
+    p = packing.pack_for_triton(q).to(DEVICE)
+    x = torch.randn(33, 512).to(DEVICE)
+    big = tlin.lowbit_linear_triton(x, p, config=GEMM)
+    for i in (0, 17, 32):
+        one = tlin.lowbit_linear_triton(x[i : i + 1], p, config=dict(GEMV, SPLIT_K=1))
+        assert torch.equal(one[0], big[i])
+
+
+def test_the_form_selects_its_kernel_and_others_refuse_it():
+    _, q = _weight(40, 512, "min2", 64, seed=4)
+    p = packing.pack_for_triton(q).to(DEVICE)
+    x2 = torch.randn(3, 512).to(DEVICE)
+    dev = torch.device(DEVICE)
+    for M, want in ((1, "stream"), (2, "group"), (16, "group"), (17, "progressive"), (1023, "progressive"),
+                    (1024, "expand"), (4096, "expand")):
+        assert registry.heuristic_config(M, 40, 512, 2, dev, progressive=True)["KERNEL"] == want
+    assert tuning.config_key(64, 40, 512, 64, 2, progressive=True) == "gemm:m64:n40:k512:g64:b2:p"
+    assert registry.runs(GROUP, x2, p) and not registry.runs(dict(GEMM, KERNEL="cuda_gemm"), x2, p)
+    assert {c["KERNEL"] for c in tuning.candidates(64, packing.pack_for_triton(_weight(128, 512, "min2", 64, 7)[1]))} == {
+        "progressive", "expand", "group"}
+    assert {c["KERNEL"] for c in tuning.candidates(1, p)} == {"progressive", "stream"}
+    single = packing.pack_for_triton(q.single_level()).to(DEVICE)
+    assert not registry.runs(GEMM, x2, single) and not registry.runs(EXPAND, x2, single)
+    assert not {"progressive", "expand"} & {c["KERNEL"] for c in tuning.candidates(64, single)}
+    with pytest.raises(ValueError, match="progressive two-level form"):
+        pkernel.check(x2, single, GEMM)
+    _, q4 = _weight(40, 512, "min4", 64, seed=6)
+    with pytest.raises(ValueError, match="KCAT=1 .* takes 2-bit codes"):
+        pkernel.check(x2, packing.pack_for_triton(q4).to(DEVICE), GEMM_CAT)
+    inv = registry.invariant_config(dict(GEMV, ATOMIC=1), 1, 40, 512, 2, dev)
+    assert inv["KERNEL"] == "progressive" and inv["SPLIT_K"] == 1 and "ATOMIC" not in inv
+
+
+def test_bad_supers_are_refused_naming_the_operand():
+    _, q = _weight(40, 512, "min2", 64, seed=5)
+    p = packing.pack_for_triton(q)
+    x = torch.randn(2, 512)
+    with pytest.raises(ValueError, match=r"supers of shape \(2, 40\).*progressive one"):
+        check_operands(x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, 64, 40, 0, supers=p.supers[:, 0])
+    with pytest.raises(ValueError, match="the two-level form takes int8 scales"):
+        check_operands(x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, 64, 40, 0, supers=None)
+
+
+@pytest.mark.parametrize("codebook", progressive.CODEBOOKS)
+def test_cpu_kernels_take_the_form(codebook, isa):
+    """The native kernels run the form as the two-level min form (per-group float32 products), every ISA."""
+    from aipc_kernels.core import native
+
+    if not native.available():
+        pytest.skip("native kernels not built")
+    for M, group in ((1, 64), (20, 32), (3, -1)):
+        _, q = _weight(37, 576, codebook, group, seed=M)
+        x = torch.randn(M, 576)
+        _close(ops.lowbit_linear(x, packing.pack_for_cpu(q)), _reference(x, q))
