@@ -109,9 +109,10 @@ def _progressive_kernel(
     ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, WA: tl.constexpr, KCAT: tl.constexpr = False,
 ):
-    """One [BLOCK_N, BLOCK_M] output tile over program_id(1)'s K range (CHUNKS_PER_SPLIT chunks): an
-    int32 accumulator from 0, one K=32 dot per bit-plane of each chunk against the plane's int8 levels
-    (``s_ptr`` / ``m_ptr``: int8 ``[K/G, N]`` group scales and mins), then ``acc * s0 * sx`` (+ bias)."""
+    """One [BLOCK_N, BLOCK_M] output tile (``WA``; else [BLOCK_M, BLOCK_N]) over program_id(1)'s K range
+    (CHUNKS_PER_SPLIT chunks): an int32 accumulator from 0, one K=32 dot per bit-plane of each chunk against
+    the plane's int8 levels (``KCAT``: one dot of the chunk's joined planes; ``s_ptr`` / ``m_ptr``: int8
+    ``[K/G, N]`` group scales and mins), then ``acc * s0 * sx`` (+ bias)."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     pid = tl.program_id(0)
