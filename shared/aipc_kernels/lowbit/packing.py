@@ -200,16 +200,14 @@ LAYOUTS = (CPU_LAYOUT, TRITON_LAYOUT, CANONICAL_LAYOUT)
 
 def super_shape(layout: str, out_features: int, super_blocks: int) -> tuple[int, ...]:
     """Shape of one set of super-block scales (``supers[i]``) with ``super_blocks`` per row in ``layout``
-    (the two-level form: ``cpu_vnni16`` and ``canonical``; ``triton_k32``: the progressive form's one per row)."""
-    if layout == TRITON_LAYOUT and super_blocks == 1:
-        return (1, out_features)
+    (the two-level form: ``cpu_vnni16`` and ``canonical``; ``triton_k32``'s progressive supers are checked by
+    :func:`~aipc_kernels.lowbit.contract.check_supers` itself)."""
     if layout == CPU_LAYOUT:
         return (-(-out_features // BLOCK_N), super_blocks, BLOCK_N)
     if layout == CANONICAL_LAYOUT:
         return (out_features, super_blocks)
-    raise ValueError(f"layout={layout!r} takes no two-level scales (int8 scales with supers) but the progressive "
-                     f"form's (one super-block a row); use {CPU_LAYOUT!r} or {CANONICAL_LAYOUT!r}, or pack the "
-                     f"weight's single_level() form")  # fmt: skip
+    raise ValueError(f"layout={layout!r} takes no two-level scales (int8 scales with supers); use {CPU_LAYOUT!r} "
+                     f"or {CANONICAL_LAYOUT!r}, or pack the weight's single_level() form")  # fmt: skip
 
 
 def packed_shapes(layout: str, bits: int, out_features: int, in_features: int, group_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

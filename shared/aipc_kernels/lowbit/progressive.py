@@ -48,6 +48,13 @@ def super_block(in_features: int, group_size: int) -> int:
     return sb
 
 
+def _int8_levels(s1: torch.Tensor, m: torch.Tensor, codebook: str) -> bool:
+    """Whether every level ``s1 * c + m`` (c in 0 .. max code) of every group is an int8 (with ``s1 >= 0``)."""
+    s1, m = s1.to(torch.int32), m.to(torch.int32)
+    top = s1 * get_codebook(codebook).max_code + m
+    return bool(((s1 >= 0) & (m >= INT8_MIN) & (top <= INT8_MAX)).all())
+
+
 def row_scales(w: LowBitWeight) -> Optional[torch.Tensor]:
     """``s0`` float32 ``[N]`` if ``w`` is in the progressive form (a two-level ``min2`` / ``min4`` weight whose
     two super scales are one value per row and whose levels ``s1 * c + m`` are all int8), else None."""
@@ -56,9 +63,7 @@ def row_scales(w: LowBitWeight) -> Optional[torch.Tensor]:
     s0 = w.supers[0, :, :1]
     if not (torch.equal(w.supers[1], w.supers[0]) and bool((w.supers[0] == s0).all())):
         return None
-    s1, m = w.scales.to(torch.int32), w.zeros.to(torch.int32)
-    top = s1 * get_codebook(w.codebook).max_code + m
-    if not bool(((s1 >= 0) & (m >= INT8_MIN) & (top <= INT8_MAX)).all()):
+    if not _int8_levels(w.scales, w.zeros, w.codebook):
         return None
     return s0[:, 0].contiguous()
 
@@ -70,8 +75,7 @@ def from_parts(codes: torch.Tensor, s1: torch.Tensor, m: torch.Tensor, s0: torch
     N, K = codes.shape
     if codebook not in CODEBOOKS:
         raise ValueError(f"codebook={codebook!r}: the progressive form takes {CODEBOOKS}")
-    top = s1.to(torch.int32) * get_codebook(codebook).max_code + m.to(torch.int32)
-    if bool((s1 < 0).any() | (m < INT8_MIN).any() | (top > INT8_MAX).any()):
+    if not _int8_levels(s1, m, codebook):
         raise ValueError(f"{name}: a group's levels s1 * c + m leave the int8 range [-128, 127] (s1 in [0, "
                          f"{max_sub_scale(codebook)}], m >= -128, s1 * {get_codebook(codebook).max_code} + m <= 127)")  # fmt: skip
     s0 = s0.float()
