@@ -10,8 +10,9 @@ where lowbit2's decode time goes.
 The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lowbit4_gptq``,
 ``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_omp_active`` (OpenMP threads spinning between regions, as llama.cpp's pool polls),
 ``lowbit4_gptq_small_pages`` / ``lowbit2_small_pages`` (the packed weights on torch's small pages,
-``AIPC_HUGE_PAGES=0``, against the default's transparent huge pages), ``lowbit4_gptq_int6_head`` /
-``lowbit2_int6_head`` (the output projection in 6-bit codes, ``lm_head: int6``), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+``AIPC_HUGE_PAGES=0``, against the default's transparent huge pages), ``lowbit4_gptq_int8_head`` /
+``lowbit2_int8_head`` (the output projection int8 per output channel, ``lm_head: int8``, the default before
+2026-11-30; the default is ``int6``), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
@@ -27,8 +28,13 @@ median of ``--reps``. First token of the 32-token prompt: vLLM, T(1 token); llam
 (vLLM: the loaded linears + output projection; llama.cpp: the GGUF's linears + scales + output
 projection); and, per row, its threads reading exactly that many bytes cyclically right after the row
 (a last-level cache larger than part of a step keeps some of it between steps, which a 1 GB probe
-does not see). The report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
-lowbit2 >= 3x vLLM bf16 decode. Results go to bench/results/e2e/vllm_e2e.{md,json} with the machine, its
+does not see). ``--paired``: each ``lowbit4_gptq*`` / ``lowbit2*`` row's worker follows every one of its
+repetitions with one ``llama-bench -p 0 -n D`` run of its llama.cpp peer (Q4_0 / TQ2_0), so that the host's
+drifting bandwidth hits both alike; the report gives the ratio of each such round and their median.
+``--split``: after each repetition, the row's planned-op calls alone (every low-bit layer once at M=1, its own
+weights, one Python loop), so that the report splits a step into those calls and the rest (vLLM's). The
+report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
+lowbit2 >= 3x vLLM bf16 decode, on the rows' medians and, where paired, on the paired rounds. Results go to bench/results/e2e/vllm_e2e.{md,json} with the machine, its
 load average and the command. llama.cpp is built and its GGUFs cached as bench/bitnet_e2e.py does
 (``--llamacpp-cache``, ``--build-llamacpp``; ``harness.llamacpp``).
 """
@@ -55,30 +61,30 @@ LOWBIT_GROUP = 64
 VARIANTS = {
     "bf16": dict(label="bf16 (vLLM unquantized)", model="bf16", llm={}),
     "int4": dict(label=f"int4 GPTQ g{GPTQ_GROUP} (vLLM CPU WNA16 kernel)", model="gptq", llm={}),
-    "lowbit4_gptq": dict(label=f"the same GPTQ checkpoint with --quantization lowbit4 (W4A8, lm_head int8)",
+    "lowbit4_gptq": dict(label=f"the same GPTQ checkpoint with --quantization lowbit4 (W4A8, lm_head int6, the default)",
                          model="gptq", llm=dict(quantization="lowbit4")),
     "lowbit4_e0m4_a16": dict(label="the bf16 checkpoint with --quantization lowbit4, e0m4 g128 (RTN while it loads) "
-                                   "on the W4A16 kernels (lm_head int8)", model="bf16",
+                                   "on the W4A16 kernels (lm_head int6)", model="bf16",
                              llm=dict(quantization="lowbit4", hf_overrides={"quantization_config": {
                                  "quant_method": "lowbit4", "codebook": "e0m4", "group_size": 128, "quantizer": "rtn",
                                  "activations": "float"}})),
-    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
-    "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8) through the general op "
+    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6, the default)", model="lowbit2", llm={}),
+    "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6) through the general op "
                                     "(AIPC_PLANNED_OPS=0: operands checked in Python per call)", model="lowbit2", llm={},
                                env=dict(AIPC_PLANNED_OPS="0")),
-    "lowbit2_omp_active": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), OMP_WAIT_POLICY=ACTIVE "
+    "lowbit2_omp_active": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6), OMP_WAIT_POLICY=ACTIVE "
                                     "(OpenMP threads spin between parallel regions instead of sleeping)", model="lowbit2",
                                llm={}, env=dict(OMP_WAIT_POLICY="ACTIVE")),
     "lowbit4_gptq_small_pages": dict(label="lowbit4 on the GPTQ checkpoint, packed weights on small pages "
                                           "(AIPC_HUGE_PAGES=0: torch's allocator, as before 2026-11-30)",
                                     model="gptq", llm=dict(quantization="lowbit4"), env=dict(AIPC_HUGE_PAGES="0")),
-    "lowbit2_small_pages": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), packed weights on small pages "
+    "lowbit2_small_pages": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6), packed weights on small pages "
                                      "(AIPC_HUGE_PAGES=0)", model="lowbit2", llm={}, env=dict(AIPC_HUGE_PAGES="0")),
-    "lowbit4_gptq_int6_head": dict(label="the same GPTQ checkpoint with --quantization lowbit4, lm_head int6 (6-bit "
-                                        "codes in groups of 32: 6.5 bits a weight, as a GGUF's Q6_K head)",
-                                  model="gptq", llm=dict(quantization="lowbit4"), qcfg=dict(lm_head="int6")),
-    "lowbit2_int6_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6)", model="lowbit2", llm={},
-                              qcfg=dict(lm_head="int6")),
+    "lowbit4_gptq_int8_head": dict(label="the same GPTQ checkpoint with --quantization lowbit4, lm_head int8 (one "
+                                        "scale per output channel: 8 bits a weight, the default before 2026-11-30)",
+                                  model="gptq", llm=dict(quantization="lowbit4"), qcfg=dict(lm_head="int8")),
+    "lowbit2_int8_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8)", model="lowbit2", llm={},
+                              qcfg=dict(lm_head="int8")),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="float")),
     "lowbit2_lm": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} + lm_head lowbit2", model="lowbit2", llm={},
@@ -88,6 +94,8 @@ VARIANTS = {
     "llamacpp_q4_k_m": dict(label="llama.cpp Q4_K_M", model="bf16", kind="llamacpp", qtype="Q4_K_M"),
     "llamacpp_tq2_0": dict(label="llama.cpp TQ2_0", model="bf16", kind="llamacpp", qtype="TQ2_0"),
 }  # fmt: skip
+#: --paired: the llama.cpp row a vLLM row is held against, round by round (the row's name starts with the key)
+PAIRED_PEERS = (("lowbit4_gptq", "llamacpp_q4_0"), ("lowbit2", "llamacpp_tq2_0"))
 PROMPT = 32  # the prompt's tokens (vLLM rows) = llama-bench's -p for the first-token figure
 # the issues' targets: (what, row, reference row, ratio to reach, measure): decode tokens/s of the row over the
 # reference's, or (first-token measures) the reference's first-token seconds over the row's: >= 1 is not slower
@@ -108,11 +116,12 @@ NOTES = """Notes:
   vLLM's own packing helpers), loaded by vLLM's GPTQ method, which picks its CPU WNA16 kernel
   (`_C::cpu_gemm_wna16`): what vLLM-CPU users pick today; nothing below 4 bits exists in vLLM-CPU.
   lowbit4_gptq: the same checkpoint served with `--quantization lowbit4` (its int4 codes and fp16 scales
-  re-laid out exactly, W4A8 kernels, the output projection int8).
-- The output projection is quantized at load to int8 per output channel by default (`lm_head: int8`): at 1B
-  the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much as all the
-  lowbit2 linears; `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
-  (quality cost of a 2-bit output projection not measured here).
+  re-laid out exactly, W4A8 kernels, the output projection int6).
+- The output projection is quantized at load to `int6` in groups of 32 by default (`lm_head: int6`, 6.5 bits a
+  weight, as the Q6_K head of llama.cpp's Q4_0 / Q4_K_M / TQ2_0 files; before 2026-11-30 `int8` per output
+  channel): at 1B the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much as
+  all the lowbit2 linears; int6 makes it 213 MB, int8 263 MB; `lm_head: float` keeps it bf16, `lm_head: lowbit`
+  makes it 2-bit like the linears (quality cost of a 2-bit output projection not measured here).
 - llama.cpp (vendored in llama-cpp-python 0.3.36): the same bf16 model converted by its own
   `convert_hf_to_gguf.py --outtype bf16` and quantized by `llama-quantize` (Q4_0: 4.5 bits per weight;
   Q4_K_M: Q4_K with some attn_v / ffn_down in Q6_K; TQ2_0: ternary, 2.06 bits per weight, on weights that are
@@ -209,8 +218,34 @@ def _weight_bytes(model) -> dict[str, int]:
     return out
 
 
+def paired_peer(name: str) -> Optional[str]:
+    """The llama.cpp row ``--paired`` interleaves with vLLM row ``name``, or None."""
+    return next((peer for prefix, peer in PAIRED_PEERS if name.startswith(prefix)), None)
+
+
+def planned_calls_ms(model, steps: int = 5) -> tuple[float, int]:
+    """(median ms, count) of one pass over every planned-op call of ``model``'s low-bit layers (linears and
+    output projection, in module order) at M=1 on bf16 x, with the layers' own weights: a decode step's
+    kernels and op calls alone, without vLLM's step around them."""
+    import torch
+    from vllm_lowbit.layers import installed_weight
+
+    layers = [m for m in model.modules() if getattr(m, "lowbit_cpu_call", None) is not None]
+    xs = {K: torch.randn(1, K, dtype=torch.bfloat16) for K in {installed_weight(m).in_features for m in layers}}
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        for m in layers:
+            m.lowbit_cpu_call(xs[installed_weight(m).in_features], m.qweight, m.scales, m.zeros, None, None, m.supers)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3, len(layers)
+
+
 def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: bool, eager: bool,
-                long_prompt: int = 0) -> dict:
+                long_prompt: int = 0, peer: Optional[dict] = None, split: bool = False) -> dict:
+    """One vLLM row in this process; ``peer`` (name, gguf, cache, isa): after each repetition, one
+    ``llama-bench -p 0 -n new_tokens`` run of that GGUF on the same threads (a paired round); ``split``: after
+    each repetition, the step's planned-op calls alone (:func:`planned_calls_ms`)."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -240,17 +275,29 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
     timed(4)  # warm-up (compiles the decode and prefill graphs)
     threads = torch.get_num_threads()  # what the model computes on (the in-process engine's torch/OpenMP threads)
     bw = read_bandwidth(threads)  # under the same load as this variant's decode
-    rates, firsts = [], []
+    rates, firsts, peer_rates, ops_ms = [], [], [], []
     for _ in range(reps):
         t1, tn = timed(1), timed(1 + new_tokens)
         firsts.append(t1)
         rates.append(new_tokens / (tn - t1))
+        if split:
+            ms, calls = llm.apply_model(planned_calls_ms)[0]
+            ops_ms.append(ms)
+        if peer:  # the peer's decode right after this repetition, under the same load
+            peer_rates.append(llamacpp.llama_bench(Path(peer["gguf"]), Path(peer["cache"]), threads, 0, new_tokens, 1,
+                                                   peer["isa"])[0][0])  # fmt: skip
     res = dict(variant=name, label=spec["label"], model=str(model), load_s=load_s, weight_bytes=wbytes,
                quant_methods=methods, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
                decode_tok_s_all=rates,
                prefill_32_s=statistics.median(firsts), read_bw_gbs=bw, threads=threads,
                prefill_long_s=statistics.median(timed(1, long_) for _ in range(reps)) if long_prompt else None,
                loadavg_after=os.getloadavg())  # fmt: skip
+    if split:
+        res["split"] = dict(calls=calls, step_ms_all=[1e3 / r for r in rates], ops_ms_all=ops_ms)
+    if peer:
+        ratios = [a / b for a, b in zip(rates, peer_rates)]
+        res["paired"] = dict(peer=peer["name"], peer_tok_s_all=peer_rates, ratio_all=ratios,
+                             ratio_median=statistics.median(ratios))  # fmt: skip
     if profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -328,6 +375,11 @@ def targets(rows: list[dict]) -> list[str]:
     by = {r["variant"]: r for r in rows}
     out = []
     for what, row, ref, need, measure in TARGETS:
+        paired = by.get(row, {}).get("paired")
+        if measure == "decode_tok_s" and paired and paired["peer"] == ref:
+            rs = paired["ratio_all"]
+            out.append(f"- {what}, paired rounds: {paired['ratio_median']:.2f}x (rounds {min(rs):.2f}-{max(rs):.2f}x), "
+                       f"**{'met' if paired['ratio_median'] >= need else 'not met'}**")  # fmt: skip
         missing = [n for n in (row, ref) if n not in by or by[n].get(measure) is None]
         if missing:
             out.append(f"- {what}: not measured ({', '.join(missing)} did not run or has no {measure})")
@@ -341,6 +393,11 @@ def targets(rows: list[dict]) -> list[str]:
             out.append(f"- {what}: {by[row][measure]:.3f} s against {by[ref][measure]:.3f} s, {med:.2f}x, "
                        f"**{'met' if med >= need else 'not met'}**")
     return out
+
+
+def section(title: str, header: list[str], body: list[str]) -> list[str]:
+    """A report section's lines: a blank line, ``## title``, a blank line and a table of ``header`` over ``body``."""
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *body]
 
 
 def report(rows: list[dict], meta: dict) -> tuple[str, str]:
@@ -417,6 +474,30 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
                          f"bytes-per-token bound ({bound:.1f} tok/s = {bw:.1f} GB/s / {db / 1e6:.0f} MB){own}; first token "
                          f"{r['prefill_32_s']:.3f} s")  # fmt: skip
         lines += targets(rows)
+    paired = [r for r in rows if "paired" in r]
+    if paired:
+        body = []
+        for r in paired:
+            p = r["paired"]
+            body.append(f"| {r['label']} | {VARIANTS[p['peer']]['label']} | {len(p['ratio_all'])} | "
+                        f"{statistics.median(r['decode_tok_s_all']):.2f} | {statistics.median(p['peer_tok_s_all']):.2f} | "
+                        f"{p['ratio_median']:.2f}x | {min(p['ratio_all']):.2f}x | {max(p['ratio_all']):.2f}x |")  # fmt: skip
+        lines += section("Paired rounds: each repetition of the row, then one `llama-bench` decode of its peer, in the "
+                         "row's worker", ["row", "peer", "rounds", "row tok/s (median)", "peer tok/s (median)",
+                                          "ratio (median of rounds)", "min", "max"], body)  # fmt: skip
+    split = [r for r in rows if "split" in r]
+    if split:
+        body = []
+        for r in split:
+            p = r["split"]
+            rest = statistics.median(a - b for a, b in zip(p["step_ms_all"], p["ops_ms_all"]))
+            step = statistics.median(p["step_ms_all"])
+            body.append(f"| {r['label']} | {p['calls']} | {step:.2f} | {statistics.median(p['ops_ms_all']):.2f} | "
+                        f"{rest:.2f} | {rest / step:.0%} |")  # fmt: skip
+        lines += section("Where a step goes: after each repetition, the step's planned-op calls alone (every low-bit "
+                         "layer's, M=1, its own weights, in one Python loop)",
+                         ["row", "calls", "step ms (median)", "op calls alone ms (median)", "the rest ms (median of "
+                          "rounds)", "rest share"], body)  # fmt: skip
     prof = next((r for r in rows if "profile" in r), None)
     if prof:
         p = prof["profile"]
@@ -450,14 +531,25 @@ def main() -> None:
                     help="llama.cpp threads (default: the number the vLLM rows computed on, read in each row; "
                          "torch's default where no vLLM row ran)")
     llamacpp.add_arguments(ap)
+    ap.add_argument("--paired", action="store_true",
+                    help="follow each repetition of a lowbit4_gptq* / lowbit2* row with one llama-bench decode of its "
+                         "llama.cpp peer (Q4_0 / TQ2_0) in the row's worker, and report the rounds' ratios")
+    ap.add_argument("--split", action="store_true",
+                    help="after each repetition of a vLLM row, time its step's planned-op calls alone (the kernels "
+                         "and op calls without vLLM's step around them) and report the rest")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--peer", help=argparse.SUPPRESS)  # the worker's paired peer: NAME=GGUF
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:  # one variant, in this process
+        peer = None
+        if args.peer:
+            pname, _, gguf = args.peer.partition("=")
+            peer = dict(name=pname, gguf=gguf, cache=str(args.llamacpp_cache.expanduser()), isa=args.llamacpp_isa)
         res = run_variant(args.worker, Path(args.model), args.new_tokens, args.reps, args.profile, args.eager,
-                          args.long_prompt)
+                          args.long_prompt, peer, args.split)
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
 
@@ -466,15 +558,19 @@ def main() -> None:
         info = machine_info()
         paths = checkpoints(args.preset, {VARIANTS[name]["model"] for name in args.rows})
         want_llama = [n for n in args.rows if VARIANTS[n].get("kind") == "llamacpp"]
-        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa, llamacpp.BENCH_TOOLS) if want_llama else None
+        peers = {n: paired_peer(n) for n in args.rows if args.paired and paired_peer(n)}
+        need_gguf = sorted(set(want_llama) | set(peers.values()))
+        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa, llamacpp.BENCH_TOOLS) if need_gguf else None
         files: dict[str, Path] = {}
-        if want_llama and not no_llama:  # the bf16 model through llama.cpp's converter and quantizer (cached)
+        if need_gguf and not no_llama:  # the bf16 model through llama.cpp's converter and quantizer (cached)
             try:
                 files = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(paths["bf16"], stage), cache,
-                                       [VARIANTS[n]["qtype"] for n in want_llama], paths["bf16"].name,
+                                       [VARIANTS[n]["qtype"] for n in need_gguf], paths["bf16"].name,
                                        args.llamacpp_isa)  # fmt: skip
             except (subprocess.CalledProcessError, OSError) as e:
                 no_llama = f"the GGUF conversion failed: {e}"
+        if peers and no_llama:
+            print(f"--paired: no llama.cpp peer runs ({no_llama})", flush=True)
         rows, skipped = [], {}
         for name in VARIANTS:
             if name not in args.rows or (name in want_llama and no_llama):
@@ -502,7 +598,10 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--worker", name, "--model", str(paths[spec["model"]]), "--new-tokens",
                        str(args.new_tokens), "--reps", str(args.reps), "--long-prompt", str(args.long_prompt)] \
                     + (["--profile"] if name == "lowbit2" else []) \
-                    + (["--eager"] if args.eager else [])  # fmt: skip
+                    + (["--eager"] if args.eager else []) + (["--split"] if args.split else [])  # fmt: skip
+                if name in peers and VARIANTS[peers[name]]["qtype"] in files:
+                    cmd += ["--peer", f"{peers[name]}={files[VARIANTS[peers[name]]['qtype']]}", "--llamacpp-cache",
+                            str(cache), "--llamacpp-isa", args.llamacpp_isa]  # fmt: skip
                 row, reason = run_worker(name, cmd, dict(os.environ, **VLLM_ENV, **spec.get("env", {})))
                 if row is None:
                     skipped[name] = reason
@@ -533,7 +632,7 @@ def main() -> None:
             params_b=(L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h * (1 if p.get("tie_embeddings") else 2)) / 1e9,
             aipc_isa_env=os.environ.get("AIPC_ISA"), llamacpp_isa=args.llamacpp_isa if files else None, threads=llama_threads(args.threads, rows), prompt=PROMPT,
             long_prompt=args.long_prompt,
-            new_tokens=args.new_tokens, reps=args.reps, eager=args.eager, skipped=skipped,
+            new_tokens=args.new_tokens, reps=args.reps, eager=args.eager, skipped=skipped, paired=args.paired,
             llamacpp_cache=str(cache) if files else None, ggufs={k: str(f) for k, f in files.items()},
             notes=NOTES,
         )  # fmt: skip

@@ -18,10 +18,12 @@ Two ways in, one flag:
   re-lays the integers out exactly into ``int4`` / ``affine4`` (:mod:`aipc_kernels.checkpoints.gptq`,
   the checkpoint's fp16 scales kept) before :func:`~vllm_lowbit.layers.install_packed`.
 
-The output projection follows ``lm_head`` as in lowbit2 (int8 per output channel by default; GPTQ
+The output projection follows ``lm_head`` as in lowbit2 (``int6`` in groups of 32 by default; GPTQ
 and AWQ keep it float in the checkpoint). ``activations: float`` (in the on-the-fly keys, or added to a
 GPTQ / AWQ ``quantization_config``) serves the 4-bit linears on the
-activation-exact W4A16 kernels instead of W4A8.
+activation-exact W4A16 kernels instead of W4A8. A GPTQ / AWQ ``quantization_config`` may name the head
+format the same way (``--hf-overrides '{"quantization_config": {..., "lm_head": "int8"}}'``, the
+checkpoint's keys kept): a string ``lm_head`` is lowbit2's key, GPTQ's boolean ``lm_head`` its own.
 """
 from __future__ import annotations
 
@@ -59,9 +61,10 @@ NAMING = Naming(f"{LOWBIT4} quantization_config", "json")
 DEFAULTS = {"codebook": "affine4", "group_size": 64}
 #: the published checkpoints ``--quantization lowbit4`` serves
 CHECKPOINT_METHODS = ("gptq", "awq")
-#: lowbit2 keys a GPTQ / AWQ quantization_config may carry too (how it is served, not what it stores;
-#: GPTQ's own ``lm_head`` key means something else)
-CHECKPOINT_OPTIONS = ("activations",)
+#: lowbit2 keys a GPTQ / AWQ quantization_config may carry too (how it is served, not what it stores):
+#: ``lm_head`` only as a head format (a string); GPTQ's own ``lm_head`` is a boolean (a quantized head
+#: in the checkpoint) and stays GPTQ's
+CHECKPOINT_OPTIONS = ("activations", "lm_head")
 _SCALE_DTYPES = tuple(SCALE_DTYPES.values())
 
 
@@ -120,7 +123,7 @@ class Int4CheckpointConfig(LowBitConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Int4CheckpointConfig":
         """A GPTQ / AWQ checkpoint's ``quantization_config`` (with :data:`CHECKPOINT_OPTIONS`)."""
-        ours = {k: config[k] for k in CHECKPOINT_OPTIONS if k in config}
+        ours = {k: v for k, v in config.items() if k in CHECKPOINT_OPTIONS and not isinstance(v, bool)}
         spec, ignored = gf.parse_quantization_config({k: v for k, v in config.items() if k not in ours})
         if ignored:
             logger.info("lowbit4: %s quantization_config keys %s do not change the weights; ignored",

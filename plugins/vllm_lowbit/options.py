@@ -18,7 +18,7 @@ from aipc_kernels.core.config_schema import Naming, field_names, option, parse, 
 import torch
 
 from aipc_kernels.lowbit.formats import CODEBOOKS, FILE_GROUP_SIZES, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
-from aipc_kernels.lowbit.output_projection import HEAD_FORMATS
+from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT, HEAD_FORMATS
 from aipc_kernels.lowbit.quantizers import QUANTIZERS
 
 #: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
@@ -95,10 +95,10 @@ class QuantizationConfigOptions(LowBit2Options):
     quant_method: str = option(FORMAT_NAME, choices=(FORMAT_NAME,))
     format_version: int = option(FORMAT_VERSION, ge=1)
     prequantized: bool = option(False)
-    #: the output projection: int8 per output channel (default), ``int6`` (6-bit codes in groups of 32, as a
-    #: GGUF's Q6_K head), ``lowbit`` (the code book and group of the linears) or ``float`` (the model dtype);
-    #: embeddings stay a float gather
-    lm_head: str = option("int8", choices=HEAD_FORMATS)
+    #: the output projection: ``int6`` (the default: 6-bit codes in groups of 32, as a GGUF's Q6_K head),
+    #: ``int8`` (one scale per output channel), ``lowbit`` (the code book and group of the linears) or
+    #: ``float`` (the model dtype); embeddings stay a float gather
+    lm_head: str = option(DEFAULT_HEAD_FORMAT, choices=HEAD_FORMATS)
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)
     #: the linears' activations: ``int8`` (W*A8, quantized inside the kernel) or ``float`` (4-bit code books
@@ -130,7 +130,7 @@ class QuantizationConfigOptions(LowBit2Options):
         """These options as the ``quantization_config`` entry of a checkpoint (:func:`quantization_config_dict`,
         the current ``format_version``; ``detect_grid`` and ``allow_2bit_ptq`` only where not the default)."""
         d = quantization_config_dict(**{k: getattr(self, k) for k in _ENTRY_KEYS},
-                                     lm_head=None if self.head_format == "int8" else self.head_format)  # fmt: skip
+                                     lm_head=None if self.head_format == DEFAULT_HEAD_FORMAT else self.head_format)  # fmt: skip
         if not self.detect_grid:
             d["detect_grid"] = False
         if self.allow_2bit_ptq:
@@ -158,7 +158,7 @@ class QuantizationConfigOptions(LowBit2Options):
                 "act_group", self.act_group,
                 f"sets the int8 activation groups; with {naming.ref('activations')}=float nothing is quantized: use 0",
             )  # fmt: skip
-        if self.quantize_lm_head is not None and self.lm_head != "int8":
+        if self.quantize_lm_head is not None and self.lm_head != DEFAULT_HEAD_FORMAT:
             raise naming.error(
                 "quantize_lm_head", self.quantize_lm_head,
                 f"is the older spelling of {naming.ref('lm_head')}; give {naming.ref('lm_head')} alone",

@@ -1,5 +1,6 @@
 """bench/harness/llamacpp.py, the benches' llama.cpp peer: parsing ``llama-bench -o json`` (a real
-output of the tool), the bytes-per-token bound, vllm_e2e's target lines, and, where llama.cpp is built
+output of the tool), the bytes-per-token bound, vllm_e2e's target lines (paired rounds included) and
+vllm_head_ab's per-format summary, and, where llama.cpp is built
 in the default cache, the whole pipeline on a tiny Llama (staging with a SentencePiece vocabulary,
 llama.cpp's own converter, ``llama-quantize`` Q4_0, the GGUF's bytes against Q4_0's block size, a
 ``llama-bench`` decode)."""
@@ -106,6 +107,26 @@ def test_vllm_e2e_targets():
     assert lines[6].endswith("not measured (lowbit4_gptq, llamacpp_q4_0 did not run or has no prefill_32_s)")
     assert vllm_e2e.targets(rows[:2])[0].endswith("not measured (lowbit4_gptq, llamacpp_q4_0 did not run or has no decode_tok_s)")
     assert {"llamacpp_q4_0", "llamacpp_q4_k_m", "llamacpp_tq2_0"} <= set(vllm_e2e.VARIANTS)
+    # --paired: a row's rounds against its peer give their own line, before the medians' one
+    rows[2]["paired"] = dict(peer="llamacpp_q4_0", ratio_all=[1.1, 1.3, 1.25], ratio_median=1.25)
+    paired = vllm_e2e.targets(rows)
+    assert paired[0] == ("- lowbit4 (lowbit4_gptq row) >= 1.3x llama.cpp Q4_0 decode, paired rounds: 1.25x "
+                         "(rounds 1.10-1.30x), **not met**")  # fmt: skip
+    assert paired[1] == lines[0] and len(paired) == len(lines) + 2  # the 1.3x and the 1.2x targets
+    assert [vllm_e2e.paired_peer(n) for n in ("lowbit4_gptq_int8_head", "lowbit2_small_pages", "bf16")] == [
+        "llamacpp_q4_0", "llamacpp_tq2_0", None]
+
+
+def test_vllm_head_ab_summary():
+    """Each format's ratio is the median over rounds of its tokens/s over the first format's in the same round."""
+    import vllm_head_ab
+
+    res = dict(row="lowbit2", head_bytes={"int8": 262_924_800, "int6": 213_417_984},
+               tok_s={"int8": [50.0, 40.0, 60.0], "int6": [55.0, 48.0, 60.0]})  # fmt: skip
+    base, six = vllm_head_ab.summary(res, ["int8", "int6"])
+    assert (base["ratio"], base["ratio_min"], base["ratio_max"]) == (1.0, 1.0, 1.0)
+    assert six["ratio"] == pytest.approx(1.1) and six["ratio_min"] == 1.0 and six["ratio_max"] == pytest.approx(1.2)
+    assert (six["tok_s"], six["head_mb"], six["rounds"]) == (55.0, pytest.approx(213.418, abs=1e-3), 3)
 
 
 @pytest.mark.skipif(not llamacpp.llamacpp_ready(llamacpp.DEFAULT_CACHE), reason="llama.cpp not built in the default cache")

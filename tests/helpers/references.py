@@ -10,7 +10,7 @@ KINDS = ("float", "float_a8", "lowbit", "dequantized")
 
 
 def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
-             attn_implementation: Optional[str] = None, lm_head: str = "int8",
+             attn_implementation: Optional[str] = None, lm_head: Optional[str] = None,
              weights: Optional[dict[str, "torch.Tensor"]] = None, activations: str = "int8"):  # fmt: skip
     """The transformers model of ``model_dir`` in float32:
 
@@ -26,12 +26,16 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
 
     ``attn_implementation`` is passed to ``from_pretrained`` (None: transformers' default). ``lm_head``:
     the output projection as the plugins serve it with that ``lm_head`` setting (:func:`with_output_projection`;
-    default ``int8``, theirs), in every kind but ``float``. ``weights`` (``float`` and ``float_a8``):
+    None: their default, ``DEFAULT_HEAD_FORMAT``), in every kind but ``float``. ``weights`` (``float`` and ``float_a8``):
     state-dict entries that replace the checkpoint's, e.g. the linears of a GPTQ checkpoint of
     ``model_dir`` as its format's own code dequantizes them. ``activations="float"`` (``lowbit``, 4-bit code
     books): the linears on the activation-exact W4A16 op instead."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT
+
+    lm_head = DEFAULT_HEAD_FORMAT if lm_head is None else lm_head
 
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; use one of {KINDS}")

@@ -85,7 +85,8 @@ if __name__ == "__main__":
                            hf_overrides=overrides).create_engine_config().quant_config
             spec, options = getattr(q, "spec", None), getattr(q, "options", None)
             out.append([q.get_name(), getattr(options, "codebook", None), getattr(options, "group_size", None),
-                        None if spec is None else [spec.layout, spec.group_size, spec.zero_offset]])
+                        None if spec is None else [spec.layout, spec.group_size, spec.zero_offset],
+                        getattr(options, "head_format", None)])
         except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
             out.append(dict(error=str(e)))
     print("RESULT=" + json.dumps(out))
@@ -97,7 +98,9 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
     EngineArgs, in a fresh interpreter): a GPTQ / AWQ checkpoint is served by vLLM's own method without
     the flag and by lowbit4 (the checkpoint's spec) with it; a bf16 checkpoint with the flag is
     quantized on the fly (affine4, groups of 64; ``--hf-overrides`` with ``quant_method: lowbit4`` sets
-    lowbit2's keys, no flag needed); a config we do not read names its key."""
+    lowbit2's keys, no flag needed); a config we do not read names its key; a GPTQ config may add
+    lowbit2's ``lm_head`` as a head format (a string), while GPTQ's boolean ``lm_head`` stays GPTQ's and
+    is refused."""
     bad = tmp_path / "gptq-8bit"
     shutil.copytree(ckpts["gptq-sym-g128"], bad)
     config = json.loads((bad / "config.json").read_text())
@@ -107,18 +110,23 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
     cases += [(str(ckpts[n]), "lowbit4", {}) for n in ("gptq-asym-g64-actorder", "gptq-v2-asym-g32")]
     cases += [(str(llama_dir), "lowbit4", {}), (str(bad), "lowbit4", {}),
               (str(llama_dir), None, {"quantization_config": {"quant_method": "lowbit4", "group_size": 128}})]
+    gptq = json.loads((ckpts["gptq-sym-g128"] / "config.json").read_text())["quantization_config"]
+    cases += [(str(ckpts["gptq-sym-g128"]), "lowbit4", {"quantization_config": dict(gptq, lm_head=v)})
+              for v in ("int8", True)]  # a string: lowbit2's head format; a boolean: GPTQ's quantized head
     res = run_vllm_script(_CONFIG_SCRIPT.format(cases=cases), timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT="):])
     assert [g[0] for g in got[:4]] == ["auto_gptq", "lowbit4", "auto_awq", "lowbit4"]
-    assert got[1] == ["lowbit4", "int4", 128, ["gptq", 128, 1]]
-    assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0]]
-    assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1]]
-    assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0]]  # gptq_v2: zero points stored as they are
-    assert got[6] == ["lowbit4", "affine4", 64, None]  # bf16: on the fly, the real-model rows' default
+    assert got[1] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int6"]  # the output projection int6 by default
+    assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0], "int6"]
+    assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1], "int6"]
+    assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0], "int6"]  # gptq_v2: zero points stored as they are
+    assert got[6] == ["lowbit4", "affine4", 64, None, "int6"]  # bf16: on the fly, the real-model rows' default
     assert "gptq quantization_config.bits=8 is not supported; use one of 4" in got[7]["error"]
-    assert got[8] == ["lowbit4", "affine4", 128, None]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
+    assert got[8] == ["lowbit4", "affine4", 128, None, "int6"]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
+    assert got[9] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int8"]  # the checkpoint's keys + a head format
+    assert "gptq quantization_config.lm_head=True" in got[10]["error"] and "not read by aipc-plugins" in got[10]["error"]
 
 
 # ---------------------------------------------------------------------- served checkpoints against the reference
@@ -128,7 +136,7 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
 def test_checkpoint_eager_float32_against_reference(ckpts, llama_dir, prompts, name):
     """``LLM(ckpt, quantization="lowbit4")``: every served linear (merged q/k/v and gate/up included)
     dequantizes bit for bit to what vLLM's own GPTQ / AWQ code reads from the checkpoint, in ``int4``
-    for symmetric GPTQ and ``affine4`` with AWQ's zero points; the head is int8; 32 greedy tokens per
+    for symmetric GPTQ and ``affine4`` with AWQ's zero points; the head is int6 (the default); 32 greedy tokens per
     prompt agree with the reference by teacher forcing (measured: GPTQ 160/160, AWQ 158/160, the two
     others near-ties of 0.005 and 0.03 logit std: the int8 rounding of an activation can flip on the
     last float32 bit)."""
@@ -138,7 +146,7 @@ def test_checkpoint_eager_float32_against_reference(ckpts, llama_dir, prompts, n
     assert "quantization=lowbit4" in log
     (layers,) = _printed(res, "LAYERS")
     codebook = "int4" if CHECKPOINTS[name]["sym"] else "affine4"
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int6", 32]
     assert len(layers) == 8 and all(v == ["Int4CheckpointLinearMethod", codebook, CHECKPOINTS[name]["group_size"]]
                                     for v in layers.values()), layers  # fmt: skip
     (served,) = _printed(res, "SERVED")
@@ -194,7 +202,7 @@ def test_on_the_fly_default_equals_transformers_same_op(llama_dir, prompts):
     tokens equal transformers with the same quantizer and op (LowBitLinear)."""
     res = _run(llama_dir, prompts, quantization="lowbit4")
     (layers,) = _printed(res, "LAYERS")
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int6", 32]
     assert all(v == ["LowBit2OnlineLinearMethod", "affine4", 64] for v in layers.values()), layers
     assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="affine4", group_size=64)
 
@@ -252,7 +260,7 @@ def test_on_the_fly_e0m4_w4a16_equals_transformers_same_op(llama_dir, prompts):
     cfg = {"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"}
     res = _run(llama_dir, prompts, quantization="lowbit4", hf_overrides={"quantization_config": cfg})
     (layers,) = _printed(res, "LAYERS")
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int6", 32]
     assert all(v == ["LowBit2OnlineLinearMethod", "e0m4", 64, "a16"] for v in layers.values()), layers
     want = hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="e0m4", group_size=64, activations="float")
     assert script_tokens(res) == want
