@@ -7,8 +7,8 @@ other linear together (Llama-3.2-1B: 525 MB in bf16 against ~300 MB of 2-bit lin
   (GGUF's Q6_K levels, -32 .. 31) in groups of 32 with 16-bit scales, round to nearest: 6.5 bits a weight,
   0.77x int8's bytes (what a GGUF's Q6_K output projection reads, 6.56, and what llama.cpp's Q4_0 / Q4_K_M
   files carry), on the 6-bit W·A8 kernels. On the real models of ``bench/results/quality`` its perplexity
-  is within 0.8% of ``int8``'s; vLLM's 1B decode 1.12x (lowbit4) / 1.24x (lowbit2) faster than with ``int8``
-  (``bench/results/e2e/vllm_head_ab_epyc_zen5_avx2_forced.md``, the median of interleaved rounds);
+  is within 0.8% of ``int8``'s; vLLM's 1B decode 1.12x / 1.24x (lowbit4 / lowbit2, AVX2) and 1.23x / 1.27x
+  (AVX-VNNI) faster than with ``int8`` (``bench/results/e2e/vllm_head_ab_epyc_zen5_*``, interleaved rounds);
 * ``int8``: the ``int8`` code book with one scale per output channel (round to nearest, the scale taking
   the row's extremes to levels 127 and -128), run by the same W·A8 kernels; half the bytes of bf16, with an
   error of the order of the int8 activations' own (BitNet's default);
