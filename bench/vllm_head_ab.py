@@ -35,8 +35,9 @@ def _install(model, head_format: str) -> int:
     from vllm_lowbit.layers import install_packed
 
     head, embed = model.lm_head, model.model.embed_tokens
-    if not hasattr(embed, "weight") or hasattr(head, "weight"):
-        raise SystemExit("vllm_head_ab: needs a tied output projection quantized at load (the 1B preset's)")
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise SystemExit("vllm_head_ab: needs tied embeddings (the output projection is re-quantized from the "
+                         "embedding's weight; an untied one is dropped once quantized at load)")
     w = quantize_output_projection(embed.weight.detach().float(), head_format)
     install_packed(head, w, head_act_group(head_format, 0))
     return sum(t.numel() * t.element_size() for t in (head.qweight, head.scales, head.zeros, head.supers)
