@@ -208,7 +208,7 @@ def checkpoint_tensor_name(config: QuantizationConfig, layer: torch.nn.Module, p
 
 
 class QuantizedLMHeadMethod(UnquantizedEmbeddingMethod):
-    """The output projection quantized at load (``lm_head: int6``, the default, ``int8`` or ``lowbit``) by
+    """The output projection quantized at load (``lm_head: int8``, the default, ``int6`` or ``lowbit``) by
     :func:`aipc_kernels.lowbit.output_projection.quantize_output_projection` with ``quantize_options`` (its
     keyword arguments after the weight and name) and run through ``aipc::lowbit_linear``. Its float
     weight is loaded (or tied to the input embedding) as usual; a tied embedding keeps it for the

@@ -95,9 +95,9 @@ class QuantizationConfigOptions(LowBit2Options):
     quant_method: str = option(FORMAT_NAME, choices=(FORMAT_NAME,))
     format_version: int = option(FORMAT_VERSION, ge=1)
     prequantized: bool = option(False)
-    #: the output projection: ``int6`` (the default: 6-bit codes in groups of 32, as a GGUF's Q6_K head),
-    #: ``int8`` (one scale per output channel), ``lowbit`` (the code book and group of the linears) or
-    #: ``float`` (the model dtype); embeddings stay a float gather
+    #: the output projection: ``int8`` (the default: one scale per output channel), ``int6`` (6-bit codes in
+    #: groups of 32, as a GGUF's Q6_K head: faster on AVX2 / AVX-VNNI CPUs, slower with AVX-512), ``lowbit`` (the
+    #: code book and group of the linears) or ``float`` (the model dtype); embeddings stay a float gather
     lm_head: str = option(DEFAULT_HEAD_FORMAT, choices=HEAD_FORMATS)
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)

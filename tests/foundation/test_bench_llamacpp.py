@@ -113,7 +113,7 @@ def test_vllm_e2e_targets():
     assert paired[0] == ("- lowbit4 (lowbit4_gptq row) >= 1.3x llama.cpp Q4_0 decode, paired rounds: 1.25x "
                          "(rounds 1.10-1.30x), **not met**")  # fmt: skip
     assert paired[1] == lines[0] and len(paired) == len(lines) + 2  # the 1.3x and the 1.2x targets
-    assert [vllm_e2e.paired_peer(n) for n in ("lowbit4_gptq_int8_head", "lowbit2_small_pages", "bf16")] == [
+    assert [vllm_e2e.paired_peer(n) for n in ("lowbit4_gptq_int6_head", "lowbit2_small_pages", "bf16")] == [
         "llamacpp_q4_0", "llamacpp_tq2_0", None]
 
 

@@ -23,7 +23,7 @@ def config_cls():
 def test_defaults_and_round_trip(config_cls):
     c = config_cls().options
     assert (c.codebook, c.group_size, c.quantizer, c.act_group, c.prequantized) == ("affine", 64, "optimized", 0, False)
-    assert c.head_format == "int6"  # the output projection is int6 in groups of 32 by default (a Q6_K head's bytes)
+    assert c.head_format == "int8"  # the output projection is int8 per output channel by default
     d = dict(config_cls().to_dict(), codebook="sym", group_size=-1, prequantized=True, lm_head="lowbit")
     c2 = config_cls.from_config(d)
     o2 = c2.options
@@ -191,7 +191,7 @@ def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_pat
         (llama_prequantized, {"quantization_config_file": str(qfile)}),
     ])  # fmt: skip
     converted = dict(method="lowbit2", codebook="affine", group_size=64, act_group=64, prequantized=True,
-                     lm_head="int6", modules_to_not_convert=[])  # fmt: skip
+                     lm_head="int8", modules_to_not_convert=[])  # fmt: skip
     assert 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]' in got[0]["error"]
     assert got[1] == dict(converted, act_group=128, prequantized=False, modules_to_not_convert=["lm_head"])
     assert "prequantized=True, but" in got[2]["error"] and "is not a checkpoint converted by" in got[2]["error"]

@@ -112,20 +112,20 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
               (str(llama_dir), None, {"quantization_config": {"quant_method": "lowbit4", "group_size": 128}})]
     gptq = json.loads((ckpts["gptq-sym-g128"] / "config.json").read_text())["quantization_config"]
     cases += [(str(ckpts["gptq-sym-g128"]), "lowbit4", {"quantization_config": dict(gptq, lm_head=v)})
-              for v in ("int8", True)]  # a string: lowbit2's head format; a boolean: GPTQ's quantized head
+              for v in ("int6", True)]  # a string: lowbit2's head format; a boolean: GPTQ's quantized head
     res = run_vllm_script(_CONFIG_SCRIPT.format(cases=cases), timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT="):])
     assert [g[0] for g in got[:4]] == ["auto_gptq", "lowbit4", "auto_awq", "lowbit4"]
-    assert got[1] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int6"]  # the output projection int6 by default
-    assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0], "int6"]
-    assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1], "int6"]
-    assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0], "int6"]  # gptq_v2: zero points stored as they are
-    assert got[6] == ["lowbit4", "affine4", 64, None, "int6"]  # bf16: on the fly, the real-model rows' default
+    assert got[1] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int8"]  # the output projection int8 by default
+    assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0], "int8"]
+    assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1], "int8"]
+    assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0], "int8"]  # gptq_v2: zero points stored as they are
+    assert got[6] == ["lowbit4", "affine4", 64, None, "int8"]  # bf16: on the fly, the real-model rows' default
     assert "gptq quantization_config.bits=8 is not supported; use one of 4" in got[7]["error"]
-    assert got[8] == ["lowbit4", "affine4", 128, None, "int6"]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
-    assert got[9] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int8"]  # the checkpoint's keys + a head format
+    assert got[8] == ["lowbit4", "affine4", 128, None, "int8"]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
+    assert got[9] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int6"]  # the checkpoint's keys + a head format
     assert "gptq quantization_config.lm_head=True" in got[10]["error"] and "not read by aipc-plugins" in got[10]["error"]
 
 
@@ -136,7 +136,7 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
 def test_checkpoint_eager_float32_against_reference(ckpts, llama_dir, prompts, name):
     """``LLM(ckpt, quantization="lowbit4")``: every served linear (merged q/k/v and gate/up included)
     dequantizes bit for bit to what vLLM's own GPTQ / AWQ code reads from the checkpoint, in ``int4``
-    for symmetric GPTQ and ``affine4`` with AWQ's zero points; the head is int6 (the default); 32 greedy tokens per
+    for symmetric GPTQ and ``affine4`` with AWQ's zero points; the head is int8; 32 greedy tokens per
     prompt agree with the reference by teacher forcing (measured: GPTQ 160/160, AWQ 158/160, the two
     others near-ties of 0.005 and 0.03 logit std: the int8 rounding of an activation can flip on the
     last float32 bit)."""
@@ -146,7 +146,7 @@ def test_checkpoint_eager_float32_against_reference(ckpts, llama_dir, prompts, n
     assert "quantization=lowbit4" in log
     (layers,) = _printed(res, "LAYERS")
     codebook = "int4" if CHECKPOINTS[name]["sym"] else "affine4"
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int6", 32]
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
     assert len(layers) == 8 and all(v == ["Int4CheckpointLinearMethod", codebook, CHECKPOINTS[name]["group_size"]]
                                     for v in layers.values()), layers  # fmt: skip
     (served,) = _printed(res, "SERVED")
@@ -202,7 +202,7 @@ def test_on_the_fly_default_equals_transformers_same_op(llama_dir, prompts):
     tokens equal transformers with the same quantizer and op (LowBitLinear)."""
     res = _run(llama_dir, prompts, quantization="lowbit4")
     (layers,) = _printed(res, "LAYERS")
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int6", 32]
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
     assert all(v == ["LowBit2OnlineLinearMethod", "affine4", 64] for v in layers.values()), layers
     assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="affine4", group_size=64)
 
@@ -260,7 +260,7 @@ def test_on_the_fly_e0m4_w4a16_equals_transformers_same_op(llama_dir, prompts):
     cfg = {"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"}
     res = _run(llama_dir, prompts, quantization="lowbit4", hf_overrides={"quantization_config": cfg})
     (layers,) = _printed(res, "LAYERS")
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int6", 32]
+    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
     assert all(v == ["LowBit2OnlineLinearMethod", "e0m4", 64, "a16"] for v in layers.values()), layers
     want = hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="e0m4", group_size=64, activations="float")
     assert script_tokens(res) == want

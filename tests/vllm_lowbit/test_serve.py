@@ -49,7 +49,7 @@ def llama_server(llama_dir, logs, request):
 
 
 def test_llama_compiled_against_transformers(llama_server, llama_dir, prompts):
-    # near-tie bound 0.08 std (0.05 with a float output projection): the quantized head rounds its input to
+    # near-tie bound 0.08 std (0.05 with a float output projection): the int8 head rounds its input to
     # int8 per token, so inductor's other rounding of the final RMSNorm can move a head activation by a
     # whole int8 step (measured: 0.057 std at the one disagreement of 80)
     got = completion_tokens(llama_server, prompts, N_NEW)

@@ -3,15 +3,16 @@
 Decode reads the output projection once per token, and in small models it weighs as much as every
 other linear together (Llama-3.2-1B: 525 MB in bf16 against ~300 MB of 2-bit linears). The formats:
 
-* ``int6`` (:data:`DEFAULT_HEAD_FORMAT`, the default of ``lowbit2`` / ``lowbit4``): the ``int6`` code book
+* ``int8`` (:data:`DEFAULT_HEAD_FORMAT`, the default of the serving plugins): the ``int8`` code book with one
+  scale per output channel (round to nearest, the scale taking the row's extremes to levels 127 and -128), run
+  by the same W·A8 kernels; half the bytes of bf16, with an error of the order of the int8 activations' own;
+* ``int6`` (the faster choice on AVX2 / AVX-VNNI CPUs, the Core Ultra class): the ``int6`` code book
   (GGUF's Q6_K levels, -32 .. 31) in groups of 32 with 16-bit scales, round to nearest: 6.5 bits a weight,
   0.77x int8's bytes (what a GGUF's Q6_K output projection reads, 6.56, and what llama.cpp's Q4_0 / Q4_K_M
   files carry), on the 6-bit W·A8 kernels. On the real models of ``bench/results/quality`` its perplexity
   is within 0.8% of ``int8``'s; vLLM's 1B decode 1.12x / 1.24x (lowbit4 / lowbit2, AVX2) and 1.23x / 1.27x
-  (AVX-VNNI) faster than with ``int8`` (``bench/results/e2e/vllm_head_ab_epyc_zen5_*``, interleaved rounds);
-* ``int8``: the ``int8`` code book with one scale per output channel (round to nearest, the scale taking
-  the row's extremes to levels 127 and -128), run by the same W·A8 kernels; half the bytes of bf16, with an
-  error of the order of the int8 activations' own (BitNet's default);
+  (AVX-VNNI) faster than with ``int8``, but 0.92x / 0.94x with the CPU's own AVX-512 VNNI kernels
+  (``bench/results/e2e/vllm_head_ab_epyc_zen5_*``, interleaved rounds); so not the default;
 * ``lowbit``: the code book and group size of the model's other linears (2 bits: a quarter of int8's
   bytes, at a quality cost);
 * ``float``: left in the model dtype.
@@ -29,7 +30,7 @@ from aipc_kernels.lowbit.quantizers import quantize_rows
 
 HEAD_FORMATS = ("int8", "int6", "lowbit", "float")
 #: the output projection's format where a serving plugin's config does not name one (``lm_head``)
-DEFAULT_HEAD_FORMAT = "int6"
+DEFAULT_HEAD_FORMAT = "int8"
 INT6_GROUP = 32  # the int6 head's group (or the largest supported below it that divides the hidden size)
 
 
