@@ -229,14 +229,19 @@ def planned_calls_ms(model, steps: int = 5) -> tuple[float, int]:
     from vllm_lowbit.layers import installed_weight
 
     layers = [m for m in model.modules() if getattr(m, "lowbit_cpu_call", None) is not None]
-    xs = {K: torch.randn(1, K, dtype=torch.bfloat16) for K in {installed_weight(m).in_features for m in layers}}
+    xs = {}
+    calls = []  # each call's arguments, built before the timing
+    for m in layers:
+        K = installed_weight(m).in_features
+        x = xs.setdefault(K, torch.randn(1, K, dtype=torch.bfloat16))
+        calls.append((m.lowbit_cpu_call, (x, m.qweight, m.scales, m.zeros, None, None, m.supers)))
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        for m in layers:
-            m.lowbit_cpu_call(xs[installed_weight(m).in_features], m.qweight, m.scales, m.zeros, None, None, m.supers)
+        for call, args in calls:
+            call(*args)
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3, len(layers)
+    return statistics.median(times) * 1e3, len(calls)
 
 
 def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: bool, eager: bool,

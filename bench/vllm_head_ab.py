@@ -32,7 +32,7 @@ ROWS = ("lowbit4_gptq", "lowbit2")
 def _install(model, head_format: str) -> int:
     """Re-installs ``model``'s output projection in ``head_format`` from the tied embedding; its bytes."""
     from aipc_kernels.lowbit.output_projection import head_act_group, quantize_output_projection
-    from vllm_lowbit.layers import install_packed
+    from vllm_lowbit.layers import install_packed, installed_weight
 
     head, embed = model.lm_head, model.model.embed_tokens
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
@@ -40,8 +40,7 @@ def _install(model, head_format: str) -> int:
                          "embedding's weight; an untied one is dropped once quantized at load)")
     w = quantize_output_projection(embed.weight.detach().float(), head_format)
     install_packed(head, w, head_act_group(head_format, 0))
-    return sum(t.numel() * t.element_size() for t in (head.qweight, head.scales, head.zeros, head.supers)
-               if t is not None)  # fmt: skip
+    return installed_weight(head).nbytes()
 
 
 def run_row(name: str, model: Path, formats: list[str], rounds: int, new_tokens: int) -> dict:
