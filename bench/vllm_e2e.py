@@ -11,7 +11,8 @@ The rows (``--list-rows``; ``--rows`` runs any subset): ``bf16``, ``int4``, ``lo
 ``lowbit4_e0m4_a16`` (Transformer-Lite's E0M4 on the activation-exact W4A16 kernels), ``lowbit2``, ``lowbit2_omp_active`` (OpenMP threads spinning between regions, as llama.cpp's pool polls),
 ``lowbit4_gptq_small_pages`` / ``lowbit2_small_pages`` (the packed weights on torch's small pages,
 ``AIPC_HUGE_PAGES=0``, against the default's transparent huge pages), ``lowbit4_gptq_int6_head`` /
-``lowbit2_int6_head`` (the output projection in 6-bit codes, ``lm_head: int6``), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
+``lowbit2_int6_head`` (the output projection in 6-bit codes, ``lm_head: int6``), ``lowbit4_gptq_int8_head`` /
+``lowbit2_int8_head`` (int8 per output channel, ``lm_head: int8``), ``lowbit2_bf16_head``, ``lowbit2_lm`` (vLLM, each in its own process: an in-process
 engine, compiled mode, the CPU default, the same prompt), and ``llamacpp_q4_0``, ``llamacpp_q4_k_m``,
 ``llamacpp_tq2_0``: the same bf16 model converted by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--outtype bf16``) and quantized by its ``llama-quantize``, timed with its ``llama-bench``. Every row
@@ -51,37 +52,45 @@ from typing import Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
+from aipc_kernels.lowbit.output_projection import auto_head_format
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 GPTQ_GROUP = 128
 LOWBIT_GROUP = 64
+#: the output projection of the rows that leave ``lm_head`` at its default (``auto``: by the kernels' ISA, AIPC_ISA's)
+AUTO_HEAD = f"lm_head auto: {auto_head_format()}"
 VARIANTS = {
     "bf16": dict(label="bf16 (vLLM unquantized)", model="bf16", llm={}),
     "int4": dict(label=f"int4 GPTQ g{GPTQ_GROUP} (vLLM CPU WNA16 kernel)", model="gptq", llm={}),
-    "lowbit4_gptq": dict(label=f"the same GPTQ checkpoint with --quantization lowbit4 (W4A8, lm_head int8)",
+    "lowbit4_gptq": dict(label=f"the same GPTQ checkpoint with --quantization lowbit4 (W4A8, {AUTO_HEAD})",
                          model="gptq", llm=dict(quantization="lowbit4")),
     "lowbit4_e0m4_a16": dict(label="the bf16 checkpoint with --quantization lowbit4, e0m4 g128 (RTN while it loads) "
-                                   "on the W4A16 kernels (lm_head int8)", model="bf16",
+                                   f"on the W4A16 kernels ({AUTO_HEAD})", model="bf16",
                              llm=dict(quantization="lowbit4", hf_overrides={"quantization_config": {
                                  "quant_method": "lowbit4", "codebook": "e0m4", "group_size": 128, "quantizer": "rtn",
                                  "activations": "float"}})),
-    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8, the default)", model="lowbit2", llm={}),
-    "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8) through the general op "
+    "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} ({AUTO_HEAD}, the default)", model="lowbit2", llm={}),
+    "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} ({AUTO_HEAD}) through the general op "
                                     "(AIPC_PLANNED_OPS=0: operands checked in Python per call)", model="lowbit2", llm={},
                                env=dict(AIPC_PLANNED_OPS="0")),
-    "lowbit2_omp_active": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), OMP_WAIT_POLICY=ACTIVE "
+    "lowbit2_omp_active": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} ({AUTO_HEAD}), OMP_WAIT_POLICY=ACTIVE "
                                     "(OpenMP threads spin between parallel regions instead of sleeping)", model="lowbit2",
                                llm={}, env=dict(OMP_WAIT_POLICY="ACTIVE")),
     "lowbit4_gptq_small_pages": dict(label="lowbit4 on the GPTQ checkpoint, packed weights on small pages "
                                           "(AIPC_HUGE_PAGES=0: torch's allocator, as before 2026-11-30)",
                                     model="gptq", llm=dict(quantization="lowbit4"), env=dict(AIPC_HUGE_PAGES="0")),
-    "lowbit2_small_pages": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8), packed weights on small pages "
+    "lowbit2_small_pages": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} ({AUTO_HEAD}), packed weights on small pages "
                                      "(AIPC_HUGE_PAGES=0)", model="lowbit2", llm={}, env=dict(AIPC_HUGE_PAGES="0")),
     "lowbit4_gptq_int6_head": dict(label="the same GPTQ checkpoint with --quantization lowbit4, lm_head int6 (6-bit "
                                         "codes in groups of 32: 6.5 bits a weight, as a GGUF's Q6_K head)",
                                   model="gptq", llm=dict(quantization="lowbit4"), qcfg=dict(lm_head="int6")),
+    "lowbit4_gptq_int8_head": dict(label="the same GPTQ checkpoint with --quantization lowbit4, lm_head int8 (one "
+                                        "scale per output channel)",
+                                  model="gptq", llm=dict(quantization="lowbit4"), qcfg=dict(lm_head="int8")),
+    "lowbit2_int8_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int8)", model="lowbit2", llm={},
+                              qcfg=dict(lm_head="int8")),
     "lowbit2_int6_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head int6)", model="lowbit2", llm={},
                               qcfg=dict(lm_head="int6")),
     "lowbit2_bf16_head": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} (lm_head bf16)", model="lowbit2", llm={},
@@ -115,10 +124,11 @@ NOTES = """Notes:
   vLLM's own packing helpers), loaded by vLLM's GPTQ method, which picks its CPU WNA16 kernel
   (`_C::cpu_gemm_wna16`): what vLLM-CPU users pick today; nothing below 4 bits exists in vLLM-CPU.
   lowbit4_gptq: the same checkpoint served with `--quantization lowbit4` (its int4 codes and fp16 scales
-  re-laid out exactly, W4A8 kernels, the output projection int8).
-- The output projection is quantized at load to int8 per output channel by default (`lm_head: int8`): at 1B
-  the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much as all the
-  lowbit2 linears; `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
+  re-laid out exactly, W4A8 kernels, the output projection as `lm_head: auto` chooses).
+- The output projection is quantized at load by default as `lm_head: auto` chooses (int6 in groups of 32
+  where the kernels run with AVX2 / AVX-VNNI, int8 per output channel with AVX-512 / AMX; the rows' labels
+  say which): at 1B the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much
+  as all the lowbit2 linears; `lm_head: int8` / `int6` pin a format (the `_int8_head` / `_int6_head` rows), `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
   (quality cost of a 2-bit output projection not measured here).
 - llama.cpp (vendored in llama-cpp-python 0.3.36): the same bf16 model converted by its own
   `convert_hf_to_gguf.py --outtype bf16` and quantized by `llama-quantize` (Q4_0: 4.5 bits per weight;

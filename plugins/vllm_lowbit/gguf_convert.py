@@ -10,12 +10,15 @@ Hugging Face names (llama's q / k rows put back in Hugging Face order), and
 format. What is written:
 
 * every quantized linear as its exact re-layout (``X.qweight``/``X.scales``/``X.zeros``): Q4_1 as ``min4``
-  g32 fp16, Q8_0 as ``int8`` g32, the K-quants with groups of 16 or 32 and float32 scales, ...; the
+  g32 fp16, Q8_0 as ``int8`` g32, the K-quants with groups of 16 or 32 and their two levels of scales, as
+  serving the file holds them (int8 sub-block scales and mins, and ``X.supers``: float32 ``d`` / ``-dmin``
+  per super-block of 256; ``scale_dtype: int8`` with ``super_block: 256``), ...; the
   linears vLLM merges (q / k / v, gate / up) given one form as serving does (different code books: all
   ``min8`` with float32 scales, :func:`~aipc_kernels.checkpoints.gguf.as_min8`; fp16 with float32 scales: float32),
   exact either way. ``quantization_config`` (``source: gguf``, ``prequantized: true``) records the most
-  common form as ``codebook`` / ``group_size`` / ``scale_dtype`` and every other linear's in
-  ``layer_formats``; the min form, groups of 16 and float32 scales are accepted in such checkpoints only;
+  common form as ``codebook`` / ``group_size`` / ``scale_dtype`` (/ ``super_block``) and every other linear's in
+  ``layer_formats``; the min form, groups of 16, float32 scales and the two-level form are accepted in such
+  checkpoints only;
 * ``act_group: 32``, as serving the GGUF (int8 activation scales per 32 inputs, as llama.cpp's CPU dot
   products; a layer whose group is larger takes its group);
 * float tensors (norms, biases, F16 / F32 linears: listed in ``modules_to_not_convert``) as transformers'
@@ -56,7 +59,7 @@ from .options import GGUF_SOURCE, quantization_config_dict
 ACT_GROUP = 32
 #: the Hugging Face linears that vLLM loads as one merged layer (qkv_proj, gate_up_proj)
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.int8: "int8"}
 _FILE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
@@ -71,7 +74,9 @@ def _siblings(prefix: str, linears: set[str]) -> tuple[str, ...]:
 
 
 def _form(w: LowBitWeight) -> dict[str, Any]:
-    return {"codebook": w.codebook, "group_size": w.group_size, "scale_dtype": _DTYPE_NAMES[w.scales.dtype]}
+    """``w``'s stored form as a ``layer_formats`` entry (``super_block`` for the two-level form only)."""
+    form = {"codebook": w.codebook, "group_size": w.group_size, "scale_dtype": _DTYPE_NAMES[w.scales.dtype]}
+    return form if w.supers is None else dict(form, super_block=w.super_block)
 
 
 def convert_gguf(
@@ -140,8 +145,8 @@ def convert_gguf(
             held[base] = w
             group = _siblings(base, linears)
             if all(s in held for s in group):
-                # single-level: the checkpoint path loads float scales (the served .gguf keeps two levels)
-                for s, one in zip(group, common_form([held.pop(s).single_level() for s in group])):
+                # K-quants keep their two levels (int8 sub-block scales and mins, float32 supers) as served
+                for s, one in zip(group, common_form([held.pop(s) for s in group])):
                     writer.add_lowbit(s, one)
                     forms[s] = _form(one)
         if bar is not None:
@@ -163,11 +168,12 @@ def convert_gguf(
         config["quantization_config"] = quantization_config_dict(
             top["codebook"], top["group_size"], scale_dtype=top["scale_dtype"], act_group=ACT_GROUP,
             modules_to_not_convert=sorted(float_linears), source=GGUF_SOURCE, lm_head="float",
-            layer_formats={k: v for k, v in sorted(forms.items()) if v != top},
+            layer_formats={k: v for k, v in sorted(forms.items()) if v != top}, super_block=top.get("super_block"),
         )  # fmt: skip
         (part / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    kinds = Counter(f"{v['codebook']} g{v['group_size']} {v['scale_dtype']}" for v in forms.values())
+    kinds = Counter(f"{v['codebook']} g{v['group_size']} {v['scale_dtype']}"
+                    + (f" x float32 per {v['super_block']}" if "super_block" in v else "") for v in forms.values())
     log(f"wrote {len(forms)} {FORMAT_NAME} linears from {ck.path.name} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) "
         f"to {out}" + (f"; kept float: {len(float_linears)} linears" if float_linears else ""))  # fmt: skip
     for name, qtype, nbytes in as_float:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.model_executor.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                                RowParallelLinear, UnquantizedLinearMethod)  # fmt: skip
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
@@ -36,7 +37,7 @@ from aipc_kernels.core.config_schema import Naming
 from aipc_kernels.lowbit import packing
 from aipc_kernels.lowbit.formats import FILE_GROUP_SIZES, LowBitWeight, fitting_group_size, resolve_group_size
 from aipc_kernels.lowbit.modules import DEFAULT_SKIP
-from aipc_kernels.lowbit.output_projection import head_act_group, quantize_output_projection
+from aipc_kernels.lowbit.output_projection import head_act_group, quantize_output_projection, resolve_head_format
 from aipc_kernels.lowbit.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
 from aipc_kernels.lowbit.planned_ops import plan_cpu_call
 
@@ -208,7 +209,8 @@ def checkpoint_tensor_name(config: QuantizationConfig, layer: torch.nn.Module, p
 
 
 class QuantizedLMHeadMethod(UnquantizedEmbeddingMethod):
-    """The output projection quantized at load (``lm_head: int8``, the default, ``int6`` or ``lowbit``) by
+    """The output projection quantized at load (``lm_head: int8``, ``int6`` or ``lowbit``; ``auto``, the
+    default, is one of the first two: :meth:`LowBitConfig.head_format`) by
     :func:`aipc_kernels.lowbit.output_projection.quantize_output_projection` with ``quantize_options`` (its
     keyword arguments after the weight and name) and run through ``aipc::lowbit_linear``. Its float
     weight is loaded (or tied to the input embedding) as usual; a tied embedding keeps it for the
@@ -304,11 +306,23 @@ class LowBitConfig(PluginQuantizationConfig):
         skip = list(DEFAULT_SKIP) + list(self.options.modules_to_not_convert)
         return is_layer_skipped(prefix, skip, self.packed_modules_mapping, match_mode="substring")
 
+    @property
+    def head_format(self) -> str:
+        """The output projection's format on this platform: ``lm_head`` with ``auto`` resolved
+        (:func:`~aipc_kernels.lowbit.output_projection.auto_head_format`: by the CPU kernels' instruction set)."""
+        return resolve_head_format(self.options.head_format, on_cpu=current_platform.is_cpu())
+
+    @property
+    def head_label(self) -> str:
+        """``lm_head`` as the config's repr logs it: the format, or ``auto`` with the one chosen."""
+        given = self.options.head_format
+        return given if given == self.head_format else f"{given} ({self.head_format})"
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        o = self.options
-        if isinstance(layer, ParallelLMHead) and o.head_format != "float":
+        o, head = self.options, self.head_format
+        if isinstance(layer, ParallelLMHead) and head != "float":
             return QuantizedLMHeadMethod(
-                head_act_group(o.head_format, o.act_group), head_format=o.head_format, codebook=o.codebook,
+                head_act_group(head, o.act_group), head_format=head, codebook=o.codebook,
                 group_size=o.group_size, quantizer=o.quantizer, scale_dtype=o.torch_scale_dtype,
             )  # fmt: skip
         if not isinstance(layer, LinearBase):

@@ -85,7 +85,7 @@ class LowBit2Config(LowBitConfig):
             f"{type(self).__name__}(codebook={o.codebook}, group_size={o.group_size}, "
             f"{'prequantized' if o.prequantized else 'on-the-fly ' + o.quantizer}, "
             f"scale_dtype={o.scale_dtype}, act_group={o.act_group}, activations={o.activations}, "
-            f"modules_to_not_convert={o.modules_to_not_convert}, lm_head={o.head_format}, "
+            f"modules_to_not_convert={o.modules_to_not_convert}, lm_head={self.head_label}, "
             f"detect_grid={o.detect_grid}, allow_2bit_ptq={o.allow_2bit_ptq})"
         )
 
@@ -166,7 +166,8 @@ class LowBit2Config(LowBitConfig):
 
     def for_layer(self, prefix: str) -> "LowBit2Config":
         """This config with the ``layer_formats`` entry of layer ``prefix`` (of every checkpoint
-        layer merged into it: q/k/v, gate/up) as its options' code book, group size and scale dtype."""
+        layer merged into it: q/k/v, gate/up) as its options' code book, group size, scale dtype and super
+        block."""
         o = self.options
         parent, _, last = prefix.rpartition(".")
         parts = self.packed_modules_mapping.get(last) or [last]
@@ -180,7 +181,8 @@ class LowBit2Config(LowBitConfig):
             )
         if formats[0] is None and o.source != GGUF_SOURCE:
             return self
-        layer_options = dataclasses.replace(o, **(formats[0] or {}))  # codebook, group_size, scale_dtype
+        # codebook, group_size, scale_dtype and super_block (an entry without one: one level)
+        layer_options = dataclasses.replace(o, **({"super_block": None, **formats[0]} if formats[0] else {}))
         if o.source == GGUF_SOURCE and layer_options.act_group and layer_options.group_size != -1:
             # as serving the GGUF file does (gguf.GGUFCPUConfig.layer_act_group): a layer whose group is
             # larger than act_group (TQ1_0 / TQ2_0: 128) takes its group
@@ -233,6 +235,17 @@ class LowBit2LinearMethod(LinearMethodBase):
             layer.register_parameter(name, p)
         if not self.cb.per_group_tensor:
             layer.register_parameter("zeros", None)
+        layer.register_parameter("supers", None)
+        if o.super_block is not None:  # the two-level form: float32 [S, N, K/SB], S = 2 with mins
+            supers = GroupQuantScaleParameter(
+                data=torch.empty(self._supers_count(), N, K // o.super_block, dtype=torch.float32), output_dim=1,
+                input_dim=2, weight_loader=self._checked_loader(layer, "supers", weight_loader),
+            )  # fmt: skip
+            layer.register_parameter("supers", supers)
+
+    def _supers_count(self) -> int:
+        """S of the two-level form's ``supers`` [S, N, K/SB]: the scales' super-block scale, and the mins' too."""
+        return 2 if self.cb.mins else 1
 
     # ------------------------------------------------------------------ checkpoint checks
 
@@ -243,6 +256,8 @@ class LowBit2LinearMethod(LinearMethodBase):
         rows, K = checkpoint_rows(layer, shard), layer.input_size
         if pname == "qweight":
             return (rows, K * self.cb.bits // 8), torch.uint8
+        if pname == "supers":
+            return (self._supers_count(), rows, K // self.options.super_block), torch.float32
         groups = 1 if self.options.group_size == -1 else K // self.options.group_size
         return (rows, groups), self.options.torch_scale_dtype
 
@@ -273,7 +288,8 @@ class LowBit2LinearMethod(LinearMethodBase):
 
     def _check_loaded(self, layer: torch.nn.Module) -> LowBitWeight:
         """The layer's canonical weight, after checking every tensor arrived and holds valid codes."""
-        pnames = ["qweight", "scales"] + (["zeros"] if self.cb.per_group_tensor else [])
+        pnames = (["qweight", "scales"] + (["zeros"] if self.cb.per_group_tensor else [])
+                  + (["supers"] if self.options.super_block is not None else []))
         missing = [self._checkpoint_name(layer, p, s) for p in pnames for s in layer_shards(layer) if (p, s) not in layer.lowbit_loaded]
         if missing:
             raise ValueError(
@@ -284,9 +300,13 @@ class LowBit2LinearMethod(LinearMethodBase):
         K = layer.lowbit_k_partition
         G = effective_group_size(self.config, layer, K)
         zeros = layer.zeros.data if self.cb.per_group_tensor else None
-        w = LowBitWeight(layer.qweight.data, layer.scales.data, zeros, self.options.codebook, G, K, name=layer.prefix)
+        supers = None if layer.supers is None else layer.supers.data
+        if supers is not None and not torch.isfinite(supers).all():
+            raise ValueError(f"lowbit2 checkpoint tensor {layer.prefix}.supers holds NaN or Inf")
+        w = LowBitWeight(layer.qweight.data, layer.scales.data, zeros, self.options.codebook, G, K, name=layer.prefix,
+                         supers=supers)  # fmt: skip
         for pname, t in (("scales", w.scales), ("zeros", w.zeros)):
-            if t is not None and not torch.isfinite(t).all():
+            if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
                 raise ValueError(f"lowbit2 checkpoint tensor {layer.prefix}.{pname} holds NaN or Inf")
         if self.cb.max_code < (1 << self.cb.bits) - 1 and (w.codes() > self.cb.max_code).any():
             raise ValueError(

@@ -18,11 +18,12 @@ Two ways in, one flag:
   re-lays the integers out exactly into ``int4`` / ``affine4`` (:mod:`aipc_kernels.checkpoints.gptq`,
   the checkpoint's fp16 scales kept) before :func:`~vllm_lowbit.layers.install_packed`.
 
-The output projection follows ``lm_head`` as in lowbit2 (int8 per output channel by default; GPTQ
-and AWQ keep it float in the checkpoint). ``activations: float`` (in the on-the-fly keys, or added to a
+The output projection follows ``lm_head`` as in lowbit2 (``auto`` by default: int6 in groups of 32 where
+the CPU kernels run with AVX2 / AVX-VNNI, int8 per output channel with AVX-512; GPTQ and AWQ keep it float
+in the checkpoint). ``activations: float`` (in the on-the-fly keys, or added to a
 GPTQ / AWQ ``quantization_config``) serves the 4-bit linears on the
 activation-exact W4A16 kernels instead of W4A8. A GPTQ / AWQ ``quantization_config`` may name the head
-format the same way (``--hf-overrides '{"quantization_config": {..., "lm_head": "int6"}}'``, the
+format the same way (``--hf-overrides '{"quantization_config": {..., "lm_head": "int8"}}'``, the
 checkpoint's keys kept): a string ``lm_head`` is lowbit2's key, GPTQ's boolean ``lm_head`` its own.
 """
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Int4CheckpointConfig(LowBitConfig):
         s, o = self.spec, self.options
         return (f"{type(self).__name__}({s.layout} checkpoint, codebook={o.codebook}, group_size={s.group_size}, "
                 f"zero_offset={s.zero_offset}, modules_to_not_convert={o.modules_to_not_convert}, "
-                f"lm_head={o.head_format})")  # fmt: skip
+                f"lm_head={self.head_label})")  # fmt: skip
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Int4CheckpointConfig":

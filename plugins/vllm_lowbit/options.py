@@ -18,7 +18,7 @@ from aipc_kernels.core.config_schema import Naming, field_names, option, parse, 
 import torch
 
 from aipc_kernels.lowbit.formats import CODEBOOKS, FILE_GROUP_SIZES, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
-from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT, HEAD_FORMATS
+from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT, HEAD_CHOICES
 from aipc_kernels.lowbit.quantizers import QUANTIZERS
 
 #: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
@@ -35,8 +35,12 @@ CONFIG_CODEBOOKS = tuple(sorted(name for name, cb in CODEBOOKS.items() if not cb
 GGUF_SOURCE = "gguf"
 CHECKPOINT_CODEBOOKS = tuple(sorted(CODEBOOKS))
 CHECKPOINT_GROUP_SIZES = FILE_GROUP_SIZES + (-1,)
-#: scale dtypes by name, float32 included (``source: gguf`` checkpoints only)
-CHECKPOINT_SCALE_DTYPES: dict[str, torch.dtype] = {**SCALE_DTYPES, "float32": torch.float32}
+#: scale dtypes by name, float32 included, and int8: the two-level form of GGUF's K-quants (int8 sub-block scales
+#: and mins times float32 super-block scales, the layer's ``supers``; ``super_block`` says over how many
+#: inputs) (``source: gguf`` checkpoints only)
+CHECKPOINT_SCALE_DTYPES: dict[str, torch.dtype] = {**SCALE_DTYPES, "float32": torch.float32, "int8": torch.int8}
+#: the super-block sizes (inputs per float32 super-block scale) of the two-level form: the K-quants' 256
+SUPER_BLOCKS = (256,)
 
 #: errors about convert_checkpoint's keyword arguments
 API_NAMING = Naming("convert_checkpoint", "python")
@@ -81,11 +85,14 @@ class LayerFormat:
 @dataclass(frozen=True)
 class GGUFLayerFormat(LayerFormat):
     """A ``layer_formats`` entry of a checkpoint converted from a GGUF file: also the min form, GGUF's
-    K-quant sub-blocks of 16 and their float32 scales."""
+    K-quant sub-blocks of 16, their float32 scales, and their two levels (``scale_dtype: int8`` with
+    ``super_block``)."""
 
     codebook: str = option(None, choices=CHECKPOINT_CODEBOOKS)
     group_size: int = option(None, choices=CHECKPOINT_GROUP_SIZES, note="-1: one group per row")
     scale_dtype: str = option(None, choices=tuple(CHECKPOINT_SCALE_DTYPES))
+    #: the two-level form (``scale_dtype: int8``): inputs per float32 super-block scale (tensor ``supers``)
+    super_block: Optional[int] = option(None, choices=(None,) + SUPER_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -95,10 +102,11 @@ class QuantizationConfigOptions(LowBit2Options):
     quant_method: str = option(FORMAT_NAME, choices=(FORMAT_NAME,))
     format_version: int = option(FORMAT_VERSION, ge=1)
     prequantized: bool = option(False)
-    #: the output projection: ``int8`` (the default: one scale per output channel), ``int6`` (6-bit codes in
-    #: groups of 32, as a GGUF's Q6_K head: faster on AVX2 / AVX-VNNI CPUs, slower with AVX-512), ``lowbit`` (the
-    #: code book and group of the linears) or ``float`` (the model dtype); embeddings stay a float gather
-    lm_head: str = option(DEFAULT_HEAD_FORMAT, choices=HEAD_FORMATS)
+    #: the output projection: ``auto`` (the default: ``int6`` where the CPU kernels run with AVX2 / AVX-VNNI and
+    #: no AVX-512, else ``int8``), ``int8`` (one scale per output channel), ``int6`` (6-bit codes in groups of 32,
+    #: as a GGUF's Q6_K head), ``lowbit`` (the code book and group of the linears) or ``float`` (the model
+    #: dtype); embeddings stay a float gather
+    lm_head: str = option(DEFAULT_HEAD_FORMAT, choices=HEAD_CHOICES)
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)
     #: the linears' activations: ``int8`` (W*A8, quantized inside the kernel) or ``float`` (4-bit code books
@@ -113,10 +121,14 @@ class QuantizationConfigOptions(LowBit2Options):
     #: (the converter writes it for layers recovered from a grid)
     layer_formats: dict[str, Any] = option({}, example={"model.layers.0.mlp.up_proj": {
         "codebook": "sym", "group_size": -1, "scale_dtype": "float16"}})  # fmt: skip
+    #: the two-level form of a GGUF conversion's K-quants (``scale_dtype: int8``): inputs per float32
+    #: super-block scale, the layer's ``supers`` tensor (``source: gguf`` only; None: one level)
+    super_block: Optional[int] = option(None, choices=(None,) + SUPER_BLOCKS)
 
     @property
     def head_format(self) -> str:
-        """The output projection's format, ``quantize_lm_head`` (the older key) read as ``lm_head``."""
+        """The output projection's setting (``auto`` or a format: :func:`~aipc_kernels.lowbit.output_projection.resolve_head_format`
+        gives the format), ``quantize_lm_head`` (the older key) read as ``lm_head``."""
         if self.quantize_lm_head is None:
             return self.lm_head
         return "lowbit" if self.quantize_lm_head else "float"
@@ -146,6 +158,15 @@ class QuantizationConfigOptions(LowBit2Options):
         elif not self.prequantized:
             raise naming.error("source", self.source, f"marks a checkpoint converted from a GGUF file; it needs "
                                                       f"{naming.ref('prequantized')}=true")  # fmt: skip
+        if self.super_block is not None and self.scale_dtype != "int8":
+            raise naming.error(
+                "super_block", self.super_block,
+                f"needs {naming.ref('scale_dtype')}=int8 (the two-level form of a GGUF conversion's K-quants), not "
+                f"{self.scale_dtype!r}; drop super_block, or convert the GGUF file again",
+            )  # fmt: skip
+        if self.scale_dtype == "int8" and self.super_block is None:
+            raise naming.error("scale_dtype", self.scale_dtype, f"(the two-level form) needs {naming.ref('super_block')}"
+                               f"={SUPER_BLOCKS[0]}; convert the GGUF file again")  # fmt: skip
         if self.activations == "float" and CODEBOOKS[self.codebook].bits != 4:
             four = [name for name in CONFIG_CODEBOOKS if CODEBOOKS[name].bits == 4]
             raise naming.error(
@@ -170,6 +191,10 @@ class QuantizationConfigOptions(LowBit2Options):
             if missing:
                 raise naming.error("layer_formats", {layer: fmt}, f"lacks {missing}: each layer needs "
                                    f"{list(field_names(LayerFormat))}")  # fmt: skip
+            if (fmt["scale_dtype"] == "int8") != (fmt.get("super_block") is not None):
+                raise naming.error("layer_formats", {layer: fmt}, f"must give scale_dtype int8 and super_block "
+                                   f"{SUPER_BLOCKS[0]} together (the two-level form) or neither; convert the GGUF "
+                                   f"file again")  # fmt: skip
         if self.format_version > FORMAT_VERSION:
             raise naming.error(
                 "format_version", self.format_version,
@@ -190,10 +215,10 @@ class GGUFQuantizationConfigOptions(QuantizationConfigOptions):
 
 #: the keys of :func:`quantization_config_dict` that :meth:`QuantizationConfigOptions.as_quantization_config` passes on
 _ENTRY_KEYS = ("codebook", "group_size", "quantizer", "scale_dtype", "act_group", "modules_to_not_convert", "prequantized",
-               "source", "layer_formats")  # fmt: skip
+               "source", "layer_formats", "super_block")  # fmt: skip
 #: keys fixed by the tensors of a converted checkpoint (an override may not change them)
 CHECKPOINT_KEYS = ("quant_method", "format_version", "codebook", "group_size", "scale_dtype",
-                   "modules_to_not_convert", "prequantized", "source", "layer_formats")  # fmt: skip
+                   "modules_to_not_convert", "prequantized", "source", "layer_formats", "super_block")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -221,6 +246,7 @@ def quantization_config_dict(
     source: Optional[str] = None,
     layer_formats: Optional[dict[str, Any]] = None,
     lm_head: Optional[str] = None,
+    super_block: Optional[int] = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a ``lowbit2`` checkpoint's config.json (``detect_grid``,
     ``allow_2bit_ptq``, ``lm_head`` unless given, ``quantize_lm_head`` and empty ``source``/``layer_formats``
@@ -231,6 +257,7 @@ def quantization_config_dict(
             act_group=act_group, modules_to_not_convert=list(modules_to_not_convert or []),
             prequantized=prequantized, source=source, layer_formats=dict(layer_formats or {}),
             **({} if lm_head is None else {"lm_head": lm_head}),
+            **({} if super_block is None else {"super_block": super_block}),
         ))
     )  # fmt: skip
     d.pop("quantize_lm_head")
@@ -242,11 +269,13 @@ def quantization_config_dict(
         d.pop("source")
     if not d["layer_formats"]:
         d.pop("layer_formats")
+    if d["super_block"] is None:
+        d.pop("super_block")
     return d
 
 
 __all__ = [
     "CHECKPOINT_CODEBOOKS", "CHECKPOINT_GROUP_SIZES", "CHECKPOINT_KEYS", "CHECKPOINT_SCALE_DTYPES", "ConverterOptions",
-    "GGUF_SOURCE", "GGUFLayerFormat", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
+    "GGUF_SOURCE", "GGUFLayerFormat", "SUPER_BLOCKS", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
     "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

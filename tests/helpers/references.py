@@ -26,7 +26,7 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
 
     ``attn_implementation`` is passed to ``from_pretrained`` (None: transformers' default). ``lm_head``:
     the output projection as the plugins serve it with that ``lm_head`` setting (:func:`with_output_projection`;
-    None: their default, ``DEFAULT_HEAD_FORMAT``), in every kind but ``float``. ``weights`` (``float`` and ``float_a8``):
+    None: their default, ``auto``, resolved for the kernels' instruction set as serving does), in every kind but ``float``. ``weights`` (``float`` and ``float_a8``):
     state-dict entries that replace the checkpoint's, e.g. the linears of a GPTQ checkpoint of
     ``model_dir`` as its format's own code dequantizes them. ``activations="float"`` (``lowbit``, 4-bit code
     books): the linears on the activation-exact W4A16 op instead."""
@@ -35,7 +35,7 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
 
     from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT
 
-    lm_head = DEFAULT_HEAD_FORMAT if lm_head is None else lm_head
+    lm_head = DEFAULT_HEAD_FORMAT if lm_head is None else lm_head  # with_output_projection resolves auto
 
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; use one of {KINDS}")
@@ -69,15 +69,16 @@ def hf_model(model_dir: Path | str, kind: str, codebook: str = "affine", group_s
 
 def with_output_projection(model, lm_head: str, codebook: str = "affine", group_size: int = 64, act_group: int = 0,
                            dequantized: bool = False):  # fmt: skip
-    """``model`` (float32) with its output projection quantized as the plugins do for ``lm_head``
+    """``model`` (float32) with its output projection quantized as the plugins do on CPU for ``lm_head``
     (:func:`aipc_kernels.lowbit.output_projection.quantize_output_projection`) and run by the same op (:class:`~aipc_kernels.lowbit.modules.LowBitLinear`, int8
     activations per token; ``act_group`` for ``lowbit`` heads), or as float weights holding the
     quantized values (``dequantized``). The input embedding is left as it is (tied or not)."""
     import torch
 
     from aipc_kernels.lowbit.modules import LowBitLinear, dequantized_linear
-    from aipc_kernels.lowbit.output_projection import head_act_group, quantize_output_projection
+    from aipc_kernels.lowbit.output_projection import head_act_group, quantize_output_projection, resolve_head_format
 
+    lm_head = resolve_head_format(lm_head)  # auto: int6 or int8 by the kernels' instruction set, as served on CPU
     head = model.get_output_embeddings()
     w = quantize_output_projection(head.weight.detach().float(), lm_head, codebook=codebook,
                                    group_size=group_size, quantizer="optimized", scale_dtype=torch.float16)  # fmt: skip

@@ -1,10 +1,11 @@
-"""The output projection's formats (aipc_kernels.lowbit.output_projection): int8 per output channel by default."""
+"""The output projection's formats (aipc_kernels.lowbit.output_projection), and what the default ``auto`` picks."""
 import pytest
 import torch
 
 from aipc_kernels.core import native
 from aipc_kernels.lowbit import ops, packing
-from aipc_kernels.lowbit.output_projection import int8_scale_dtype, quantize_output_projection
+from aipc_kernels.lowbit.output_projection import (auto_head_format, int8_scale_dtype, quantize_output_projection,
+                                                   resolve_head_format)
 
 
 def _head(vocab: int = 300, hidden: int = 192, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
@@ -85,3 +86,16 @@ def test_int8_head_logits_close_to_float(M):
     rel = lambda y: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
     assert rel(y8) < 0.015 and rel(y8) * 10 < rel(y2), (rel(y8), rel(y2))
     assert rel(y6) < 0.03 and rel(y6) * 4 < rel(y2), (rel(y6), rel(y2))  # int6 g32: between int8 and 2 bits
+
+
+#: ``lm_head: auto`` per instruction set of the kernels: int6 measured faster below AVX-512, int8 with it
+AUTO_HEAD = {"scalar": "int8", "avx2": "int6", "avx_vnni": "int6", "avx512_vnni": "int8", "amx_int8": "int8"}
+
+
+@pytest.mark.skipif(not native.available(), reason="native library not built")
+def test_auto_head_format_follows_the_kernels_isa(isa):
+    """``auto`` is int6 where the kernels run with AVX2 / AVX-VNNI (the Core Ultra class), int8 with AVX-512 /
+    AMX or portable C, int8 off the CPU; a named format is kept as it is."""
+    assert auto_head_format() == resolve_head_format("auto") == AUTO_HEAD[isa]
+    assert auto_head_format(on_cpu=False) == resolve_head_format("auto", on_cpu=False) == "int8"
+    assert [resolve_head_format(f) for f in ("int8", "int6", "lowbit", "float")] == ["int8", "int6", "lowbit", "float"]

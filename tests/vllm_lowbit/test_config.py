@@ -23,7 +23,13 @@ def config_cls():
 def test_defaults_and_round_trip(config_cls):
     c = config_cls().options
     assert (c.codebook, c.group_size, c.quantizer, c.act_group, c.prequantized) == ("affine", 64, "optimized", 0, False)
-    assert c.head_format == "int8"  # the output projection is int8 per output channel by default
+    assert c.head_format == "auto"  # the output projection: int6 or int8 by the CPU kernels' instruction set
+    from aipc_kernels.core import native
+    from aipc_kernels.lowbit.output_projection import auto_head_format
+
+    want = "int6" if native.get_isa() in ("avx2", "avx_vnni") else "int8"  # measured faster below AVX-512
+    assert config_cls().head_format == auto_head_format() == want  # what the head's method quantizes to here
+    assert config_cls.from_config({"lm_head": "int8"}).head_format == "int8"  # a format named is kept
     d = dict(config_cls().to_dict(), codebook="sym", group_size=-1, prequantized=True, lm_head="lowbit")
     c2 = config_cls.from_config(d)
     o2 = c2.options
@@ -52,7 +58,7 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"modules_to_not_convert": "lm_head"}, 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]'),
     ({"modules_to_not_convert": ["lm_head", 3]}, "must be a list of strings"),
     ({"quantize_lm_head": "false"}, "quantize_lm_head='false' must be true or false (a JSON boolean, without quotes)"),
-    ({"lm_head": "int4"}, "lm_head='int4' is not supported; use one of \"int8\", \"int6\", \"lowbit\", \"float\""),
+    ({"lm_head": "int4"}, "lm_head='int4' is not supported; use one of \"auto\", \"int8\", \"int6\", \"lowbit\", \"float\""),
     ({"lm_head": "float", "quantize_lm_head": True}, "quantize_lm_head=True is the older spelling of lm_head; give lm_head alone"),
     ({"activations": "float"}, "activations='float' needs a 4-bit codebook (['affine4', 'e0m4', 'int4']); 'affine' has 2-bit codes: use activations int8"),
     ({"activations": "bf16"}, "activations='bf16' is not supported; use one of \"int8\", \"float\""),
@@ -68,6 +74,10 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"format_version": "1"}, "format_version='1' must be an integer >= 1"),
     ({"source": "gptq"}, "source='gptq' is not supported"),
     ({"quant_method": "gptq"}, "quant_method='gptq' is not supported; use one of \"lowbit2\""),
+    # the two-level form: a GGUF conversion's K-quants only, scale_dtype int8 with super_block
+    ({"super_block": 256}, "super_block=256 needs scale_dtype=int8 (the two-level form of a GGUF conversion's "
+                           "K-quants), not 'float16'; drop super_block, or convert the GGUF file again"),
+    ({"super_block": 128}, "super_block=128 is not supported; use one of null, 256"),
     # issue 22: grid detection and the converter's per-layer formats
     ({"detect_grid": "no"}, "detect_grid='no' must be true or false"),
     ({"layer_formats": ["m.q_proj"]}, "layer_formats=['m.q_proj'] must be a JSON object"),
@@ -191,7 +201,7 @@ def test_hf_overrides_through_vllm_config(llama_dir, llama_prequantized, tmp_pat
         (llama_prequantized, {"quantization_config_file": str(qfile)}),
     ])  # fmt: skip
     converted = dict(method="lowbit2", codebook="affine", group_size=64, act_group=64, prequantized=True,
-                     lm_head="int8", modules_to_not_convert=[])  # fmt: skip
+                     lm_head="auto", modules_to_not_convert=[])  # fmt: skip
     assert 'modules_to_not_convert=\'lm_head\' must be a list of strings, e.g. ["lm_head"]' in got[0]["error"]
     assert got[1] == dict(converted, act_group=128, prequantized=False, modules_to_not_convert=["lm_head"])
     assert "prequantized=True, but" in got[2]["error"] and "is not a checkpoint converted by" in got[2]["error"]

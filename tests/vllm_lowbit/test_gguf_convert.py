@@ -2,7 +2,8 @@
 reader that serves it, checked exact (``--verify``: every written weight equals ``gguf.quants.dequantize`` of
 the file's blocks) and served by ``LLM(OUT)`` as ``LLM(X.gguf)`` serves the file: SmolLM2-135M-Instruct Q4_1
 (one type: the same packed linears and act_group 32; the Q8_0 token embedding / tied head written float32,
-exact) and Gemma-3-270M Q4_K_M (K-quants: Q4_K, Q6_K with float32 scales and groups of 16, Q6_K and Q5_0 in
+exact) and Gemma-3-270M Q4_K_M (K-quants: Q4_K and Q6_K (groups of 16) with their two levels of scales, int8
+sub-block scales and mins times float32 super-block scales, as serving the file holds them; Q6_K and Q5_0 in
 6-bit codes, Q8_0, each layer's form in ``layer_formats``).
 """
 from __future__ import annotations
@@ -80,8 +81,11 @@ def run(path, probe):
     return res, layer
 
 def probe(m):
-    qkv = m.model.layers[0].self_attn.qkv_proj
-    return [type(qkv.quant_method).__name__, qkv.lowbit_codebook, qkv.lowbit_group_size, qkv.lowbit_act_group]
+    block = m.model.layers[0]
+    qkv = block.self_attn.qkv_proj
+    two_level = [lin.supers is not None for lin in (block.self_attn.o_proj, block.mlp.down_proj)]
+    return [type(qkv.quant_method).__name__, qkv.lowbit_codebook, qkv.lowbit_group_size, qkv.lowbit_act_group,
+            two_level]
 
 if __name__ == "__main__":
     ours = run({out!r}, probe)
@@ -98,14 +102,15 @@ def test_verify_is_exact_on_k_quants(converted_gemma3):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["prequantized"], qc["source"], qc["act_group"]) == ("lowbit2", True, "gguf", 32)
     assert (qc["codebook"], qc["group_size"], qc["scale_dtype"]) == ("int5", 32, "float16")  # Q5_0: the most
-    forms = {(f["codebook"], f["group_size"], f["scale_dtype"]) for f in qc["layer_formats"].values()}
-    # q / k (Q5_0) with v (Q8_0) merged as int8; Q4_K; Q6_K in 6-bit codes
-    assert forms == {("int8", 32, "float16"), ("min4", 32, "float32"), ("int6", 16, "float32")}, forms
+    forms = {(f["codebook"], f["group_size"], f["scale_dtype"], f.get("super_block")) for f in qc["layer_formats"].values()}
+    # q / k (Q5_0) with v (Q8_0) merged as int8; Q4_K and Q6_K (6-bit codes) with their two levels of scales
+    assert forms == {("int8", 32, "float16", None), ("min4", 32, "int8", 256), ("int6", 16, "int8", 256)}, forms
 
 
 def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
     """LLM(OUT) on the lowbit2 checkpoint path gives LLM(X.gguf)'s greedy tokens, logprobs within LOGPROB_TOL,
-    with the first layer's qkv on the same code book, group and activation group."""
+    with the first layer's qkv on the same code book, group and activation group, and its MLP linears in the
+    same number of scale levels in its o and down projections (``supers``: the two-level form)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
@@ -127,11 +132,12 @@ def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
 
 
 def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cache):
-    assert served_against_gguf(converted[0], smollm2, gguf_cache)[1:] == ["min4", 32, 32]
+    assert served_against_gguf(converted[0], smollm2, gguf_cache)[1:] == ["min4", 32, 32, [False, False]]
 
 
 def test_served_k_quant_checkpoint_matches_serving_the_gguf(converted_gemma3, gemma3, gguf_cache):
-    assert served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)[1:] == ["int8", 32, 32]  # q/k Q5_0, v Q8_0
+    # q/k Q5_0, v Q8_0; the first layer's o and down (K 1024 and 2048: K-quants) two-level, as the file is served
+    assert served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)[1:] == ["int8", 32, 32, [True, True]]
 
 
 def test_refusals_write_nothing(smollm2, gguf_cache, tmp_path):

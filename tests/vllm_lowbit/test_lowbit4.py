@@ -4,9 +4,9 @@ bf16 checkpoints quantized to ``int4`` on the fly.
 The checkpoints are the tiny Llama written in AutoGPTQ's / AutoAWQ's layouts with vLLM's own
 quantize and pack helpers (:mod:`tests.helpers.gptq_checkpoint`). The reference is transformers
 in float32 holding, in every linear, the weight vLLM's own GPTQ / AWQ code unpacks from those tensors,
-with each linear's input rounded to int8 per token (``float_a8``) and the output projection int8 per
-output channel, as the plugin serves it. The served weights are compared bit for bit with vLLM's
-reading; the tokens by teacher forcing (a disagreement must be a near-tie): vLLM eager float32 computes
+with each linear's input rounded to int8 per token (``float_a8``) and the output projection as the plugin
+serves it on this CPU (``lm_head: auto``: int8 per output channel, or int6 with AVX2 / AVX-VNNI kernels). The
+served weights are compared bit for bit with vLLM's reading; the tokens by teacher forcing (a disagreement must be a near-tie): vLLM eager float32 computes
 the same values up to the float32 summation order (integer dot products against float matrix
 products), which the int8 rounding of an activation can still turn into a flip at a near-tie; tensor
 parallelism (partial sums of row-parallel layers added across ranks) and the compiled server differ a
@@ -23,12 +23,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from aipc_kernels.lowbit.output_projection import auto_head_format
 from tests.helpers.gptq_checkpoint import vllm_dequantized_linears, write_int4_checkpoint
 from tests.helpers.references import hf_model
 from vllm_serving import (check_teacher_forced, completion_tokens, greedy_script, hf_greedy, run_vllm_script,
                            script_tokens, start_server)  # fmt: skip
 
 N_NEW = 32
+
+
+def default_head_layer() -> list:
+    """``LAYERS``' output projection under the default ``lm_head: auto`` on this CPU (the engine runs here, under
+    the same ``AIPC_ISA``): int6 in groups of 32 with AVX2 / AVX-VNNI kernels, else int8 per row (K=256)."""
+    head = auto_head_format()
+    return ["QuantizedLMHeadMethod", head, 32 if head == "int6" else 256]
+
+
 CHECKPOINTS = {
     "gptq-sym-g128": dict(method="gptq", group_size=128, sym=True),
     "gptq-asym-g64-actorder": dict(method="gptq", group_size=64, sym=False, desc_act=True),
@@ -118,13 +128,13 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT="):])
     assert [g[0] for g in got[:4]] == ["auto_gptq", "lowbit4", "auto_awq", "lowbit4"]
-    assert got[1] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int8"]  # the output projection int8 by default
-    assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0], "int8"]
-    assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1], "int8"]
-    assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0], "int8"]  # gptq_v2: zero points stored as they are
-    assert got[6] == ["lowbit4", "affine4", 64, None, "int8"]  # bf16: on the fly, the real-model rows' default
+    assert got[1] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "auto"]  # lm_head auto by default (int6 / int8 by the CPU)
+    assert got[3] == ["lowbit4", "affine4", 32, ["awq", 32, 0], "auto"]
+    assert got[4] == ["lowbit4", "affine4", 64, ["gptq", 64, 1], "auto"]
+    assert got[5] == ["lowbit4", "affine4", 32, ["gptq", 32, 0], "auto"]  # gptq_v2: zero points stored as they are
+    assert got[6] == ["lowbit4", "affine4", 64, None, "auto"]  # bf16: on the fly, the real-model rows' default
     assert "gptq quantization_config.bits=8 is not supported; use one of 4" in got[7]["error"]
-    assert got[8] == ["lowbit4", "affine4", 128, None, "int8"]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
+    assert got[8] == ["lowbit4", "affine4", 128, None, "auto"]  # --hf-overrides with quant_method lowbit4: lowbit2's keys
     assert got[9] == ["lowbit4", "int4", 128, ["gptq", 128, 1], "int6"]  # the checkpoint's keys + a head format
     assert "gptq quantization_config.lm_head=True" in got[10]["error"] and "not read by aipc-plugins" in got[10]["error"]
 
@@ -136,8 +146,8 @@ def test_flag_claims_gptq_and_awq_vllm_keeps_them_without(ckpts, llama_dir, tmp_
 def test_checkpoint_eager_float32_against_reference(ckpts, llama_dir, prompts, name):
     """``LLM(ckpt, quantization="lowbit4")``: every served linear (merged q/k/v and gate/up included)
     dequantizes bit for bit to what vLLM's own GPTQ / AWQ code reads from the checkpoint, in ``int4``
-    for symmetric GPTQ and ``affine4`` with AWQ's zero points; the head is int8; 32 greedy tokens per
-    prompt agree with the reference by teacher forcing (measured: GPTQ 160/160, AWQ 158/160, the two
+    for symmetric GPTQ and ``affine4`` with AWQ's zero points; the head is the default's (``auto``); 32 greedy
+    tokens per prompt agree with the reference by teacher forcing (measured: GPTQ 160/160, AWQ 158/160, the two
     others near-ties of 0.005 and 0.03 logit std: the int8 rounding of an activation can flip on the
     last float32 bit)."""
     res = _run(ckpts[name], prompts, served=True, quantization="lowbit4")
@@ -146,7 +156,7 @@ def test_checkpoint_eager_float32_against_reference(ckpts, llama_dir, prompts, n
     assert "quantization=lowbit4" in log
     (layers,) = _printed(res, "LAYERS")
     codebook = "int4" if CHECKPOINTS[name]["sym"] else "affine4"
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert layers.pop("lm_head") == default_head_layer()
     assert len(layers) == 8 and all(v == ["Int4CheckpointLinearMethod", codebook, CHECKPOINTS[name]["group_size"]]
                                     for v in layers.values()), layers  # fmt: skip
     (served,) = _printed(res, "SERVED")
@@ -202,7 +212,7 @@ def test_on_the_fly_default_equals_transformers_same_op(llama_dir, prompts):
     tokens equal transformers with the same quantizer and op (LowBitLinear)."""
     res = _run(llama_dir, prompts, quantization="lowbit4")
     (layers,) = _printed(res, "LAYERS")
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert layers.pop("lm_head") == default_head_layer()
     assert all(v == ["LowBit2OnlineLinearMethod", "affine4", 64] for v in layers.values()), layers
     assert script_tokens(res) == hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="affine4", group_size=64)
 
@@ -260,7 +270,7 @@ def test_on_the_fly_e0m4_w4a16_equals_transformers_same_op(llama_dir, prompts):
     cfg = {"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"}
     res = _run(llama_dir, prompts, quantization="lowbit4", hf_overrides={"quantization_config": cfg})
     (layers,) = _printed(res, "LAYERS")
-    assert layers.pop("lm_head") == ["QuantizedLMHeadMethod", "int8", 256]
+    assert layers.pop("lm_head") == default_head_layer()
     assert all(v == ["LowBit2OnlineLinearMethod", "e0m4", 64, "a16"] for v in layers.values()), layers
     want = hf_greedy(llama_dir, prompts, N_NEW, "lowbit", codebook="e0m4", group_size=64, activations="float")
     assert script_tokens(res) == want

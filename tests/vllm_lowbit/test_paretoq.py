@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from aipc_kernels.lowbit.formats import load_lowbit
+from aipc_kernels.lowbit.output_projection import auto_head_format
 from vllm_serving import check_teacher_forced, run_vllm_script
 
 #: w_bits per layer-name fragment (first match): ParetoQ's ternary (0), 1-bit (1) and 2-bit SEQ (2)
@@ -109,7 +110,7 @@ def dump(model):
     from aipc_kernels.lowbit.packing import PackedLowBit, to_canonical
     out = {{}}
     for name, m in model.named_modules():
-        if hasattr(m, "lowbit_layout") and name != "lm_head":  # the linears (the output projection is int8)
+        if hasattr(m, "lowbit_layout") and name != "lm_head":  # the linears (not the output projection)
             p = PackedLowBit(m.lowbit_layout, m.qweight.data, m.scales.data, None if m.zeros is None else m.zeros.data,
                              m.lowbit_codebook, m.lowbit_group_size, m.lowbit_out_features, m.input_size)
             out[name] = (m.lowbit_codebook, to_canonical(p).dequantize())
@@ -177,5 +178,9 @@ def test_log_reports_the_detection(served):
 def test_greedy_tokens_against_transformers(served, paretoq_dir, paretoq_exact_dir, prompts):
     (mixed, conv, exact), _, _ = served
     assert conv == mixed  # the same weights
-    check_teacher_forced(paretoq_exact_dir, prompts, exact, "float_a8", min_agree=0.95, max_gap_in_std=0.01)
+    # near-tie bound: 0.01 std with an int8 output projection; with int6 (lm_head auto on AVX2 / AVX-VNNI) 79/80
+    # at 0.024 std (its int8 activation rounding of the final RMSNorm, computed in another order by vLLM's
+    # compiled graph, moves a near-tie), so 0.05 std, test_serve.py's bound with a float head
+    gap = 0.05 if auto_head_format() == "int6" else 0.01
+    check_teacher_forced(paretoq_exact_dir, prompts, exact, "float_a8", min_agree=0.95, max_gap_in_std=gap)
     check_teacher_forced(paretoq_dir, prompts, mixed, "float_a8", min_agree=0.85, max_gap_in_std=0.1)

@@ -3,16 +3,19 @@
 Decode reads the output projection once per token, and in small models it weighs as much as every
 other linear together (Llama-3.2-1B: 525 MB in bf16 against ~300 MB of 2-bit linears). The formats:
 
-* ``int8`` (:data:`DEFAULT_HEAD_FORMAT`, the default of the serving plugins): the ``int8`` code book with one
-  scale per output channel (round to nearest, the scale taking the row's extremes to levels 127 and -128), run
-  by the same W·A8 kernels; half the bytes of bf16, with an error of the order of the int8 activations' own;
-* ``int6`` (the faster choice on AVX2 / AVX-VNNI CPUs, the Core Ultra class): the ``int6`` code book
+* ``auto`` (:data:`DEFAULT_HEAD_FORMAT`, the default of ``lowbit2`` / ``lowbit4``): ``int6`` where the CPU
+  kernels run with AVX2 or AVX-VNNI and no AVX-512 (the Core Ultra class), else ``int8``
+  (:func:`auto_head_format`, decided at load from the kernels' instruction set, ``AIPC_ISA`` included);
+* ``int8``: the ``int8`` code book with one scale per output channel (round to nearest, the scale taking the
+  row's extremes to levels 127 and -128), run by the same W·A8 kernels; half the bytes of bf16, with an error
+  of the order of the int8 activations' own;
+* ``int6``: the ``int6`` code book
   (GGUF's Q6_K levels, -32 .. 31) in groups of 32 with 16-bit scales, round to nearest: 6.5 bits a weight,
   0.77x int8's bytes (what a GGUF's Q6_K output projection reads, 6.56, and what llama.cpp's Q4_0 / Q4_K_M
   files carry), on the 6-bit W·A8 kernels. On the real models of ``bench/results/quality`` its perplexity
   is within 0.8% of ``int8``'s; vLLM's 1B decode 1.12x / 1.24x (lowbit4 / lowbit2, AVX2) and 1.23x / 1.27x
   (AVX-VNNI) faster than with ``int8``, but 0.92x / 0.94x with the CPU's own AVX-512 VNNI kernels
-  (``bench/results/e2e/vllm_head_ab_epyc_zen5_*``, interleaved rounds); so not the default;
+  (``bench/results/e2e/vllm_head_ab_epyc_zen5_*``, interleaved rounds): hence ``auto``;
 * ``lowbit``: the code book and group size of the model's other linears (2 bits: a quarter of int8's
   bytes, at a quality cost);
 * ``float``: left in the model dtype.
@@ -29,8 +32,13 @@ from aipc_kernels.lowbit.formats import LowBitWeight, fitting_group_size
 from aipc_kernels.lowbit.quantizers import quantize_rows
 
 HEAD_FORMATS = ("int8", "int6", "lowbit", "float")
-#: the output projection's format where a serving plugin's config does not name one (``lm_head``)
-DEFAULT_HEAD_FORMAT = "int8"
+#: the output projection's setting where a serving plugin's config does not name one (``lm_head``): a
+#: format chosen at load by :func:`auto_head_format`
+DEFAULT_HEAD_FORMAT = "auto"
+#: what ``lm_head`` accepts: ``auto`` or a format
+HEAD_CHOICES = (DEFAULT_HEAD_FORMAT,) + HEAD_FORMATS
+#: the kernels' instruction sets on which ``auto`` is ``int6`` (below AVX-512: measured faster there)
+INT6_HEAD_ISAS = ("avx2", "avx_vnni")
 INT6_GROUP = 32  # the int6 head's group (or the largest supported below it that divides the hidden size)
 
 
@@ -43,6 +51,21 @@ def int8_scale_dtype(weight: torch.Tensor, group_size: int = -1, top: float = 12
     fp16 = torch.finfo(torch.float16)
     fits = (scale == 0) | ((scale >= fp16.tiny) & (scale <= fp16.max))
     return torch.float16 if bool(fits.all()) else torch.bfloat16
+
+
+def auto_head_format(on_cpu: bool = True) -> str:
+    """What ``lm_head: auto`` is here: ``int6`` on a CPU whose kernels run with AVX2 or AVX-VNNI
+    (:data:`INT6_HEAD_ISAS`; ``AIPC_ISA`` counts), else ``int8`` (AVX-512, AMX, portable C, GPUs)."""
+    if not on_cpu:
+        return "int8"
+    from aipc_kernels.core import native
+
+    return "int6" if native.available() and native.get_isa() in INT6_HEAD_ISAS else "int8"
+
+
+def resolve_head_format(head_format: str, on_cpu: bool = True) -> str:
+    """``head_format`` with ``auto`` replaced by :func:`auto_head_format`."""
+    return auto_head_format(on_cpu) if head_format == DEFAULT_HEAD_FORMAT else head_format
 
 
 def head_act_group(head_format: str, act_group: int) -> int:
@@ -83,4 +106,4 @@ def quantize_output_projection(
                          f"float (lm_head: float)") from None  # fmt: skip
 
 
-__all__ = ["DEFAULT_HEAD_FORMAT", "HEAD_FORMATS", "INT6_GROUP", "head_act_group", "int8_scale_dtype", "quantize_output_projection"]
+__all__ = ["DEFAULT_HEAD_FORMAT", "HEAD_CHOICES", "HEAD_FORMATS", "INT6_HEAD_ISAS", "auto_head_format", "resolve_head_format", "INT6_GROUP", "head_act_group", "int8_scale_dtype", "quantize_output_projection"]
