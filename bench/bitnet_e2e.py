@@ -62,7 +62,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 ROWS: dict[str, dict[str, Any]] = {
     "vllm_packed": dict(kind="vllm", layout="autobitlinear",
                         label="vLLM + vllm_lowbit, packed autobitlinear checkpoint (2B-4T layout), no flag "
-                              "(output projection int8, the default)"),
+                              "(output projection: lm_head auto, the default)"),
     "vllm_packed_float_head": dict(kind="vllm", layout="autobitlinear", lm_head="float",
                                    label="vLLM + vllm_lowbit, packed autobitlinear checkpoint, output projection "
                                          "bf16 as published (lm_head: float)"),

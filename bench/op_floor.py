@@ -2,15 +2,19 @@
 
     python bench/op_floor.py [--rows '8B q/o*'] [--out bench/results/cpu]
 
-Rows: the Llama-3-8B shapes. Per shape, weights rotated over DRAM-resident copies, in one run:
+Rows: the Llama-3-8B shapes by default (``--rows '1B*'``: Llama-3.2-1B's). Per shape, weights rotated over DRAM-resident copies, in one run:
   kernel - our C kernel alone, timed in C (the probes' ``time_lowbit_linear``), as in bench/gemv_cpu.py;
-  op     - ``torch.ops.aipc.lowbit_linear`` as users call it, timed from Python;
+  op     - ``torch.ops.aipc.lowbit_linear``, the general op (operands checked in Python on every call), timed
+           from Python;
+  planned - the planned op the plugins call (``aipc::lowbit_linear_cpu``: operands checked once, a C++ kernel
+           registered through PyTorch's stable ABI calling the C kernel), timed from Python;
   floor  - a torch op with the same schema whose CPU kernel is a Python function that does nothing but
            call the C kernel on a pre-built argument vector and return a pre-allocated output: the least
            any op registered from Python (no torch C++ headers) can cost.
 The dispatch runs after a kernel streamed megabytes of weights, with the caches full of them, as in a
 decode step. Bound = the weight bytes / (kernel + floor) as a share of the read bandwidth probe: the most
-an op registered from Python can reach on this machine.
+an op registered from Python can reach on this machine. ``planned_over_kernel``: the planned op's time over the
+kernel's alone (the target: at most 1.10 at M=1 on the 1B shapes).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 from aipc_kernels.core import native
 import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.lowbit.packing import pack_for_cpu
+from aipc_kernels.lowbit.planned_ops import plan_cpu_call
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from gemv_cpu import kernel_args, time_rotating  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
@@ -43,7 +48,8 @@ _FLOOR_LIB.impl("floor_linear", _floor_cpu, "CPU")
 
 
 def main() -> None:
-    ap = BenchParser("op_floor", __doc__, [s for s in SHAPES if s.startswith("8B")], what="shapes", group="cpu")
+    ap = BenchParser("op_floor", __doc__, list(SHAPES), [s for s in SHAPES if s.startswith("8B")], what="shapes",
+                     group="cpu")  # every shape; the 8B ones by default
     ap.add_argument("--rotate-gb", type=float, default=1.2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -51,11 +57,12 @@ def main() -> None:
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
         rows = [measure(label, args.rotate_gb, args.rounds) for label in args.rows]
-    cols = ["shape", "mb", "read_gbs", "kernel_us", "op_us", "floor_us", "op_overhead_us", "floor_overhead_us",
-            "kernel_pct", "op_pct", "bound_pct"]
+    cols = ["shape", "mb", "read_gbs", "kernel_us", "planned_us", "op_us", "floor_us", "planned_overhead_us",
+            "op_overhead_us", "floor_overhead_us", "planned_over_kernel", "kernel_pct", "planned_pct", "op_pct", "bound_pct"]
     notes = (f"{torch.get_num_threads()} threads. int2 affine group 64, weights rotated over {args.rotate_gb:.1f} GB, "
-             f"best of {args.rounds} rounds. kernel = C kernel timed in C; op = `torch.ops.aipc.lowbit_linear` "
-             f"timed from Python; floor = a Python-registered op that only calls the C kernel (pre-built arguments, "
+             f"best of {args.rounds} rounds, ISA {native.get_isa()}. kernel = C kernel timed in C; planned = the planned op "
+             f"the plugins call (`torch.ops.aipc.lowbit_linear_cpu`, C++ per call) timed from Python; op = the general "
+             f"op `torch.ops.aipc.lowbit_linear` timed from Python; floor = a Python-registered op that only calls the C kernel (pre-built arguments, "
              f"pre-allocated output); *_pct = weight bytes / time as a share of the read bandwidth probe "
              f"(bound_pct: the floor's, the most an op registered from Python reaches).")
     write_results(args.out, args.name, "Op dispatch at decode (M=1): what it costs, what it bounds", info, rows,
@@ -74,19 +81,25 @@ def measure(label: str, rotate_gb: float, rounds: int) -> dict:
     _PLANS.update({q.data_ptr(): (v.buffer_info()[0], y) for (q, _, _), v in zip(sets, vectors)})
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
     op, floor = torch.ops.aipc.lowbit_linear, torch.ops.aipc_bench.floor_linear
-    best = {"kernel": float("inf"), "op": float("inf"), "floor": float("inf")}
+    planned = plan_cpu_call(p)
+    if planned is None:
+        raise RuntimeError("the planned ops are not built (csrc/ops): build the package, then run again")
+    best = {"kernel": float("inf"), "planned": float("inf"), "op": float("inf"), "floor": float("inf")}
     bw = 0.0
     for _ in range(rounds):  # round-robin, best of: the host's bandwidth drifts
         bw = max(bw, read_bandwidth(reps=3))
         best["kernel"] = min(best["kernel"], native_probes().time_lowbit_linear(vectors, 8))
+        best["planned"] = min(best["planned"], time_rotating(lambda x, ws: planned(x, ws[0], ws[1], ws[2]), sets, x, 8))
         best["op"] = min(best["op"], time_rotating(lambda x, ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
         best["floor"] = min(best["floor"], time_rotating(lambda x, ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
     nb = p.nbytes()
     pct = {k: 100 * nb / v / 1e9 / bw for k, v in best.items()}
-    row = dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, op_us=best["op"] * 1e6,
-               floor_us=best["floor"] * 1e6, op_overhead_us=(best["op"] - best["kernel"]) * 1e6,
-               floor_overhead_us=(best["floor"] - best["kernel"]) * 1e6, kernel_pct=pct["kernel"],
-               op_pct=pct["op"], bound_pct=pct["floor"])
+    row = dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, planned_us=best["planned"] * 1e6,
+               op_us=best["op"] * 1e6, floor_us=best["floor"] * 1e6,
+               planned_overhead_us=(best["planned"] - best["kernel"]) * 1e6,
+               op_overhead_us=(best["op"] - best["kernel"]) * 1e6, floor_overhead_us=(best["floor"] - best["kernel"]) * 1e6,
+               planned_over_kernel=best["planned"] / best["kernel"], kernel_pct=pct["kernel"],
+               planned_pct=pct["planned"], op_pct=pct["op"], bound_pct=pct["floor"])
     print(row, flush=True)
     _PLANS.clear()
     return row

@@ -19,10 +19,11 @@ device), so the unpacked int8 values of one layer are resident at most, and repa
 CPU kernel's layout. ``modules_to_not_convert`` layers stay float, as in transformers. ``--quantization
 bitnet`` on an unquantized checkpoint ternarizes it with the online rule.
 
-The output projection, which BitNet keeps in bf16, is quantized to int8 per output channel at load
-(:mod:`aipc_kernels.lowbit.output_projection`: half its bytes per token, activations int8 per token like
-the ternary linears'); ``"lm_head": "float"`` in the ``quantization_config`` (a key of this plugin,
-e.g. through ``--hf-overrides``) keeps it as published.
+The output projection, which BitNet keeps in bf16, is quantized at load as lowbit2's is (``lm_head: auto``, the
+default: int6 in groups of 32 where the CPU kernels run with AVX2 / AVX-VNNI, int8 per output channel with
+AVX-512 / AMX; :mod:`aipc_kernels.lowbit.output_projection`: half its bytes per token or less, activations int8
+per token like the ternary linears'); ``"lm_head"`` in the ``quantization_config`` (a key of this plugin, e.g.
+through ``--hf-overrides``) pins ``int8`` or ``int6``, or keeps it as published (``float``).
 
 Tensor parallelism: a row-parallel layer (``o_proj``, ``down_proj``) gets each rank's slice of the
 input's features, and BitNet quantizes activations per token over all of them. Each rank all-gathers
@@ -51,6 +52,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 
 from aipc_kernels.checkpoints import bitnet as bf
 from aipc_kernels.core.config_schema import OptionError
+from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT, head_act_group
 
 from . import PLUGIN_NAME
 from .layers import (LowBitOnlineLinearMethod, PluginQuantizationConfig, QuantizedLMHeadMethod, apply_lowbit,
@@ -60,8 +62,9 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM config
 
 #: this plugin's key in a BitNet quantization_config: the output projection's format
 HEAD_KEY = "lm_head"
-#: int8 per output channel (default) or float as published (BitNet has no low-bit head)
-HEAD_FORMATS = ("int8", "float")
+#: ``auto`` (the default: int6 or int8 by the CPU kernels' instruction set), int8 per output channel, int6 in
+#: groups of 32, or float as published (BitNet has no low-bit head)
+HEAD_FORMATS = (DEFAULT_HEAD_FORMAT, "int8", "int6", "float")
 
 
 @register_quantization_config(bf.QUANT_METHOD)
@@ -70,19 +73,24 @@ class BitNetConfig(PluginQuantizationConfig):
     :class:`aipc_kernels.checkpoints.bitnet.BitNetQuantization`). Built without one (``--quantization
     bitnet`` on a float checkpoint), it ternarizes the float weights with BitNet's online rule."""
 
-    def __init__(self, spec: Optional[bf.BitNetQuantization] = None, head_format: str = "int8") -> None:
+    def __init__(self, spec: Optional[bf.BitNetQuantization] = None, head_format: str = DEFAULT_HEAD_FORMAT) -> None:
         super().__init__()
         self.spec = spec or bf.BitNetQuantization(linear_class="autobitlinear", quantization_mode="online")
         if head_format not in HEAD_FORMATS:
             raise OptionError(f"{bf.NAMING.setting('lm_head', head_format)} is not one of {list(HEAD_FORMATS)}: "
-                              f"'int8' quantizes the output projection per output channel, 'float' keeps it "
-                              f"as published", "lm_head")  # fmt: skip
-        self.head_format = head_format
+                              f"'auto' picks int6 or int8 by the CPU, 'int8' quantizes the output projection per "
+                              f"output channel, 'int6' in groups of 32, 'float' keeps it as published",
+                              "lm_head")  # fmt: skip
+        self._head_setting = head_format
 
     def __repr__(self) -> str:
         s = self.spec
         return (f"BitNetConfig(linear_class={s.linear_class}, quantization_mode={s.quantization_mode}, "
-                f"modules_to_not_convert={list(s.skipped)}, lm_head={self.head_format})")  # fmt: skip
+                f"modules_to_not_convert={list(s.skipped)}, lm_head={self.head_label})")  # fmt: skip
+
+    @property
+    def head_setting(self) -> str:
+        return self._head_setting
 
     @classmethod
     def get_name(cls) -> str:
@@ -90,7 +98,7 @@ class BitNetConfig(PluginQuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BitNetConfig":
-        head_format = config.get(HEAD_KEY, "int8") if isinstance(config, dict) else "int8"
+        head_format = config.get(HEAD_KEY, DEFAULT_HEAD_FORMAT) if isinstance(config, dict) else DEFAULT_HEAD_FORMAT
         if isinstance(config, dict):
             config = {k: v for k, v in config.items() if k != HEAD_KEY}
         spec, ignored = bf.parse_quantization_config(config)
@@ -121,8 +129,9 @@ class BitNetConfig(PluginQuantizationConfig):
         return bool(kept) and next(iter(kept.values()))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        if isinstance(layer, ParallelLMHead) and self.head_format == "int8":
-            return QuantizedLMHeadMethod(0, head_format="int8")
+        head = self.head_format
+        if isinstance(layer, ParallelLMHead) and head != "float":
+            return QuantizedLMHeadMethod(head_act_group(head, 0), head_format=head)
         if not isinstance(layer, LinearBase):
             return None  # embeddings (and the output projection with lm_head: float) stay float
         if self.is_skipped(prefix):

@@ -210,7 +210,7 @@ def checkpoint_tensor_name(config: QuantizationConfig, layer: torch.nn.Module, p
 
 class QuantizedLMHeadMethod(UnquantizedEmbeddingMethod):
     """The output projection quantized at load (``lm_head: int8``, ``int6`` or ``lowbit``; ``auto``, the
-    default, is one of the first two: :meth:`LowBitConfig.head_format`) by
+    default, is one of the first two: :attr:`PluginQuantizationConfig.head_format`) by
     :func:`aipc_kernels.lowbit.output_projection.quantize_output_projection` with ``quantize_options`` (its
     keyword arguments after the weight and name) and run through ``aipc::lowbit_linear``. Its float
     weight is loaded (or tied to the input embedding) as usual; a tied embedding keeps it for the
@@ -277,6 +277,23 @@ class PluginQuantizationConfig(QuantizationConfig):
     def get_config_filenames() -> list[str]:
         return []
 
+    @property
+    def head_setting(self) -> str:
+        """The ``lm_head`` setting as configured: ``auto`` or a format."""
+        raise NotImplementedError
+
+    @property
+    def head_format(self) -> str:
+        """The output projection's format on this platform: :attr:`head_setting` with ``auto`` resolved
+        (:func:`~aipc_kernels.lowbit.output_projection.auto_head_format`: by the CPU kernels' instruction set)."""
+        return resolve_head_format(self.head_setting, on_cpu=current_platform.is_cpu())
+
+    @property
+    def head_label(self) -> str:
+        """``lm_head`` as a config's repr logs it: the format, or ``auto`` with the one chosen."""
+        given, head = self.head_setting, self.head_format
+        return given if given == head else f"{given} ({head})"
+
 
 class LowBitConfig(PluginQuantizationConfig):
     """A config over lowbit2's ``quantization_config`` keys, what ``lowbit2`` and ``lowbit4`` share: the keys
@@ -307,16 +324,8 @@ class LowBitConfig(PluginQuantizationConfig):
         return is_layer_skipped(prefix, skip, self.packed_modules_mapping, match_mode="substring")
 
     @property
-    def head_format(self) -> str:
-        """The output projection's format on this platform: ``lm_head`` with ``auto`` resolved
-        (:func:`~aipc_kernels.lowbit.output_projection.auto_head_format`: by the CPU kernels' instruction set)."""
-        return resolve_head_format(self.options.head_format, on_cpu=current_platform.is_cpu())
-
-    @property
-    def head_label(self) -> str:
-        """``lm_head`` as the config's repr logs it: the format, or ``auto`` with the one chosen."""
-        given = self.options.head_format
-        return given if given == self.head_format else f"{given} ({self.head_format})"
+    def head_setting(self) -> str:
+        return self.options.head_format
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         o, head = self.options, self.head_format

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from aipc_kernels.lowbit.output_projection import auto_head_format
 from tests.helpers.bitnet_checkpoint import FAMILIES, write_bitnet_checkpoint
 from vllm_serving import (check_teacher_forced, completion_tokens, greedy_script, run_vllm_script, script_tokens,
                            start_server)  # fmt: skip
@@ -42,10 +43,10 @@ def families(bitnet_dir, llama_dir, tmp_path_factory) -> dict[str, Path]:
     return {f: write_bitnet_checkpoint(src[arch], root / f, f) for arch, f in PUBLISHED.values()}
 
 
-def reference(model_dir: Path, lm_head: str = "int8"):
+def reference(model_dir: Path, lm_head: str = "auto"):
     """transformers' own BitNet model of the directory (its quantizer replaces the linears), float32,
-    with the output projection as the plugin serves it for ``lm_head`` (default int8 per output
-    channel, run by the same op; ``float``: as published)."""
+    with the output projection as the plugin serves it for ``lm_head`` (default ``auto``: int6 with AVX2 /
+    AVX-VNNI kernels, else int8 per output channel, run by the same op; ``float``: as published)."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.references import with_output_projection
@@ -53,7 +54,7 @@ def reference(model_dir: Path, lm_head: str = "int8"):
     return with_output_projection(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), lm_head)
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int, lm_head: str = "int8") -> list[list[int]]:
+def reference_greedy(model_dir: Path, prompts: list[list[int]], n: int, lm_head: str = "auto") -> list[list[int]]:
     from tests.helpers.references import greedy
 
     return greedy(reference(model_dir, lm_head), prompts, n)
@@ -97,7 +98,7 @@ def test_family_served_as_published(families, prompts, family):
     res = run_vllm_script(_script(families[family], prompts))
     got = _tokens(res)
     assert "quantization=bitnet" in res.stdout + res.stderr  # vLLM logs to stdout
-    assert _head(res) == ["QuantizedLMHeadMethod", "int8"]  # the output projection int8 by default
+    assert _head(res) == ["QuantizedLMHeadMethod", auto_head_format()]  # lm_head auto: int6 / int8 by the CPU
     _check(families[family], family, prompts, got)
 
 
@@ -147,7 +148,10 @@ def test_bitlinear_compiled(families, prompts):
     got = _tokens(res)
     log = res.stdout + res.stderr
     assert "quantization=bitnet" in log and "enforce_eager=False" in log
-    check_teacher_forced(model, prompts, got, "bitlinear", min_agree=0.9, max_gap_in_std=0.05, model=reference(model))
+    # near-tie bound 0.05 std with an int8 output projection; with int6 (lm_head auto with AVX2 / AVX-VNNI kernels)
+    # inductor's other rounding of the final RMSNorm moved one to 0.0715 std (AVX2 forced), so 0.08 as test_serve.py's
+    gap = 0.08 if auto_head_format() == "int6" else 0.05
+    check_teacher_forced(model, prompts, got, "bitlinear", min_agree=0.9, max_gap_in_std=gap, model=reference(model))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -265,7 +269,7 @@ def test_bad_checkpoint_fails_naming_the_tensor(families, tmp_path, edit, needle
     (dict(use_rms_norm=True), "bitnet quantization_config.use_rms_norm=True (an RMSNorm inside every linear"),
     (dict(modules_to_not_convert="lm_head"),
      "bitnet quantization_config.modules_to_not_convert='lm_head' must be a list of strings or null"),
-    (dict(lm_head="lowbit"), "bitnet quantization_config.lm_head='lowbit' is not one of ['int8', 'float']"),
+    (dict(lm_head="lowbit"), "bitnet quantization_config.lm_head='lowbit' is not one of ['auto', 'int8', 'int6', 'float']"),
 ])  # fmt: skip
 def test_bad_quantization_config_is_named(qcfg, needle):
     from vllm_lowbit.bitnet import BitNetConfig
