@@ -129,8 +129,7 @@ class BitNetConfig(PluginQuantizationConfig):
         return bool(kept) and next(iter(kept.values()))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        head = self.head_format
-        if isinstance(layer, ParallelLMHead) and head != "float":
+        if isinstance(layer, ParallelLMHead) and (head := self.head_format) != "float":
             return QuantizedLMHeadMethod(head_act_group(head, 0), head_format=head)
         if not isinstance(layer, LinearBase):
             return None  # embeddings (and the output projection with lm_head: float) stay float

@@ -328,8 +328,8 @@ class LowBitConfig(PluginQuantizationConfig):
         return self.options.head_format
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        o, head = self.options, self.head_format
-        if isinstance(layer, ParallelLMHead) and head != "float":
+        o = self.options
+        if isinstance(layer, ParallelLMHead) and (head := self.head_format) != "float":
             return QuantizedLMHeadMethod(
                 head_act_group(head, o.act_group), head_format=head, codebook=o.codebook,
                 group_size=o.group_size, quantizer=o.quantizer, scale_dtype=o.torch_scale_dtype,

@@ -301,11 +301,9 @@ class LowBit2LinearMethod(LinearMethodBase):
         G = effective_group_size(self.config, layer, K)
         zeros = layer.zeros.data if self.cb.per_group_tensor else None
         supers = None if layer.supers is None else layer.supers.data
-        if supers is not None and not torch.isfinite(supers).all():
-            raise ValueError(f"lowbit2 checkpoint tensor {layer.prefix}.supers holds NaN or Inf")
         w = LowBitWeight(layer.qweight.data, layer.scales.data, zeros, self.options.codebook, G, K, name=layer.prefix,
                          supers=supers)  # fmt: skip
-        for pname, t in (("scales", w.scales), ("zeros", w.zeros)):
+        for pname, t in (("scales", w.scales), ("zeros", w.zeros), ("supers", w.supers)):  # int8 (two-level): finite
             if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
                 raise ValueError(f"lowbit2 checkpoint tensor {layer.prefix}.{pname} holds NaN or Inf")
         if self.cb.max_code < (1 << self.cb.bits) - 1 and (w.codes() > self.cb.max_code).any():
