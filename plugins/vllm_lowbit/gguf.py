@@ -49,11 +49,10 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from aipc_kernels.lowbit.formats import LowBitWeight
-from aipc_kernels.lowbit.packing import dequantize_rows
 
 from . import gguf_source
 from .layers import (PluginQuantizationConfig, apply_lowbit, checkpoint_rows, checkpoint_tensor_name, install_packed,
-                     installed_weight, layer_shards)  # fmt: skip
+                     layer_shards, packed_embedding)  # fmt: skip
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -402,8 +401,7 @@ class GGUFEmbeddingMethod(_GGUFMethod, QuantizeMethodBase):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         if layer.gguf_float:
             return F.embedding(input_, layer.weight)
-        rows = dequantize_rows(installed_weight(layer), input_, layer.gguf_params_dtype)
-        return rows.reshape(*input_.shape, layer.embedding_dim)
+        return packed_embedding(layer, input_, layer.gguf_params_dtype)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: VocabParallelEmbedding):
         return embed_tokens  # one packed tensor: the lookup reads its rows, the projection multiplies it

@@ -23,12 +23,13 @@ format. What is written:
   products; a layer whose group is larger takes its group);
 * float tensors (norms, biases, F16 / F32 linears: listed in ``modules_to_not_convert``) as transformers'
   GGUF processing gives them, in the file's dtype where that is exact, else float32;
-* the token embedding and an untied output projection **as float32**, and ``lm_head: float``: the
-  ``lowbit2`` checkpoint path serves embeddings as a float gather and has no stored quantized head, and
-  float32 holds the file's values exactly (bf16 would not). Memory cost: 4 bytes per value instead of
-  the file's ~1.06 (Q8_0), e.g. SmolLM2-135M's 49152 x 576 embedding 113 MB instead of 30 MB. The
-  logits then come from the file's exact head values without int8 activation rounding, where serving
-  the .gguf runs the head on the W·A8 kernels: the one place the two can differ (near ties only).
+* a quantized token embedding and untied output projection as their exact re-layout too, under
+  ``layer_formats`` :data:`~vllm_lowbit.options.STORED_EMBEDDING` / :data:`~vllm_lowbit.options.STORED_HEAD`
+  (always listed), with ``lm_head: stored`` where the output projection is one of them (its own, or tied to
+  the embedding): served as serving the file serves them (:class:`vllm_lowbit.lowbit2.LowBit2EmbeddingMethod`:
+  rows looked up from the packed blocks, the head on the W·A8 kernels, a tied head the embedding's one
+  tensor), so ``LLM(OUT)`` computes what ``LLM(X.gguf)`` computes; a float one as the other float tensors
+  (``lm_head: float`` for a float head);
 
 ``verify``: every written weight, read back from the output files and dequantized
 (:meth:`aipc_kernels.lowbit.formats.LowBitWeight.dequantize`, or the float tensor), is compared with
@@ -52,7 +53,7 @@ from aipc_kernels.lowbit.formats import FORMAT_NAME, LowBitWeight, load_lowbit
 from aipc_kernels.lowbit.modules import DEFAULT_SKIP
 
 from .checkpoint import CONVERTER, _linear_names, _progress, _ShardWriter
-from .options import GGUF_SOURCE, quantization_config_dict
+from .options import GGUF_SOURCE, STORED, STORED_EMBEDDING, STORED_HEAD, quantization_config_dict
 
 #: int8 activation scales per this many inputs, as serving the GGUF file (vllm_lowbit.gguf.ACT_GROUP,
 #: not imported: that module needs vLLM, the converter does not)
@@ -115,7 +116,7 @@ def convert_gguf(
         forms: dict[str, dict[str, Any]] = {}
         held: dict[str, LowBitWeight] = {}  # linears waiting for their merged siblings
         float_linears: list[str] = []
-        as_float: list[tuple[str, str, int]] = []  # quantized tensors written float32: (name, type, file bytes)
+        stored: dict[str, dict[str, Any]] = {}  # the token embedding and an untied head, packed: their forms
         raw = None
         for name, t in tensors.weights():
             base, _, leaf = name.rpartition(".")
@@ -138,9 +139,12 @@ def convert_gguf(
                 w = relayout(raw, int(t), (raw.shape[0], ck.tensor_shape(gname)[1]), base)
             except ValueError as e:
                 raise ValueError(f"{where(base + '.weight')}: {e}") from None
-            if base not in linears:  # the token embedding, an untied output projection: float32, exact
-                writer.add(f"{base}.weight", w.dequantize(torch.float32))
-                as_float.append((f"{base}.weight", ck.tensor_type(gname).name, raw.numel()))
+            if base not in linears:  # the token embedding, an untied output projection: as the file has them
+                if base not in (STORED_EMBEDDING, STORED_HEAD):
+                    raise ValueError(f"{where(base + '.weight')} is quantized but is neither a linear layer nor "
+                                     f"{STORED_EMBEDDING} / {STORED_HEAD}; {CONVERTER} cannot store it")  # fmt: skip
+                writer.add_lowbit(base, w)
+                stored[base] = _form(w)
                 continue
             held[base] = w
             group = _siblings(base, linears)
@@ -165,10 +169,14 @@ def convert_gguf(
                 shutil.copy2(f, part / f.name)
         top = Counter(json.dumps(v, sort_keys=True) for v in forms.values()).most_common(1)[0][0]
         top = json.loads(top)
+        tied = bool(config.get("tie_word_embeddings"))
+        head_stored = STORED_HEAD in stored or (tied and STORED_EMBEDDING in stored)
+        layer_formats = {**{k: v for k, v in forms.items() if v != top}, **stored}
         config["quantization_config"] = quantization_config_dict(
             top["codebook"], top["group_size"], scale_dtype=top["scale_dtype"], act_group=ACT_GROUP,
-            modules_to_not_convert=sorted(float_linears), source=GGUF_SOURCE, lm_head="float",
-            layer_formats={k: v for k, v in sorted(forms.items()) if v != top}, super_block=top.get("super_block"),
+            modules_to_not_convert=sorted(float_linears), source=GGUF_SOURCE,
+            lm_head=STORED if head_stored else "float", layer_formats=dict(sorted(layer_formats.items())),
+            super_block=top.get("super_block"),
         )  # fmt: skip
         (part / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -176,11 +184,10 @@ def convert_gguf(
                     + (f" x float32 per {v['super_block']}" if "super_block" in v else "") for v in forms.values())
     log(f"wrote {len(forms)} {FORMAT_NAME} linears from {ck.path.name} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) "
         f"to {out}" + (f"; kept float: {len(float_linears)} linears" if float_linears else ""))  # fmt: skip
-    for name, qtype, nbytes in as_float:
-        rows, cols = ck.tensor_shape(tensors.gguf_name(name))
-        log(f"{name} ({qtype} in the file) written as float32, exact: {rows * cols * 4 / 1e6:.1f} MB instead of "
-            f"{nbytes / 1e6:.1f} MB (the {FORMAT_NAME} checkpoint path serves embeddings and the output projection "
-            f"as float; lm_head: float)")  # fmt: skip
+    for name, form in stored.items():
+        log(f"{name} stored as the file has it ({form['codebook']} g{form['group_size']} {form['scale_dtype']}"
+            + (f" x float32 per {form['super_block']}" if "super_block" in form else "") + ")"
+            + ("; the tied output projection multiplies it" if tied and name == STORED_EMBEDDING else ""))  # fmt: skip
     if worst is not None:
         log(worst)
     return out

@@ -30,7 +30,8 @@ from vllm.model_executor.layers.linear import (LinearBase, MergedColumnParallelL
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead, UnquantizedEmbeddingMethod,
+                                                                 VocabParallelEmbedding)  # fmt: skip
 
 import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
 from aipc_kernels.core.config_schema import Naming
@@ -38,10 +39,10 @@ from aipc_kernels.lowbit import packing
 from aipc_kernels.lowbit.formats import FILE_GROUP_SIZES, LowBitWeight, fitting_group_size, resolve_group_size
 from aipc_kernels.lowbit.modules import DEFAULT_SKIP
 from aipc_kernels.lowbit.output_projection import head_act_group, quantize_output_projection, resolve_head_format
-from aipc_kernels.lowbit.packing import PackedLowBit, as_canonical_packed, pack_for_cpu
+from aipc_kernels.lowbit.packing import PackedLowBit, as_canonical_packed, dequantize_rows, pack_for_cpu
 from aipc_kernels.lowbit.planned_ops import plan_cpu_call
 
-from .options import CONFIG_NAMING, QuantizationConfigOptions, parse_quantization_config
+from .options import CONFIG_NAMING, STORED, QuantizationConfigOptions, parse_quantization_config
 
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
@@ -139,6 +140,14 @@ def installed_weight(layer: torch.nn.Module) -> PackedLowBit:
     K = layer.embedding_dim if hasattr(layer, "embedding_dim") else layer.input_size_per_partition
     return PackedLowBit(layer.lowbit_layout, layer.qweight, layer.scales, layer.zeros, layer.lowbit_codebook,
                         layer.lowbit_group_size, layer.lowbit_out_features, K, layer.supers)  # fmt: skip
+
+
+def packed_embedding(layer: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``ids`` of the token embedding :func:`install_packed` put on ``layer``, dequantized to ``dtype``
+    (only the rows read; :func:`~aipc_kernels.lowbit.packing.dequantize_rows`: the stored values exactly), shaped
+    ``[*ids.shape, embedding_dim]``. A tied output projection multiplies the same packed tensor."""
+    rows = dequantize_rows(installed_weight(layer), ids, dtype)
+    return rows.reshape(*ids.shape, layer.embedding_dim)
 
 
 def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
@@ -285,7 +294,10 @@ class PluginQuantizationConfig(QuantizationConfig):
     @property
     def head_format(self) -> str:
         """The output projection's format on this platform: :attr:`head_setting` with ``auto`` resolved
-        (:func:`~aipc_kernels.lowbit.output_projection.auto_head_format`: by the CPU kernels' instruction set)."""
+        (:func:`~aipc_kernels.lowbit.output_projection.auto_head_format`: by the CPU kernels' instruction set);
+        ``stored`` (a GGUF conversion's own head) as it is."""
+        if self.head_setting == STORED:
+            return STORED
         return resolve_head_format(self.head_setting, on_cpu=current_platform.is_cpu())
 
     @property
@@ -329,6 +341,8 @@ class LowBitConfig(PluginQuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         o = self.options
+        if isinstance(layer, VocabParallelEmbedding) and (method := self.embedding_method(layer)) is not None:
+            return method
         if isinstance(layer, ParallelLMHead) and (head := self.head_format) != "float":
             return QuantizedLMHeadMethod(
                 head_act_group(head, o.act_group), head_format=head, codebook=o.codebook,
@@ -343,3 +357,8 @@ class LowBitConfig(PluginQuantizationConfig):
     def linear_method(self, prefix: str) -> QuantizeMethodBase:
         """The method of the quantized linear layer ``prefix``."""
         raise NotImplementedError
+
+    def embedding_method(self, layer: VocabParallelEmbedding) -> Optional[QuantizeMethodBase]:
+        """The method of a token embedding or output projection that the checkpoint stores packed, or None
+        (embeddings a float gather, the output projection as ``lm_head`` says)."""
+        return None

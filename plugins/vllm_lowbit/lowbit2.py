@@ -45,6 +45,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import ChannelQuantScaleParameter, GroupQuantScaleParameter, PackedvLLMParameter
 
 from aipc_kernels.checkpoints.grid_detect import GridWeight, detect_grid, recovered_summary
@@ -55,8 +56,9 @@ from aipc_kernels.lowbit.quantizers import quantize_rows
 
 from . import PLUGIN_NAME
 from .layers import (LowBitConfig, LowBitOnlineLinearMethod, apply_lowbit, check_partition, checkpoint_rows,
-                     checkpoint_tensor_name, effective_group_size, install_packed, layer_shards)  # fmt: skip
-from .options import CHECKPOINT_KEYS, CONFIG_NAMING, GGUF_SOURCE, QuantizationConfigOptions, parse_quantization_config
+                     checkpoint_tensor_name, effective_group_size, install_packed, layer_shards, packed_embedding)  # fmt: skip
+from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, GGUF_SOURCE, STORED, STORED_EMBEDDING, STORED_HEAD,
+                      QuantizationConfigOptions, parse_quantization_config)  # fmt: skip
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -146,6 +148,13 @@ class LowBit2Config(LowBitConfig):
             config = _merge_with_checkpoint(parse_quantization_config(converted), override) if converted else override
             self._given = config
             self.options = parse_quantization_config(config, self.naming)
+        o = self.options
+        if STORED_EMBEDDING in o.layer_formats and getattr(hf_config, "tie_word_embeddings", False) and o.lm_head != STORED:
+            raise ValueError(
+                f"{CONFIG_NAMING.setting('lm_head', o.lm_head)}, but {model_name} stores its token embedding packed "
+                f"(layer_formats {STORED_EMBEDDING!r}) and ties the output projection to it: the output projection "
+                f"is served as stored; drop lm_head (or give lm_head {STORED!r})"
+            )
         if self.options.prequantized and converted is None:
             raise ValueError(
                 f"{CONFIG_NAMING.setting('prequantized', True)}, but {model_name} is not a checkpoint converted by "
@@ -158,6 +167,19 @@ class LowBit2Config(LowBitConfig):
         """The ``quantization_config`` entry that describes this config in a checkpoint."""
         return self.options.as_quantization_config()
 
+    def embedding_method(self, layer: torch.nn.Module) -> Optional[QuantizeMethodBase]:
+        """A GGUF conversion's token embedding (``layer_formats`` :data:`~vllm_lowbit.options.STORED_EMBEDDING`)
+        and output projection (``lm_head: stored``: its own entry :data:`~vllm_lowbit.options.STORED_HEAD`, or
+        tied, the embedding's) as stored: :class:`LowBit2EmbeddingMethod`."""
+        o = self.options
+        head = isinstance(layer, ParallelLMHead)
+        if head and o.lm_head != STORED:
+            return None
+        name = STORED_HEAD if head and STORED_HEAD in o.layer_formats else STORED_EMBEDDING
+        if name not in o.layer_formats:
+            return None
+        return LowBit2EmbeddingMethod(self._with_format([name], name), name)
+
     def linear_method(self, prefix: str) -> QuantizeMethodBase:
         if self.options.prequantized:
             return LowBit2LinearMethod(self.for_layer(prefix))
@@ -168,10 +190,14 @@ class LowBit2Config(LowBitConfig):
         """This config with the ``layer_formats`` entry of layer ``prefix`` (of every checkpoint
         layer merged into it: q/k/v, gate/up) as its options' code book, group size, scale dtype and super
         block."""
-        o = self.options
         parent, _, last = prefix.rpartition(".")
         parts = self.packed_modules_mapping.get(last) or [last]
-        names = [f"{parent}.{p}" if parent else p for p in parts]
+        return self._with_format([f"{parent}.{p}" if parent else p for p in parts], prefix)
+
+    def _with_format(self, names: list[str], prefix: str) -> "LowBit2Config":
+        """This config with the ``layer_formats`` entry of the checkpoint layers ``names`` (loaded as vLLM's
+        layer ``prefix``), which must agree."""
+        o = self.options
         formats = [o.layer_formats.get(n) for n in names]
         if any(f != formats[0] for f in formats):
             raise ValueError(
@@ -252,8 +278,11 @@ class LowBit2LinearMethod(LinearMethodBase):
     def _checkpoint_name(self, layer: torch.nn.Module, pname: str, shard) -> str:
         return checkpoint_tensor_name(self.config, layer, pname, shard)
 
+    def _checkpoint_rows(self, layer: torch.nn.Module, shard) -> int:
+        return checkpoint_rows(layer, shard)
+
     def _expected(self, layer: torch.nn.Module, pname: str, shard) -> tuple[tuple[int, int], torch.dtype]:
-        rows, K = checkpoint_rows(layer, shard), layer.input_size
+        rows, K = self._checkpoint_rows(layer, shard), layer.input_size
         if pname == "qweight":
             return (rows, K * self.cb.bits // 8), torch.uint8
         if pname == "supers":
@@ -305,10 +334,12 @@ class LowBit2LinearMethod(LinearMethodBase):
                          supers=supers)  # fmt: skip
         for pname, t in (("scales", w.scales), ("zeros", w.zeros), ("supers", w.supers)):  # int8 (two-level): finite
             if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
-                raise ValueError(f"lowbit2 checkpoint tensor {layer.prefix}.{pname} holds NaN or Inf")
+                name = self._checkpoint_name(layer, pname, None)
+                raise ValueError(f"lowbit2 checkpoint tensor {name} holds NaN or Inf")
         if self.cb.max_code < (1 << self.cb.bits) - 1 and (w.codes() > self.cb.max_code).any():
             raise ValueError(
-                f"lowbit2 checkpoint tensor {layer.prefix}.qweight holds codes above {self.cb.max_code}, "
+                f"lowbit2 checkpoint tensor {self._checkpoint_name(layer, 'qweight', None)} holds codes above "
+                f"{self.cb.max_code}, "
                 f"invalid for codebook={self.options.codebook}"
             )
         return w
@@ -322,6 +353,47 @@ class LowBit2LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)
+
+
+class LowBit2EmbeddingMethod(LowBit2LinearMethod):
+    """A GGUF conversion's token embedding, or untied output projection, as stored (the file's own blocks, as
+    ``vllm serve X.gguf`` holds them): loaded and checked as a linear layer's tensors (rows: the vocabulary,
+    zero rows up to vLLM's padded vocabulary), packed once; the lookup dequantizes only the rows it reads
+    (:func:`~vllm_lowbit.layers.packed_embedding`), the output projection multiplies the packed tensor on the
+    W·A8 kernels, and a tied one is the embedding layer itself (:meth:`tie_weights`): one tensor in memory."""
+
+    def __init__(self, config: LowBit2Config, name: str):
+        super().__init__(config)
+        self.name = name  # the checkpoint's (layer_formats') name: STORED_EMBEDDING or STORED_HEAD
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:  # fmt: skip
+        if getattr(layer, "tp_size", 1) != 1:
+            raise ValueError(f"lowbit2: the stored {self.name} of a GGUF conversion is served with "
+                             f"tensor_parallel_size=1 for now (layer {layer.prefix!r})")  # fmt: skip
+        layer.lowbit_params_dtype = params_dtype
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, **{**extra_weight_attrs, "weight_loader": _padded_rows_loader})  # fmt: skip
+
+    def _checkpoint_name(self, layer: torch.nn.Module, pname: str, shard) -> str:
+        return f"{self.name}.{pname}"
+
+    def _checkpoint_rows(self, layer: torch.nn.Module, shard) -> int:
+        return layer.org_vocab_size
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return packed_embedding(layer, input_, layer.lowbit_params_dtype)
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        return embed_tokens  # one packed tensor: the lookup reads its rows, the projection multiplies it
+
+
+def _padded_rows_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+    """A stored embedding's tensor into its parameter: the vocabulary's rows along the parameter's
+    ``output_dim``, zeros (value 0) in vLLM's padding rows after them."""
+    dim, rows = param.output_dim, loaded_weight.shape[param.output_dim]
+    param.data.narrow(dim, 0, rows).copy_(loaded_weight)
+    param.data.narrow(dim, rows, param.shape[dim] - rows).zero_()
 
 
 class LoadReport:

@@ -41,6 +41,12 @@ CHECKPOINT_GROUP_SIZES = FILE_GROUP_SIZES + (-1,)
 CHECKPOINT_SCALE_DTYPES: dict[str, torch.dtype] = {**SCALE_DTYPES, "float32": torch.float32, "int8": torch.int8}
 #: the super-block sizes (inputs per float32 super-block scale) of the two-level form: the K-quants' 256
 SUPER_BLOCKS = (256,)
+#: the ``layer_formats`` names under which a GGUF conversion stores its token embedding and an untied output
+#: projection packed (their Hugging Face names, every architecture it converts), and ``lm_head``'s value for an
+#: output projection served as stored (untied: its own tensors; tied: the embedding's): ``source: gguf`` only
+STORED_EMBEDDING = "model.embed_tokens"
+STORED_HEAD = "lm_head"
+STORED = "stored"
 
 #: errors about convert_checkpoint's keyword arguments
 API_NAMING = Naming("convert_checkpoint", "python")
@@ -105,7 +111,7 @@ class QuantizationConfigOptions(LowBit2Options):
     #: the output projection: ``auto`` (the default: ``int6`` where the CPU kernels run with AVX2 / AVX-VNNI and
     #: no AVX-512, else ``int8``), ``int8`` (one scale per output channel), ``int6`` (6-bit codes in groups of 32,
     #: as a GGUF's Q6_K head), ``lowbit`` (the code book and group of the linears) or ``float`` (the model
-    #: dtype); embeddings stay a float gather
+    #: dtype); embeddings stay a float gather, except in a GGUF conversion (``stored``, below)
     lm_head: str = option(DEFAULT_HEAD_FORMAT, choices=HEAD_CHOICES)
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)
@@ -195,6 +201,19 @@ class QuantizationConfigOptions(LowBit2Options):
                 raise naming.error("layer_formats", {layer: fmt}, f"must give scale_dtype int8 and super_block "
                                    f"{SUPER_BLOCKS[0]} together (the two-level form) or neither; convert the GGUF "
                                    f"file again")  # fmt: skip
+        stored = [n for n in (STORED_EMBEDDING, STORED_HEAD) if n in self.layer_formats]
+        if self.lm_head == STORED and not stored:
+            raise naming.error(
+                "lm_head", self.lm_head,
+                f"needs {naming.ref('layer_formats')} to store the output projection ({STORED_HEAD!r}) or the token "
+                f"embedding it is tied to ({STORED_EMBEDDING!r}); this checkpoint stores neither: drop lm_head",
+            )  # fmt: skip
+        if STORED_HEAD in stored and self.lm_head != STORED:
+            raise naming.error(
+                "lm_head", self.lm_head,
+                f"must be {STORED!r}: {naming.ref('layer_formats')} stores the output projection ({STORED_HEAD!r}) as "
+                f"the GGUF file has it; give lm_head {STORED!r}, or convert the GGUF file again",
+            )  # fmt: skip
         if self.format_version > FORMAT_VERSION:
             raise naming.error(
                 "format_version", self.format_version,
@@ -211,6 +230,9 @@ class GGUFQuantizationConfigOptions(QuantizationConfigOptions):
     codebook: str = option("affine", choices=CHECKPOINT_CODEBOOKS)
     group_size: int = option(64, choices=CHECKPOINT_GROUP_SIZES, note="-1: one group per row")
     scale_dtype: str = option("float16", choices=tuple(CHECKPOINT_SCALE_DTYPES))
+    #: also ``stored``: the output projection as the checkpoint stores it (:data:`STORED_HEAD`, or tied: the
+    #: token embedding :data:`STORED_EMBEDDING`), the file's own blocks on the W·A8 kernels
+    lm_head: str = option(DEFAULT_HEAD_FORMAT, choices=HEAD_CHOICES + (STORED,))
 
 
 #: the keys of :func:`quantization_config_dict` that :meth:`QuantizationConfigOptions.as_quantization_config` passes on
@@ -276,6 +298,6 @@ def quantization_config_dict(
 
 __all__ = [
     "CHECKPOINT_CODEBOOKS", "CHECKPOINT_GROUP_SIZES", "CHECKPOINT_KEYS", "CHECKPOINT_SCALE_DTYPES", "ConverterOptions",
-    "GGUF_SOURCE", "GGUFLayerFormat", "SUPER_BLOCKS", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
+    "GGUF_SOURCE", "GGUFLayerFormat", "STORED", "STORED_EMBEDDING", "STORED_HEAD", "SUPER_BLOCKS", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
     "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

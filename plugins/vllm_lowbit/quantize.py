@@ -7,9 +7,10 @@ without flags.
     python -m vllm_lowbit.quantize PARETOQ_DIR OUT_DIR   # weights on a 1/1.58/2-bit grid: written exactly
     python -m vllm_lowbit.quantize X.gguf OUT_DIR --verify   # a llama.cpp GGUF file, its blocks re-laid out exactly
 
-A .gguf file is converted as it is stored (vllm_lowbit.gguf_convert: the reader that serves it; token
-embedding and an untied output projection written as float32, exact); the quantization options do not
-apply to it, and --verify checks that every written weight equals gguf.quants.dequantize of the file's.
+A .gguf file is converted as it is stored (vllm_lowbit.gguf_convert: the reader that serves it; the token
+embedding and an untied output projection too, served as serving the file serves them); the quantization
+options do not apply to it, and --verify checks that every written weight equals gguf.quants.dequantize of
+the file's.
 """
 from __future__ import annotations
 

@@ -78,6 +78,15 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"super_block": 256}, "super_block=256 needs scale_dtype=int8 (the two-level form of a GGUF conversion's "
                            "K-quants), not 'float16'; drop super_block, or convert the GGUF file again"),
     ({"super_block": 128}, "super_block=128 is not supported; use one of null, 256"),
+    # a GGUF conversion's stored token embedding / output projection: lm_head 'stored' exactly then
+    ({"lm_head": "stored"}, "lm_head='stored' is not supported; use one of \"auto\""),
+    ({"source": "gguf", "prequantized": True, "lm_head": "stored"},
+     "lm_head='stored' needs layer_formats to store the output projection ('lm_head') or the token embedding it is "
+     "tied to ('model.embed_tokens'); this checkpoint stores neither: drop lm_head"),
+    ({"source": "gguf", "prequantized": True, "lm_head": "int8",
+      "layer_formats": {"lm_head": {"codebook": "int8", "group_size": 32, "scale_dtype": "float16"}}},
+     "lm_head='int8' must be 'stored': layer_formats stores the output projection ('lm_head') as the GGUF file "
+     "has it; give lm_head 'stored'"),
     # issue 22: grid detection and the converter's per-layer formats
     ({"detect_grid": "no"}, "detect_grid='no' must be true or false"),
     ({"layer_formats": ["m.q_proj"]}, "layer_formats=['m.q_proj'] must be a JSON object"),
@@ -120,6 +129,45 @@ def test_detect_grid_and_layer_formats(config_cls):
     with pytest.raises(ValueError, match=r"layer_formats gives the layers .*k_proj.*v_proj.*one merged layer "
                                          r"'model.layers.0.self_attn.qkv_proj'"):  # fmt: skip
         c.for_layer("model.layers.0.self_attn.qkv_proj")
+
+
+def test_stored_embedding_and_head(config_cls, tmp_path):
+    """A GGUF conversion's packed token embedding and output projection get LowBit2EmbeddingMethod with their
+    own form (an untied head its own entry, a tied one the embedding's); a tied model whose embedding is stored
+    refuses another lm_head, naming the key."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_lowbit.lowbit2 import LowBit2EmbeddingMethod
+
+    q8 = {"codebook": "int8", "group_size": 32, "scale_dtype": "float16"}
+    q6k = {"codebook": "int6", "group_size": 16, "scale_dtype": "int8", "super_block": 256}
+    base = {"quant_method": "lowbit2", "prequantized": True, "source": "gguf", "codebook": "min4", "group_size": 32,
+            "act_group": 32}  # fmt: skip
+    c = config_cls.from_config({**base, "lm_head": "stored", "layer_formats": {"model.embed_tokens": q8, "lm_head": q6k}})
+    assert c.head_label == "stored"
+
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    # what embedding_method reads of vLLM's layers is their class: instances left uninitialised
+    embedding, lm_head = VocabParallelEmbedding.__new__(VocabParallelEmbedding), ParallelLMHead.__new__(ParallelLMHead)
+    emb, head = c.embedding_method(embedding), c.embedding_method(lm_head)
+    assert isinstance(emb, LowBit2EmbeddingMethod) and isinstance(head, LowBit2EmbeddingMethod)
+    assert (emb.name, emb.options.codebook, emb.options.group_size, emb.options.act_group) == (
+        "model.embed_tokens", "int8", 32, 32)
+    assert (head.name, head.options.codebook, head.options.group_size, head.options.super_block,
+            head.options.act_group) == ("lm_head", "int6", 16, 256, 32)  # fmt: skip
+    tied = config_cls.from_config({**base, "lm_head": "stored", "layer_formats": {"model.embed_tokens": q8}})
+    assert tied.embedding_method(lm_head).name == "model.embed_tokens"
+    untied_float = config_cls.from_config({**base, "lm_head": "float", "layer_formats": {"model.embed_tokens": q8}})
+    assert untied_float.embedding_method(lm_head) is None
+
+    qc = {**base, "lm_head": "stored", "layer_formats": {"model.embed_tokens": q8}}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    over = config_cls.from_config({**qc, "lm_head": "float"})
+    with pytest.raises(ValueError, match=r"lm_head='float', but .* stores its token embedding packed \(layer_formats "
+                                         r"'model.embed_tokens'\) and ties the output projection to it"):
+        over.maybe_update_config(str(tmp_path), hf_config=SimpleNamespace(tie_word_embeddings=True))
 
 
 def test_exact_values_are_kept(config_cls):

@@ -1,10 +1,11 @@
 """``python -m vllm_lowbit.quantize X.gguf OUT``: a GGUF file converted to a ``lowbit2`` checkpoint with the
 reader that serves it, checked exact (``--verify``: every written weight equals ``gguf.quants.dequantize`` of
 the file's blocks) and served by ``LLM(OUT)`` as ``LLM(X.gguf)`` serves the file: SmolLM2-135M-Instruct Q4_1
-(one type: the same packed linears and act_group 32; the Q8_0 token embedding / tied head written float32,
-exact) and Gemma-3-270M Q4_K_M (K-quants: Q4_K and Q6_K (groups of 16) with their two levels of scales, int8
-sub-block scales and mins times float32 super-block scales, as serving the file holds them; Q6_K and Q5_0 in
-6-bit codes, Q8_0, each layer's form in ``layer_formats``).
+(one type: the same packed linears and act_group 32; the Q8_0 token embedding stored as int8 g32, the tied head
+multiplying it) and Gemma-3-270M Q4_K_M (K-quants: Q4_K and Q6_K (groups of 16) with their two levels of
+scales, int8 sub-block scales and mins times float32 super-block scales, as serving the file holds them; Q6_K
+and Q5_0 in 6-bit codes, Q8_0, each layer's form in ``layer_formats``). Both paths then run the same packed
+tensors on the same ops: the greedy tokens and their logprobs are equal.
 """
 from __future__ import annotations
 
@@ -23,10 +24,8 @@ from vllm_serving import run_vllm_script, vllm_env  # noqa: E402
 
 TEXTS = ["The capital of France is", "def fibonacci(n):"]
 N_NEW = 12
-#: largest |logprob difference| of the greedy tokens between LLM(OUT) and LLM(X.gguf) (measured 0.062 for SmolLM2,
-#: 0.076 for Gemma-3): the linears are the same packed weights on the same op; only the tied head differs
-#: (float32 file values against the file's Q8_0 on the W8A8 kernels, int8 activations per 32)
-LOGPROB_TOL = 0.1
+#: the stored token embedding (and tied head) of both files: the file's Q8_0 blocks
+EMBEDDING_FORM = {"codebook": "int8", "group_size": 32, "scale_dtype": "float16"}
 
 
 def convert(src: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -59,9 +58,19 @@ def test_verify_is_exact(converted):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["prequantized"], qc["source"]) == ("lowbit2", True, "gguf")
     assert (qc["codebook"], qc["group_size"], qc["scale_dtype"], qc["act_group"], qc["lm_head"]) == (
-        "min4", 32, "float16", 32, "float")
-    assert "layer_formats" not in qc  # every linear is Q4_1
+        "min4", 32, "float16", 32, "stored")
+    assert qc["layer_formats"] == {"model.embed_tokens": EMBEDDING_FORM}  # every linear is Q4_1
+    assert "the tied output projection multiplies it" in stdout, stdout
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        shapes = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in names if "embed" in n}
+    assert not any(n.startswith("lm_head.") for n in names)
+    # the file's 30 MB of Q8_0 (one byte a value, a float16 scale per 32), not a 113 MB float32 table
+    assert shapes == {"model.embed_tokens.qweight": ((49152, 576), "U8"),
+                      "model.embed_tokens.scales": ((49152, 18), "F16")}, shapes  # fmt: skip
 
 
 _BOTH = """
@@ -84,8 +93,11 @@ def probe(m):
     block = m.model.layers[0]
     qkv = block.self_attn.qkv_proj
     two_level = [lin.supers is not None for lin in (block.self_attn.o_proj, block.mlp.down_proj)]
-    return [type(qkv.quant_method).__name__, qkv.lowbit_codebook, qkv.lowbit_group_size, qkv.lowbit_act_group,
-            two_level]
+    emb = m.model.embed_tokens
+    return [type(qkv.quant_method).__name__, type(emb.quant_method).__name__, qkv.lowbit_codebook,
+            qkv.lowbit_group_size, qkv.lowbit_act_group, two_level,
+            [m.lm_head is emb, emb.lowbit_codebook, emb.lowbit_group_size, emb.lowbit_act_group,
+             sorted(n for n, _ in emb.named_parameters())]]
 
 if __name__ == "__main__":
     ours = run({out!r}, probe)
@@ -102,15 +114,17 @@ def test_verify_is_exact_on_k_quants(converted_gemma3):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["prequantized"], qc["source"], qc["act_group"]) == ("lowbit2", True, "gguf", 32)
     assert (qc["codebook"], qc["group_size"], qc["scale_dtype"]) == ("int5", 32, "float16")  # Q5_0: the most
+    assert (qc["lm_head"], qc["layer_formats"]["model.embed_tokens"]) == ("stored", EMBEDDING_FORM)
     forms = {(f["codebook"], f["group_size"], f["scale_dtype"], f.get("super_block")) for f in qc["layer_formats"].values()}
     # q / k (Q5_0) with v (Q8_0) merged as int8; Q4_K and Q6_K (6-bit codes) with their two levels of scales
     assert forms == {("int8", 32, "float16", None), ("min4", 32, "int8", 256), ("int6", 16, "int8", 256)}, forms
 
 
 def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
-    """LLM(OUT) on the lowbit2 checkpoint path gives LLM(X.gguf)'s greedy tokens, logprobs within LOGPROB_TOL,
-    with the first layer's qkv on the same code book, group and activation group, and its MLP linears in the
-    same number of scale levels in its o and down projections (``supers``: the two-level form)."""
+    """LLM(OUT) on the lowbit2 checkpoint path gives LLM(X.gguf)'s greedy tokens and logprobs, with the first
+    layer's qkv on the same code book, group and activation group, its o and down projections in the same
+    number of scale levels (``supers``: the two-level form), and the token embedding packed in the file's
+    form, the tied output projection being that layer (one tensor)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
@@ -121,23 +135,31 @@ def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
     assert res.returncode == 0 and lines, res.stderr[-5000:]
     r = json.loads(lines[-1][len("RESULT="):])
     (ours, our_layer), (ref, ref_layer) = r["ours"], r["ref"]
-    assert our_layer[0] == "LowBit2LinearMethod" and ref_layer[1:] == our_layer[1:], (our_layer, ref_layer)
+    assert our_layer[:2] == ["LowBit2LinearMethod", "LowBit2EmbeddingMethod"], our_layer
+    assert ref_layer[:2] == ["GGUFLinearMethod", "GGUFEmbeddingMethod"] and ref_layer[2:] == our_layer[2:], (
+        our_layer, ref_layer)
     diff = max(abs(a - b) for (_, la), (_, lb) in zip(ours, ref) for a, b in zip(la, lb))
     print(f"\n[gguf-convert] {gguf.name}: LLM(OUT) vs LLM(X.gguf): tokens "
           f"{'equal' if [o[0] for o in ours] == [x[0] for x in ref] else 'DIFFER'}, largest greedy-token logprob "
           f"difference {diff:.2e}; {[tok.decode(o[0]) for o in ours]}")  # fmt: skip
     assert [o[0] for o in ours] == [x[0] for x in ref]
-    assert diff <= LOGPROB_TOL
+    assert diff == 0.0
     return our_layer
 
 
+#: the stored Q8_0 embedding as served: tied head, int8 g32, activations per 32, packed tensors only
+PACKED_EMBEDDING = [True, "int8", 32, 32, ["qweight", "scales"]]
+
+
 def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cache):
-    assert served_against_gguf(converted[0], smollm2, gguf_cache)[1:] == ["min4", 32, 32, [False, False]]
+    layer = served_against_gguf(converted[0], smollm2, gguf_cache)
+    assert layer[2:] == ["min4", 32, 32, [False, False], PACKED_EMBEDDING], layer
 
 
 def test_served_k_quant_checkpoint_matches_serving_the_gguf(converted_gemma3, gemma3, gguf_cache):
     # q/k Q5_0, v Q8_0; the first layer's o and down (K 1024 and 2048: K-quants) two-level, as the file is served
-    assert served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)[1:] == ["int8", 32, 32, [True, True]]
+    layer = served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)
+    assert layer[2:] == ["int8", 32, 32, [True, True], PACKED_EMBEDDING], layer
 
 
 def test_refusals_write_nothing(smollm2, gguf_cache, tmp_path):
