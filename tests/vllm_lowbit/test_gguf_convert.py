@@ -89,6 +89,11 @@ def run(path, probe):
     del llm
     return res, layer
 
+def packed(layer):
+    return [type(layer.quant_method).__name__, getattr(layer, "lowbit_codebook", None),
+            getattr(layer, "lowbit_group_size", None), getattr(layer, "lowbit_act_group", None),
+            sorted(n for n, _ in layer.named_parameters())]
+
 def probe(m):
     block = m.model.layers[0]
     qkv = block.self_attn.qkv_proj
@@ -96,8 +101,7 @@ def probe(m):
     emb = m.model.embed_tokens
     return [type(qkv.quant_method).__name__, type(emb.quant_method).__name__, qkv.lowbit_codebook,
             qkv.lowbit_group_size, qkv.lowbit_act_group, two_level,
-            [m.lm_head is emb, emb.lowbit_codebook, emb.lowbit_group_size, emb.lowbit_act_group,
-             sorted(n for n, _ in emb.named_parameters())]]
+            [m.lm_head is emb] + packed(emb)[1:], packed(m.lm_head)]
 
 if __name__ == "__main__":
     ours = run({out!r}, probe)
@@ -135,16 +139,17 @@ def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
     assert res.returncode == 0 and lines, res.stderr[-5000:]
     r = json.loads(lines[-1][len("RESULT="):])
     (ours, our_layer), (ref, ref_layer) = r["ours"], r["ref"]
-    assert our_layer[:2] == ["LowBit2LinearMethod", "LowBit2EmbeddingMethod"], our_layer
-    assert ref_layer[:2] == ["GGUFLinearMethod", "GGUFEmbeddingMethod"] and ref_layer[2:] == our_layer[2:], (
-        our_layer, ref_layer)
+    assert our_layer[0] == "LowBit2LinearMethod" and ref_layer[0] == "GGUFLinearMethod", (our_layer, ref_layer)
+    head_ours, head_ref = our_layer.pop(), ref_layer.pop()  # the output projection: its method and form
+    assert head_ours[1:] == head_ref[1:], (head_ours, head_ref)
+    assert ref_layer[2:] == our_layer[2:], (our_layer, ref_layer)
     diff = max(abs(a - b) for (_, la), (_, lb) in zip(ours, ref) for a, b in zip(la, lb))
     print(f"\n[gguf-convert] {gguf.name}: LLM(OUT) vs LLM(X.gguf): tokens "
           f"{'equal' if [o[0] for o in ours] == [x[0] for x in ref] else 'DIFFER'}, largest greedy-token logprob "
           f"difference {diff:.2e}; {[tok.decode(o[0]) for o in ours]}")  # fmt: skip
     assert [o[0] for o in ours] == [x[0] for x in ref]
     assert diff == 0.0
-    return our_layer
+    return our_layer + [head_ours]
 
 
 #: the stored Q8_0 embedding as served: tied head, int8 g32, activations per 32, packed tensors only
@@ -153,13 +158,44 @@ PACKED_EMBEDDING = [True, "int8", 32, 32, ["qweight", "scales"]]
 
 def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cache):
     layer = served_against_gguf(converted[0], smollm2, gguf_cache)
-    assert layer[2:] == ["min4", 32, 32, [False, False], PACKED_EMBEDDING], layer
+    assert layer[1:-1] == ["LowBit2EmbeddingMethod", "min4", 32, 32, [False, False], PACKED_EMBEDDING], layer
 
 
 def test_served_k_quant_checkpoint_matches_serving_the_gguf(converted_gemma3, gemma3, gguf_cache):
     # q/k Q5_0, v Q8_0; the first layer's o and down (K 1024 and 2048: K-quants) two-level, as the file is served
     layer = served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)
-    assert layer[2:] == ["int8", 32, 32, [True, True], PACKED_EMBEDDING], layer
+    assert layer[1:-1] == ["LowBit2EmbeddingMethod", "int8", 32, 32, [True, True], PACKED_EMBEDDING], layer
+
+
+#: untied output projections (tests/helpers/gguf_fixtures.py): Qwen3's Q8_0 embedding and Q4_0 head, both
+#: stored; Mistral's F16 embedding (float) and Q8_0 head (stored)
+UNTIED = {
+    "qwen3": ("LowBit2EmbeddingMethod", {"model.embed_tokens": EMBEDDING_FORM, "lm_head": {
+        "codebook": "int4", "group_size": 32, "scale_dtype": "float16"}}, ["LowBit2EmbeddingMethod", "int4", 32, 32]),
+    "mistral": ("UnquantizedEmbeddingMethod", {"lm_head": EMBEDDING_FORM}, ["LowBit2EmbeddingMethod", "int8", 32, 32]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(UNTIED))
+def test_untied_output_projection_is_stored(arch, gguf_cache, tmp_path_factory):
+    """An untied quantized output projection is written as the file has it (``lm_head`` in ``layer_formats``,
+    ``lm_head: stored``) and served on its own packed tensors (not the embedding's), as serving the file serves
+    it: equal tokens and logprobs; a float embedding stays float."""
+    from tests.helpers.gguf_fixtures import build_gguf_fixture
+
+    try:
+        src = build_gguf_fixture(arch)
+    except (subprocess.CalledProcessError, OSError) as e:  # no cached converter and no package registry
+        pytest.skip(f"llama.cpp's converter (llama-cpp-python sdist) is not cached and cannot be fetched: {e}")
+    out, stdout = convert_verified(src, gguf_cache, tmp_path_factory)
+    assert "overall 0" in stdout, stdout
+    emb_method, stored, head = UNTIED[arch]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] == "stored"
+    assert {k: v for k, v in qc["layer_formats"].items() if k in ("model.embed_tokens", "lm_head")} == stored
+    layer = served_against_gguf(out, src, gguf_cache)
+    assert layer[1] == emb_method and layer[-2][0] is False, layer  # untied: the head is its own layer
+    assert layer[-1][:4] == head and "qweight" in layer[-1][4], layer
 
 
 def test_refusals_write_nothing(smollm2, gguf_cache, tmp_path):
