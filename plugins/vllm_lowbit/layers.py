@@ -337,7 +337,7 @@ class LowBitConfig(PluginQuantizationConfig):
 
     @property
     def head_setting(self) -> str:
-        return self.options.head_format
+        return self.options.head_setting
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         o = self.options

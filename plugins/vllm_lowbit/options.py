@@ -52,6 +52,19 @@ STORED = "stored"
 API_NAMING = Naming("convert_checkpoint", "python")
 
 
+def _check_two_level(scale_dtype: str, super_block: Optional[int], naming: Naming) -> None:
+    """The two-level form (a GGUF conversion's K-quants): ``scale_dtype`` int8 exactly when ``super_block`` is given."""
+    if super_block is not None and scale_dtype != "int8":
+        raise naming.error(
+            "super_block", super_block,
+            f"needs {naming.ref('scale_dtype')}=int8 (the two-level form of a GGUF conversion's K-quants), not "
+            f"{scale_dtype!r}; drop super_block, or convert the GGUF file again",
+        )  # fmt: skip
+    if scale_dtype == "int8" and super_block is None:
+        raise naming.error("scale_dtype", scale_dtype, f"(the two-level form) needs {naming.ref('super_block')}"
+                           f"={SUPER_BLOCKS[0]}; convert the GGUF file again")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LowBit2Options:
     """How weights are quantized: the options the converter and the server share."""
@@ -132,7 +145,7 @@ class QuantizationConfigOptions(LowBit2Options):
     super_block: Optional[int] = option(None, choices=(None,) + SUPER_BLOCKS)
 
     @property
-    def head_format(self) -> str:
+    def head_setting(self) -> str:
         """The output projection's setting (``auto`` or a format: :func:`~aipc_kernels.lowbit.output_projection.resolve_head_format`
         gives the format), ``quantize_lm_head`` (the older key) read as ``lm_head``."""
         if self.quantize_lm_head is None:
@@ -148,7 +161,7 @@ class QuantizationConfigOptions(LowBit2Options):
         """These options as the ``quantization_config`` entry of a checkpoint (:func:`quantization_config_dict`,
         the current ``format_version``; ``detect_grid`` and ``allow_2bit_ptq`` only where not the default)."""
         d = quantization_config_dict(**{k: getattr(self, k) for k in _ENTRY_KEYS},
-                                     lm_head=None if self.head_format == DEFAULT_HEAD_FORMAT else self.head_format)  # fmt: skip
+                                     lm_head=None if self.head_setting == DEFAULT_HEAD_FORMAT else self.head_setting)  # fmt: skip
         if not self.detect_grid:
             d["detect_grid"] = False
         if self.allow_2bit_ptq:
@@ -164,15 +177,7 @@ class QuantizationConfigOptions(LowBit2Options):
         elif not self.prequantized:
             raise naming.error("source", self.source, f"marks a checkpoint converted from a GGUF file; it needs "
                                                       f"{naming.ref('prequantized')}=true")  # fmt: skip
-        if self.super_block is not None and self.scale_dtype != "int8":
-            raise naming.error(
-                "super_block", self.super_block,
-                f"needs {naming.ref('scale_dtype')}=int8 (the two-level form of a GGUF conversion's K-quants), not "
-                f"{self.scale_dtype!r}; drop super_block, or convert the GGUF file again",
-            )  # fmt: skip
-        if self.scale_dtype == "int8" and self.super_block is None:
-            raise naming.error("scale_dtype", self.scale_dtype, f"(the two-level form) needs {naming.ref('super_block')}"
-                               f"={SUPER_BLOCKS[0]}; convert the GGUF file again")  # fmt: skip
+        _check_two_level(self.scale_dtype, self.super_block, naming)
         if self.activations == "float" and CODEBOOKS[self.codebook].bits != 4:
             four = [name for name in CONFIG_CODEBOOKS if CODEBOOKS[name].bits == 4]
             raise naming.error(
@@ -197,10 +202,7 @@ class QuantizationConfigOptions(LowBit2Options):
             if missing:
                 raise naming.error("layer_formats", {layer: fmt}, f"lacks {missing}: each layer needs "
                                    f"{list(field_names(LayerFormat))}")  # fmt: skip
-            if (fmt["scale_dtype"] == "int8") != (fmt.get("super_block") is not None):
-                raise naming.error("layer_formats", {layer: fmt}, f"must give scale_dtype int8 and super_block "
-                                   f"{SUPER_BLOCKS[0]} together (the two-level form) or neither; convert the GGUF "
-                                   f"file again")  # fmt: skip
+            _check_two_level(fmt["scale_dtype"], fmt.get("super_block"), inner)
         stored = [n for n in (STORED_EMBEDDING, STORED_HEAD) if n in self.layer_formats]
         if self.lm_head == STORED and not stored:
             raise naming.error(

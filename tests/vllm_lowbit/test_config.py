@@ -23,7 +23,7 @@ def config_cls():
 def test_defaults_and_round_trip(config_cls):
     c = config_cls().options
     assert (c.codebook, c.group_size, c.quantizer, c.act_group, c.prequantized) == ("affine", 64, "optimized", 0, False)
-    assert c.head_format == "auto"  # the output projection: int6 or int8 by the CPU kernels' instruction set
+    assert c.head_setting == "auto"  # the output projection: int6 or int8 by the CPU kernels' instruction set
     from aipc_kernels.core import native
     from aipc_kernels.lowbit.output_projection import auto_head_format
 
@@ -33,11 +33,11 @@ def test_defaults_and_round_trip(config_cls):
     d = dict(config_cls().to_dict(), codebook="sym", group_size=-1, prequantized=True, lm_head="lowbit")
     c2 = config_cls.from_config(d)
     o2 = c2.options
-    assert (o2.codebook, o2.group_size, o2.prequantized, o2.head_format) == ("sym", -1, True, "lowbit")
-    assert config_cls.from_config(c2.to_dict()).options.head_format == "lowbit"
+    assert (o2.codebook, o2.group_size, o2.prequantized, o2.head_setting) == ("sym", -1, True, "lowbit")
+    assert config_cls.from_config(c2.to_dict()).options.head_setting == "lowbit"
     # the older key: true is lm_head 'lowbit', false is 'float'
-    assert config_cls.from_config({"quantize_lm_head": True}).options.head_format == "lowbit"
-    assert config_cls.from_config({"quantize_lm_head": False}).options.head_format == "float"
+    assert config_cls.from_config({"quantize_lm_head": True}).options.head_setting == "lowbit"
+    assert config_cls.from_config({"quantize_lm_head": False}).options.head_setting == "float"
     assert config_cls.get_config_filenames() == []  # plain checkpoints + --quantization lowbit2: on the fly
 
 
@@ -78,6 +78,9 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"super_block": 256}, "super_block=256 needs scale_dtype=int8 (the two-level form of a GGUF conversion's "
                            "K-quants), not 'float16'; drop super_block, or convert the GGUF file again"),
     ({"super_block": 128}, "super_block=128 is not supported; use one of null, 256"),
+    ({"source": "gguf", "prequantized": True, "layer_formats": {"m.o_proj": {
+        "codebook": "min4", "group_size": 32, "scale_dtype": "int8"}}},
+     "layer_formats['m.o_proj'].scale_dtype='int8' (the two-level form) needs super_block=256"),
     # a GGUF conversion's stored token embedding / output projection: lm_head 'stored' exactly then
     ({"lm_head": "stored"}, "lm_head='stored' is not supported; use one of \"auto\""),
     ({"source": "gguf", "prequantized": True, "lm_head": "stored"},
@@ -174,7 +177,7 @@ def test_exact_values_are_kept(config_cls):
     c = config_cls.from_config({"quant_method": "lowbit2", "modules_to_not_convert": ["mlp.down_proj"],
                                 "lm_head": "float", "group_size": 128, "act_group": 256})  # fmt: skip
     o = c.options
-    assert (o.modules_to_not_convert, o.head_format, o.group_size, o.act_group) == (["mlp.down_proj"], "float", 128, 256)
+    assert (o.modules_to_not_convert, o.head_setting, o.group_size, o.act_group) == (["mlp.down_proj"], "float", 128, 256)
     assert c.is_skipped("model.layers.0.mlp.down_proj") and not c.is_skipped("model.layers.0.mlp.up_proj")
     assert not c.is_skipped("model.layers.0.self_attn.o_proj")  # letters of a string would have matched
 
@@ -207,7 +210,7 @@ if __name__ == "__main__":
             o = None if q is None else q.options
             out.append(None if q is None else dict(
                 method=q.get_name(), codebook=o.codebook, group_size=o.group_size, act_group=o.act_group,
-                prequantized=o.prequantized, lm_head=o.head_format,
+                prequantized=o.prequantized, lm_head=o.head_setting,
                 modules_to_not_convert=o.modules_to_not_convert))
         except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
             out.append(dict(error=str(e)))

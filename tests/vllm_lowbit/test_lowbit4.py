@@ -96,7 +96,7 @@ if __name__ == "__main__":
             spec, options = getattr(q, "spec", None), getattr(q, "options", None)
             out.append([q.get_name(), getattr(options, "codebook", None), getattr(options, "group_size", None),
                         None if spec is None else [spec.layout, spec.group_size, spec.zero_offset],
-                        getattr(options, "head_format", None)])
+                        getattr(options, "head_setting", None)])
         except Exception as e:  # vLLM wraps the plugin's ValueError in pydantic's ValidationError
             out.append(dict(error=str(e)))
     print("RESULT=" + json.dumps(out))
