@@ -205,6 +205,7 @@ def row_ours_progressive(W, x, l2, state, row: str):
         codes = torch.randint(0, top + 1, (N, K), dtype=torch.uint8, device=W.device)
         s1 = torch.randint(1, progressive.max_sub_scale(codebook) + 1, (N, K // group), device=W.device)
         m = (-128 + torch.rand(N, K // group, device=W.device) * (256 - s1 * top)).floor().long()
+        m = torch.minimum(m, 127 - s1 * top)  # float32 rounding of the draw can reach 128 - s1 * top
         s0 = (W.float().abs().amax(1) / 127).half().float()
         state[row + "_lw"] = progressive.from_parts(codes, s1, m, s0, codebook, group)
         state[row] = pack_for_triton(state[row + "_lw"])
