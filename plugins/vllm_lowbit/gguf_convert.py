@@ -80,6 +80,12 @@ def _form(w: LowBitWeight) -> dict[str, Any]:
     return form if w.supers is None else dict(form, super_block=w.super_block)
 
 
+def _form_label(form: dict[str, Any]) -> str:
+    """A ``layer_formats`` entry as the log names it, e.g. ``min4 g32 int8 x float32 per 256``."""
+    two_level = f" x float32 per {form['super_block']}" if "super_block" in form else ""
+    return f"{form['codebook']} g{form['group_size']} {form['scale_dtype']}{two_level}"
+
+
 def convert_gguf(
     gguf_path: str | Path,
     out_dir: str | Path,
@@ -180,13 +186,11 @@ def convert_gguf(
         )  # fmt: skip
         (part / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    kinds = Counter(f"{v['codebook']} g{v['group_size']} {v['scale_dtype']}"
-                    + (f" x float32 per {v['super_block']}" if "super_block" in v else "") for v in forms.values())
+    kinds = Counter(_form_label(v) for v in forms.values())
     log(f"wrote {len(forms)} {FORMAT_NAME} linears from {ck.path.name} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) "
         f"to {out}" + (f"; kept float: {len(float_linears)} linears" if float_linears else ""))  # fmt: skip
     for name, form in stored.items():
-        log(f"{name} stored as the file has it ({form['codebook']} g{form['group_size']} {form['scale_dtype']}"
-            + (f" x float32 per {form['super_block']}" if "super_block" in form else "") + ")"
+        log(f"{name} stored as the file has it ({_form_label(form)})"
             + ("; the tied output projection multiplies it" if tied and name == STORED_EMBEDDING else ""))  # fmt: skip
     if worst is not None:
         log(worst)

@@ -149,9 +149,10 @@ class LowBit2Config(LowBitConfig):
             self._given = config
             self.options = parse_quantization_config(config, self.naming)
         o = self.options
-        if STORED_EMBEDDING in o.layer_formats and getattr(hf_config, "tie_word_embeddings", False) and o.lm_head != STORED:
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+        if STORED_EMBEDDING in o.layer_formats and tied and o.head_setting != STORED:
             raise ValueError(
-                f"{CONFIG_NAMING.setting('lm_head', o.lm_head)}, but {model_name} stores its token embedding packed "
+                f"{CONFIG_NAMING.setting('lm_head', o.head_setting)}, but {model_name} stores its token embedding packed "
                 f"(layer_formats {STORED_EMBEDDING!r}) and ties the output projection to it: the output projection "
                 f"is served as stored; drop lm_head (or give lm_head {STORED!r})"
             )
@@ -173,7 +174,7 @@ class LowBit2Config(LowBitConfig):
         tied, the embedding's) as stored: :class:`LowBit2EmbeddingMethod`."""
         o = self.options
         head = isinstance(layer, ParallelLMHead)
-        if head and o.lm_head != STORED:
+        if head and o.head_setting != STORED:
             return None
         name = STORED_HEAD if head and STORED_HEAD in o.layer_formats else STORED_EMBEDDING
         if name not in o.layer_formats:
@@ -339,8 +340,7 @@ class LowBit2LinearMethod(LinearMethodBase):
         if self.cb.max_code < (1 << self.cb.bits) - 1 and (w.codes() > self.cb.max_code).any():
             raise ValueError(
                 f"lowbit2 checkpoint tensor {self._checkpoint_name(layer, 'qweight', None)} holds codes above "
-                f"{self.cb.max_code}, "
-                f"invalid for codebook={self.options.codebook}"
+                f"{self.cb.max_code}, invalid for codebook={self.options.codebook}"
             )
         return w
 
