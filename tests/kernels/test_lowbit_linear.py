@@ -253,17 +253,19 @@ def test_wide_codes_cancel_exactly(isa, M, codebook, K, top):
 
 @pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
 @pytest.mark.parametrize("sign", [-1.0, 1.0])
-def test_largest_codes_times_largest_activations(isa, codebook, sign):
+@pytest.mark.parametrize("M", [1, 5])  # decode (both halves of a chunk); a tile of tokens (one half at a time)
+def test_largest_codes_times_largest_activations(isa, codebook, sign, M):
     """Every code at its largest and every activation at +-127, one group per long row: AVX2's 16-bit sums of
-    a chunk's planes (vpmaddubsw + vpaddw, widened once per chunk) must stay within int16 there: a kernel that
-    summed three times as many planes in 16 bits before widening fails this test."""
+    planes (vpmaddubsw + vpaddw over up to 4 chunks of 4-bit codes or 8 of 2- and 1-bit ones, widened once)
+    must stay within int16 there: a kernel that summed three times as many planes in 16 bits before widening
+    fails this test."""
     cb = CODEBOOKS[codebook]
     N, K = 21, 2048
     codes = torch.full((N, K), cb.max_code, dtype=torch.uint8)
     scales = torch.full((N, 1), 0.01, dtype=torch.float16)
     zeros = torch.zeros(N, 1, dtype=torch.float16) if cb.mins or cb.zero is None else None
     w = LowBitWeight(pack_codes(codes, cb.bits), scales, zeros, codebook, K, K)
-    x = torch.full((1, K), 3.0 * sign)  # absmax scale: every activation quantizes to +-127
+    x = torch.full((M, K), 3.0 * sign)  # absmax scale: every activation quantizes to +-127
     y = ops.lowbit_linear(x, packing.pack_for_cpu(w))
     ref = ops.reference_linear_w8(x, w)
     assert ref.abs().min() > 0

@@ -77,6 +77,7 @@ typedef struct {
      * levels included) gets the same exact u (group_u_int). 4 bits with stored zeros keep the float
      * form, exact while |dot| < 2^24 (groups of at most MAX_G_4BIT_ZEROS). */
     const float *zq;    /* [M][K/G] */
+    const int32_t *izq; /* [M][K/G]: int(z * zq) where int_epilogue (z = zero_const), once per call; else NULL */
     const float *ws;    /* [M][K/G], or NULL */
     const float *outs;  /* [M] */
     const void *bias; /* [N] in out_dt, or NULL */

@@ -99,8 +99,13 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     int32_t *gsum = (int32_t *)(sx + 2 * Mp * ng);
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
     if (quantize_activations(x, dt, M, K, G, act_group, act_amax, xq, sx, gsum, nthreads) != AIPC_OK) goto cleanup;
+    /* the integer zero terms int(z * zq) of int_epilogue, in gsum's place (the kernels read zq, not gsum) */
+    const int int_zero_terms = bits >= 4 && !(zeros && !min_form);
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t g = 0; g < ng; g++) zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
+        for (int64_t g = 0; g < ng; g++) {
+            zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
+            if (int_zero_terms) gsum[m * ng + g] = (int32_t)(zero_const * zq[m * ng + g]);
+        }
         outs[m] = act_group == K ? sx[m * ng] * cmul : cmul;
     }
     if (interleave) {
@@ -119,7 +124,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     while (supers && (G << gps_shift) < SB) gps_shift++;
     const lowbit_args a = {w, scales, min_form ? NULL : zeros, min_form ? zeros : NULL, scale_dt, supers,
                            supers && min_form ? supers + nblocks * nsb * BLOCK_N : NULL, nsb, gps_shift, bits, M, N, K,
-                           G, cmul, zero_const, xq, xt ? xt : (const int32_t *)xq, T, zq,
+                           G, cmul, zero_const, xq, xt ? xt : (const int32_t *)xq, T, zq, int_zero_terms ? gsum : NULL,
                            act_group == K ? NULL : sx, outs, bias, y, dt};
     status = use_amx ? ks->lowbit_tiles(&a, xq, Mp, nthreads) : run_blocks(&a, ks->lowbit_block, nthreads);
 cleanup:

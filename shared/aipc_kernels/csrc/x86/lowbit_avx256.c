@@ -67,6 +67,7 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define TILE_M 8 /* tokens per tile: 8 accumulators + the planes of one half fit the 16 ymm registers */
 #define TILE_FN block_avxvnni_tile
 #define CHUNK_HALF_FN chunk_half_avxvnni
+#define CHUNKS_FN chunks_avxvnni
 #define GROUP_HALF_FN group_half_avxvnni
 #define BLOCK_FN block_avxvnni
 #define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
@@ -77,6 +78,7 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #include "lowbit_avx256_tile.inc"
 #undef TILE_FN
 #undef CHUNK_HALF_FN
+#undef CHUNKS_FN
 #undef GROUP_HALF_FN
 #undef BLOCK_FN
 #undef TARGET
@@ -87,6 +89,7 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 
 #define TILE_FN block_avx2_tile
 #define CHUNK_HALF_FN chunk_half_avx2
+#define CHUNKS_FN chunks_avx2
 #define GROUP_HALF_FN group_half_avx2
 #define BLOCK_FN block_avx2
 #define TARGET __attribute__((target("avx2,f16c,fma")))
@@ -99,6 +102,7 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #include "lowbit_avx256_tile.inc"
 #undef TILE_FN
 #undef CHUNK_HALF_FN
+#undef CHUNKS_FN
 #undef GROUP_HALF_FN
 #undef BLOCK_FN
 #undef TARGET
