@@ -106,11 +106,16 @@ static inline int six_bit_code(const uint8_t *chunk, int i, int q) {
 /* 6-bit codes: G * 63 * 127 below 2^31 (MAX_G_8BIT holds that too), and below 2^24 with stored zeros */
 #define MAX_G_6BIT_ZEROS 2048
 
-/* Whether the epilogue takes u in integers (see lowbit_args): 4, 6 and 8 bits with a fixed zero. */
-static inline int int_epilogue(const lowbit_args *a) { return a->bits >= 4 && !a->zeros; }
+/* Whether the epilogue takes u in integers (see lowbit_args): 4, 6 and 8 bits with a fixed zero (zeros: the
+ * stored per-group zero points, as lowbit_args.zeros; NULL for a fixed zero or the min form). */
+static inline int int_epilogue_for(int bits, const void *zeros) { return bits >= 4 && !zeros; }
+static inline int int_epilogue(const lowbit_args *a) { return int_epilogue_for(a->bits, a->zeros); }
+
+/* The zero term int(z * zq) of the integer epilogue (z * zq is an integer there, see lowbit_args). */
+static inline int32_t int_zero_term(float z, float zq) { return (int32_t)(z * zq); }
 
 /* u of the epilogue in integers, exact (see lowbit_args). */
-static inline float group_u_int(int32_t dot, float z, float zq) { return (float)(dot - (int32_t)(z * zq)); }
+static inline float group_u_int(int32_t dot, float z, float zq) { return (float)(dot - int_zero_term(z, zq)); }
 
 /* ------------------------------------------------------------------ scalar conversions */
 

@@ -99,12 +99,13 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     int32_t *gsum = (int32_t *)(sx + 2 * Mp * ng);
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
     if (quantize_activations(x, dt, M, K, G, act_group, act_amax, xq, sx, gsum, nthreads) != AIPC_OK) goto cleanup;
-    /* the integer zero terms int(z * zq) of int_epilogue, in gsum's place (the kernels read zq, not gsum) */
-    const int int_zero_terms = bits >= 4 && !(zeros && !min_form);
+    const void *group_zeros = min_form ? NULL : zeros; /* lowbit_args.zeros: stored zero points, not mins */
+    /* the integer zero terms of int_epilogue, in gsum's place (the kernels read zq, not gsum) */
+    const int int_zero_terms = int_epilogue_for(bits, group_zeros);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < ng; g++) {
             zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
-            if (int_zero_terms) gsum[m * ng + g] = (int32_t)(zero_const * zq[m * ng + g]);
+            if (int_zero_terms) gsum[m * ng + g] = int_zero_term(zero_const, zq[m * ng + g]);
         }
         outs[m] = act_group == K ? sx[m * ng] * cmul : cmul;
     }
@@ -122,7 +123,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     const int64_t nsb = supers ? K / SB : 0, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
     int gps_shift = 0;
     while (supers && (G << gps_shift) < SB) gps_shift++;
-    const lowbit_args a = {w, scales, min_form ? NULL : zeros, min_form ? zeros : NULL, scale_dt, supers,
+    const lowbit_args a = {w, scales, group_zeros, min_form ? zeros : NULL, scale_dt, supers,
                            supers && min_form ? supers + nblocks * nsb * BLOCK_N : NULL, nsb, gps_shift, bits, M, N, K,
                            G, cmul, zero_const, xq, xt ? xt : (const int32_t *)xq, T, zq, int_zero_terms ? gsum : NULL,
                            act_group == K ? NULL : sx, outs, bias, y, dt};
