@@ -192,22 +192,27 @@ def row_ours_format(W, x, l2, state, row: str):
     return [lambda w=w: lowbit_linear_a16(x, w, None, dequant) for w in ws], b, len(ws)
 
 
+def progressive_weight(W, codebook: str, group: int):
+    """A progressive two-level weight of W's shape: random codes, integer group scales and mins over the form's
+    whole range, fp16-valued per-channel scales from W's row absmax."""
+    from aipc_kernels.lowbit import progressive
+
+    N, K = W.shape
+    top = progressive.get_codebook(codebook).max_code
+    codes = torch.randint(0, top + 1, (N, K), dtype=torch.uint8, device=W.device)
+    s1 = torch.randint(1, progressive.max_sub_scale(codebook) + 1, (N, K // group), device=W.device)
+    m = (-128 + torch.rand(N, K // group, device=W.device) * (256 - s1 * top)).floor().long()
+    m = torch.minimum(m, 127 - s1 * top)  # float32 rounding of the draw can reach 128 - s1 * top
+    s0 = (W.float().abs().amax(1) / 127).half().float()
+    return progressive.from_parts(codes, s1, m, s0, codebook, group)
+
+
 def row_ours_progressive(W, x, l2, state, row: str):
     """Ours on a progressive two-level weight (:data:`PROGRESSIVE_FORMATS`) of W's shape: random codes, integer
     group scales and mins over the form's whole range, fp16-valued per-channel scales (speed does not
     depend on the values; tests/kernels/test_progressive.py checks them)."""
-    from aipc_kernels.lowbit import progressive
-
-    codebook, group = PROGRESSIVE_FORMATS[row]
     if row not in state:
-        N, K = W.shape
-        top = progressive.get_codebook(codebook).max_code
-        codes = torch.randint(0, top + 1, (N, K), dtype=torch.uint8, device=W.device)
-        s1 = torch.randint(1, progressive.max_sub_scale(codebook) + 1, (N, K // group), device=W.device)
-        m = (-128 + torch.rand(N, K // group, device=W.device) * (256 - s1 * top)).floor().long()
-        m = torch.minimum(m, 127 - s1 * top)  # float32 rounding of the draw can reach 128 - s1 * top
-        s0 = (W.float().abs().amax(1) / 127).half().float()
-        state[row + "_lw"] = progressive.from_parts(codes, s1, m, s0, codebook, group)
+        state[row + "_lw"] = progressive_weight(W, *PROGRESSIVE_FORMATS[row])
         state[row] = pack_for_triton(state[row + "_lw"])
     p = state[row]
     state.setdefault("prog_err", {})[row] = check_progressive(x, p, state[row + "_lw"])

@@ -26,6 +26,7 @@ GEMM = {"KERNEL": "progressive", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "
 GEMM_B = dict(GEMM, WA=0)  # the levels as the dot's B operand
 GEMM_CAT = dict(GEMM, KCAT=1, WA=0)  # a chunk's planes joined: one dot of K = 128 (2 bits) / 64 (4 bits)
 GEMV = {"KERNEL": "progressive", "BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "SPLIT_K": 3}
+PRE = {"SPRE": 1}  # each chunk's group scales and mins loaded a chunk ahead
 EXPAND = {"KERNEL": "expand", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
 # today's kernels on the form (int8 group scales and mins like 16-bit ones, times the row's s0)
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
@@ -128,6 +129,11 @@ CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tile
     (64, 50, 320, "min4", 64, None), (40, 65, 576, "min2", 64, GEMM_B), (17, 48, 512, "min4", -1, GEMM_B),
     (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
     (33, 40, 512, "min2", 32, dict(GEMM_CAT, WA=1, SPLIT_K=2)),
+    (40, 65, 576, "min2", -1, GEMM_CAT),  # a group (the whole row) that neither divides the chunk nor is a multiple
+    (40, 65, 576, "min2", 64, dict(GEMM_CAT, **PRE)), (33, 32, 1024, "min2", 32, dict(GEMM_CAT, SPLIT_K=2, **PRE)),
+    (20, 33, 320, "min4", 32, dict(GEMM, **PRE)), (17, 48, 512, "min4", -1, dict(GEMM_B, **PRE)),
+    (5, 72, 256, "min4", 32, dict(GEMV, **PRE)), (1, 40, 576, "min2", 64, dict(GEMV, **PRE)),
+    (40, 65, 576, "min2", -1, dict(GEMM, **PRE)),
     (1, 40, 576, "min2", 64, STREAM), (1, 33, 512, "min4", 128, STREAM), (1, 40, 512, "min2", 32, STREAM_RB),
     (1, 24, 256, "min2", -1, STREAM), (7, 40, 576, "min2", 64, GROUP16), (16, 33, 256, "min4", -1, GROUP16),
     (40, 65, 576, "min2", 64, GROUP), (20, 33, 512, "min4", 128, GROUP),
@@ -163,6 +169,36 @@ def test_extreme_levels_and_activations():
     x = torch.where(torch.rand(3, K) < 0.5, -1.0, 1.0)
     ref = _reference(x, q)
     _close(tlin.lowbit_linear_triton(x.to(DEVICE), packing.pack_for_triton(q).to(DEVICE), config=GEMV), ref)
+
+
+GLUON_CASES = [  # (M, N, K, codebook, group, config): the Gluon int8 GEMM of the expand path, ragged M and N
+    (40, 65, 576, "min2", 64, dict(EXPAND, GLUON=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (200, 48, 1024, "min2", 32, dict(EXPAND, GLUON=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4)),
+    (130, 33, 320, "min4", 32, dict(EXPAND, GLUON=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("M,N,K,codebook,group,cfg", GLUON_CASES)
+def test_gluon_int8_gemm_matches_float64(M, N, K, codebook, group, cfg):
+    """On a Hopper GPU the Gluon GEMM's outputs against float64 (bf16 output, with bias); elsewhere the config
+    is refused by name and the op falls back to a config that runs."""
+    from aipc_kernels.gpu.triton.lowbit import gluon_gemm
+
+    _, q = _weight(N, K, codebook, group, seed=M + K)
+    p = packing.pack_for_triton(q).to(DEVICE)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    bias = torch.randn(N, generator=g)
+    if not gluon_gemm.usable(torch.device(DEVICE)):
+        with pytest.raises(ValueError, match="GLUON=1"):
+            tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
+        assert not registry.runs(cfg, x.to(DEVICE), p)
+        return
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned: every element written
+    y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, out=out)
+    _close(y, _reference(x.float(), q, bias), 8e-3)
+    plain = {k: v for k, v in cfg.items() if k != "GLUON"}  # the Triton GEMM: the same exact int32 sums
+    assert torch.equal(y, tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=plain))
 
 
 def test_expanded_levels_are_the_weight_over_s0():

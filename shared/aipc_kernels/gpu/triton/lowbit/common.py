@@ -42,6 +42,19 @@ def check_config(cfg: dict, M: int, fields: Optional[tuple[str, ...]] = None) ->
 
 
 @triton.jit
+def pick(q: tl.constexpr, v0, v1, v2, v3):
+    """``v<q>`` for a compile-time index ``q`` (0-3): a bit-plane's value among four."""
+    if q == 0:
+        return v0
+    elif q == 1:
+        return v1
+    elif q == 2:
+        return v2
+    else:
+        return v3
+
+
+@triton.jit
 def rne(v):
     """Round half to even for |v| < 2**22 (torch.round's rounding, no libdevice needed)."""
     return (v + 12582912.0) - 12582912.0

@@ -32,7 +32,7 @@ import triton.language as tl
 from aipc_kernels.lowbit.formats import get_codebook
 from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_row_packed
-from aipc_kernels.gpu.triton.lowbit.common import k_splits, sm_count, split_plan, store_or_reduce
+from aipc_kernels.gpu.triton.lowbit.common import k_splits, pick, sm_count, split_plan, store_or_reduce
 from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED, pdl_ok
 
 NAME = "stream"
@@ -262,19 +262,6 @@ def _stream_kernel(
 
 
 @triton.jit
-def _pick(q: tl.constexpr, v0, v1, v2, v3):
-    """``v<q>`` for a compile-time plane index ``q`` (0-3)."""
-    if q == 0:
-        return v0
-    elif q == 1:
-        return v1
-    elif q == 2:
-        return v2
-    else:
-        return v3
-
-
-@triton.jit
 def _stream_rows_kernel(
     xw_ptr, xs_ptr, sx_ptr, w_ptr, s_ptr, z_ptr, s0_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     N, NG, KW, CHUNKS_PER_SPLIT,
@@ -340,9 +327,9 @@ def _stream_rows_kernel(
             d = tl.zeros([BLOCK_N, BLOCK_C, 8], dtype=tl.int32)
             xs = tl.zeros([BLOCK_C], dtype=tl.float32)
             for qq in tl.static_range(PPG):
-                d = _dp4a(_plane_words(wv, gi * PPG + qq, BITS, PMASK, FLIP, SIGNED), _pick(gi * PPG + qq, x0, x1, x2, x3), d, HW_DP4A)
+                d = _dp4a(_plane_words(wv, gi * PPG + qq, BITS, PMASK, FLIP, SIGNED), pick(gi * PPG + qq, x0, x1, x2, x3), d, HW_DP4A)
                 if NEED_XS:
-                    xs += _pick(gi * PPG + qq, s0, s1, s2, s3)
+                    xs += pick(gi * PPG + qq, s0, s1, s2, s3)
             dot = tl.sum(d, axis=2)
             if SHIFT:
                 dot = dot >> SHIFT
