@@ -171,36 +171,6 @@ def test_extreme_levels_and_activations():
     _close(tlin.lowbit_linear_triton(x.to(DEVICE), packing.pack_for_triton(q).to(DEVICE), config=GEMV), ref)
 
 
-GLUON_CASES = [  # (M, N, K, codebook, group, config): the Gluon int8 GEMM of the expand path, ragged M and N
-    (40, 65, 576, "min2", 64, dict(EXPAND, GLUON=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (200, 48, 1024, "min2", 32, dict(EXPAND, GLUON=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4)),
-    (130, 33, 320, "min4", 32, dict(EXPAND, GLUON=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5)),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("M,N,K,codebook,group,cfg", GLUON_CASES)
-def test_gluon_int8_gemm_matches_float64(M, N, K, codebook, group, cfg):
-    """On a Hopper GPU the Gluon GEMM's outputs against float64 (bf16 output, with bias); elsewhere the config
-    is refused by name and the op falls back to a config that runs."""
-    from aipc_kernels.gpu.triton.lowbit import gluon_gemm
-
-    _, q = _weight(N, K, codebook, group, seed=M + K)
-    p = packing.pack_for_triton(q).to(DEVICE)
-    g = torch.Generator().manual_seed(M)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    bias = torch.randn(N, generator=g)
-    if not gluon_gemm.usable(torch.device(DEVICE)):
-        with pytest.raises(ValueError, match="GLUON=1"):
-            tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg)
-        assert not registry.runs(cfg, x.to(DEVICE), p)
-        return
-    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned: every element written
-    y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, out=out)
-    _close(y, _reference(x.float(), q, bias), 8e-3)
-    plain = {k: v for k, v in cfg.items() if k != "GLUON"}  # the Triton GEMM: the same exact int32 sums
-    assert torch.equal(y, tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=plain))
-
-
 def test_expanded_levels_are_the_weight_over_s0():
     from aipc_kernels.gpu.triton.lowbit.expand import expand_levels  # imported (interpreted or not) with the registry
     from aipc_kernels.gpu.triton.lowbit.interpret import interpreter_scope

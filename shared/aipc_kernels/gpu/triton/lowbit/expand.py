@@ -10,9 +10,7 @@ reads the 2- or 4-bit codes once and writes 1 byte a weight (8B gate/up: 59 MB);
 time hides it, a long prompt. Same values as the fused ``progressive`` kernel: each output is the same
 exact int32 sum, one float conversion and two products.
 
-Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8), ``GLUON``
-(default 0; 1: the GEMM is :mod:`.gluon_gemm`'s, which keeps a wgmma in flight while the next tiles load,
-on Hopper only; Triton leaves each int8 wgmma synchronous).
+Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8).
 """
 from __future__ import annotations
 
@@ -26,9 +24,7 @@ from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
 from aipc_kernels.gpu.triton.lowbit.common import grouped_tile, path
 from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED
-from aipc_kernels.gpu.triton.lowbit import gluon_gemm
-from aipc_kernels.gpu.triton.lowbit import progressive
-from aipc_kernels.gpu.triton.lowbit.progressive import group_scales, levels_asm, plane_levels
+from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales, levels_asm, plane_levels
 
 NAME = "expand"
 FORMS = ("progressive",)  # a kernel of the progressive two-level form (registry.takes), and only of it
@@ -37,11 +33,6 @@ _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (
           (128, 128, 128, 4, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 4), (128, 128, 256, 8, 3)]  # fmt: skip
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
          for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
-# the Gluon GEMM's tiles (a ring of num_stages slots of BLOCK_K = 128)
-_GLUON_TILES = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
-                (128, 128, 4, 4), (64, 128, 4, 4)]  # fmt: skip
-GLUON_SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": nw, "num_stages": ns, "GLUON": 1}
-               for bm, bn, nw, ns in _GLUON_TILES]  # fmt: skip
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
 MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case of the H200 probes)
 
@@ -93,21 +84,9 @@ def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, HA
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
-    """ValueError unless ``weight`` is in the progressive form (:func:`.progressive.check`) and a ``GLUON``
-    config meets a GPU it runs on."""
-    progressive.check(x2, weight, {})
-    if cfg.get("GLUON") and not gluon_gemm.usable(x2.device):
-        raise ValueError(f"{NAME}: GLUON=1 (the Gluon int8 GEMM) runs on CUDA GPUs of compute capability 9.x only, not "
-                         f"{x2.device}; use a config without GLUON")  # fmt: skip
-
-
 def space(M: int) -> list[dict]:
-    """The configs the tuner times for ``M`` tokens (prompts only; the Gluon GEMM's where it runs)."""
-    if path(M) != "gemm":
-        return []
-    hopper = torch.cuda.is_available() and gluon_gemm.usable(torch.device("cuda"))
-    return SPACE + (GLUON_SPACE if hopper else [])
+    """The configs the tuner times for ``M`` tokens (prompts only)."""
+    return SPACE if path(M) == "gemm" else []
 
 
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
@@ -141,9 +120,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         raise ValueError(f"{NAME}: BLOCK_K={bk} does not divide the padded K={Kp}; use 64")
     xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
     w8 = expand_levels(weight)
-    if cfg.get("GLUON"):
-        gluon_gemm.launch_gemm(xq, sx, w8, weight.supers, bias, y, cfg)
-        return
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
         xq, sx, w8, weight.supers, weight.supers if bias is None else bias, y, M, N, Kp, HAS_BIAS=bias is not None,
