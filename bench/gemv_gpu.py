@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from aipc_kernels.lowbit.ops import lowbit_linear, lowbit_linear_a16
-from aipc_kernels.lowbit.packing import PackedLowBit, pack_for_triton
+from aipc_kernels.lowbit.packing import pack_for_triton
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, gpu_copy_bandwidth, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES  # bench/ is on sys.path when run as a script
@@ -155,10 +155,7 @@ def row_ours(W, x, l2, state):
         state["ours_lw"] = lw
     p = state["ours"]
     b = p.nbytes()
-    ws = [p] + [
-        PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), None, p.codebook, p.group_size, p.out_features, p.in_features)
-        for _ in range(n_copies(b, l2) - 1)
-    ]
+    ws = [p] + [p.clone() for _ in range(n_copies(b, l2) - 1)]
     return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
 
 
@@ -182,11 +179,7 @@ def row_ours_format(W, x, l2, state, row: str):
         state[(codebook, group)] = pack_for_triton(quantize_rtn(W.float(), codebook, group))
     p = state[(codebook, group)]
     b = p.nbytes()
-    ws = [p] + [
-        PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), None if p.zeros is None else p.zeros.clone(),
-                     p.codebook, p.group_size, p.out_features, p.in_features)  # fmt: skip
-        for _ in range(n_copies(b, l2) - 1)
-    ]
+    ws = [p] + [p.clone() for _ in range(n_copies(b, l2) - 1)]
     if dequant is None:
         return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
     return [lambda w=w: lowbit_linear_a16(x, w, None, dequant) for w in ws], b, len(ws)
@@ -217,11 +210,7 @@ def row_ours_progressive(W, x, l2, state, row: str):
     p = state[row]
     state.setdefault("prog_err", {})[row] = check_progressive(x, p, state[row + "_lw"])
     b = p.nbytes()
-    ws = [p] + [
-        PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), p.zeros.clone(), p.codebook, p.group_size,
-                     p.out_features, p.in_features, p.supers.clone())  # fmt: skip
-        for _ in range(n_copies(b, l2) - 1)
-    ]
+    ws = [p] + [p.clone() for _ in range(n_copies(b, l2) - 1)]
     return [lambda w=w: lowbit_linear(x, w) for w in ws], b, len(ws)
 
 

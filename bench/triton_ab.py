@@ -85,12 +85,6 @@ def ab_weight(form: str, N: int, K: int) -> PackedLowBit:
     return pack_for_triton(progressive_weight(W, *PROGRESSIVE_FORMATS["ours_" + form]))
 
 
-def copy_of(p: PackedLowBit) -> PackedLowBit:
-    clone = lambda t: None if t is None else t.clone()  # noqa: E731
-    return PackedLowBit(p.layout, p.qweight.clone(), p.scales.clone(), clone(p.zeros), p.codebook, p.group_size,
-                        p.out_features, p.in_features, clone(p.supers))  # fmt: skip
-
-
 def main() -> None:
     ap = BenchParser("triton_ab", __doc__, list(SHAPES), what="shapes", group="gpu")
     ap.add_argument("--base", required=True, help="the baseline's triton linear module file or package directory "
@@ -122,7 +116,7 @@ def main() -> None:
         for label in args.rows:
             N, K = SHAPES[label]
             p = ab_weight(args.form, N, K)
-            ws = [p] + [copy_of(p) for _ in range(n_copies(p.nbytes(), l2) - 1)]
+            ws = [p] + [p.clone() for _ in range(n_copies(p.nbytes(), l2) - 1)]
             for M in (int(m) for m in args.m.split(",")):
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 cfg = new.cached_configs(new.device_name(x.device)).get(

@@ -123,6 +123,17 @@ def test_layouts_round_trip(codebook):
     assert single.supers is None and single.scales.dtype == torch.float32
 
 
+def test_packed_clone_owns_every_tensor():
+    """PackedLowBit.clone (the benches' weight copies): equal tensors, none shared, scales, mins and s0 included."""
+    p = packing.pack_for_triton(_weight(21, 576, "min2", 64, seed=5)[1])
+    c = p.clone()
+    assert (c.layout, c.codebook, c.group_size, c.out_features, c.in_features) == (
+        p.layout, p.codebook, p.group_size, p.out_features, p.in_features)
+    assert len(c.tensors()) == len(p.tensors()) == 4
+    for a, b in zip(p.tensors(), c.tensors()):
+        assert torch.equal(a, b) and a.dtype == b.dtype and a.data_ptr() != b.data_ptr()
+
+
 CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tiles, K padded past the last group
     (1, 40, 576, "min2", 64, GEMV), (5, 72, 256, "min4", 32, GEMV), (16, 33, 384, "min2", 128, None),
     (17, 48, 512, "min4", -1, GEMM), (40, 65, 576, "min2", 64, GEMM), (33, 32, 1024, "min2", 32, dict(GEMM, SPLIT_K=2)),

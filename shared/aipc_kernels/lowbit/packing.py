@@ -110,6 +110,14 @@ class PackedLowBit:
         return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device), zeros=move(self.zeros),
                        supers=move(self.supers))  # fmt: skip
 
+    def clone(self) -> "PackedLowBit":
+        """The same weight in tensors of its own (the benches' weight copies that outsize the cache)."""
+        def copy(t):
+            return None if t is None else t.clone()
+
+        return replace(self, qweight=self.qweight.clone(), scales=self.scales.clone(), zeros=copy(self.zeros),
+                       supers=copy(self.supers))  # fmt: skip
+
 
 def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
     """Canonical -> ``cpu_vnni16``, each tensor the kernels stream on huge pages where it holds one
