@@ -9,7 +9,8 @@ over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, tok
                               [--codebook affine --group 64]
 
 (every unit of the library picks its ISA per function, so one cc line builds any revision's units: csrc/*.c,
-and csrc/generic/*.c, csrc/x86/*.c where the revision has them).
+and csrc/generic/*.c, csrc/x86/*.c where the revision has them; a revision before -fno-wrapv was in setup.py's
+flags was installed built with Python's -fwrapv: add it to time that revision as users ran it).
 Both builds take the same argument vector (``native.lowbit_linear_args``) and are timed by the same C
 loop (the probes' ``time_calls`` of each build's ``aipc_lowbit_linear_v``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from array import array
 
 import torch
 
@@ -34,9 +36,9 @@ from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from gemv_cpu import codebook_kernel_args  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
-from llama_shapes import SEGMENT_KV_SHAPES, SHAPES
+from llama_shapes import HEAD_SHAPES, SEGMENT_KV_SHAPES, SHAPES
 
-LOWBIT_SHAPES = SHAPES | SEGMENT_KV_SHAPES
+LOWBIT_SHAPES = SHAPES | HEAD_SHAPES | SEGMENT_KV_SHAPES
 
 
 #: --kernel: the entry point each row's vectors call (the same argument vector in both builds)
@@ -59,6 +61,20 @@ def time_with(lib: ctypes.CDLL, entry: str, vectors: list, isa: str, calls: int)
     if lib.aipc_set_isa(native.ISAS[isa]) != 0:
         raise ValueError(f"isa={isa} not on this CPU")
     return native_probes().time_calls(getattr(lib, entry), vectors, calls, 0.2)
+
+
+def same_output(base: ctypes.CDLL, new: ctypes.CDLL, entry: str, vector: array, y: torch.Tensor, isa: str) -> bool:
+    """Whether both builds write bit-identical outputs for one argument vector under ``isa`` (``y`` poisoned
+    with NaN before each call, so an output a build leaves unwritten differs)."""
+    outs = []
+    for lib in (base, new):
+        if lib.aipc_set_isa(native.ISAS[isa]) != 0:
+            raise ValueError(f"isa={isa} not on this CPU")
+        y.fill_(float("nan"))
+        if getattr(lib, entry)(vector.buffer_info()[0]) != 0:
+            raise RuntimeError(f"{entry} failed under isa={isa}")
+        outs.append(y.view(torch.int16 if y.element_size() == 2 else torch.int32).clone())
+    return torch.equal(*outs)
 
 
 def weight_sets(kernel: str, codebook: str, group: int, N: int, K: int, rotate_gb: float) -> tuple[list, str]:
@@ -178,7 +194,8 @@ def main() -> None:
                         t["base"] = min(t["base"], time_with(base, entry, vectors, isa, 8))
                         t["new"] = min(t["new"], time_with(new, entry, vectors, isa, 8))
                     rows.append(dict(shape=label, M=M, isa=isa, kernel=args.kernel, weights=what,
-                                     base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"]))  # fmt: skip
+                                     base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"],
+                                     identical=same_output(base, new, entry, vectors[0], y, isa)))  # fmt: skip
                     print(rows[-1], flush=True)
                 del y, vectors
         native.set_isa(best)
@@ -186,10 +203,12 @@ def main() -> None:
     notes = (f"{torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s. Shape rows: kernel {args.kernel}, bf16 activations, "
              f"the C kernel alone timed in C over weights rotated through {args.rotate_gb:.1f} GB, rounds alternating "
              f"base ({args.base_name}) and new (the working tree), best of {args.rounds}. new_over_base > 1: the working "
-             f"tree is slower. seg rows: aipc_segment_sdpa (M = beams), bf16, best of 20 calls per round timed "
+             f"tree is slower; identical: both builds' outputs bit for bit on the first weight set. seg rows: "
+             f"aipc_segment_sdpa (M = beams), bf16, best of 20 calls per round timed "
              f"from Python around the same ctypes call for both builds.")
     write_results(args.out, args.name, f"Native kernel A/B: working tree vs {args.base_name}", info, rows,
-                  markdown_table(rows, ["shape", "M", "isa", "kernel", "weights", "base_us", "new_us", "new_over_base"]), notes)
+                  markdown_table(rows, ["shape", "M", "isa", "kernel", "weights", "base_us", "new_us", "new_over_base",
+                                        "identical"]), notes)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ FLOAT_KINDS = tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # beside the planned op the plugins call (aipc_kernels.lowbit.planned_ops: checked once, C++ per call)
 GENERAL_OP = {"int2_general": "int2", "w4a8_general": "w4a8"}
 OURS = ("int2", "int2_general", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_general",
-        "w4a8_asym", "w8a8", "w6a8", "w8a8_g32", "w4a8_vnni", "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
+        "w4a8_asym", "w4a8_g32", "w8a8", "w6a8", "w8a8_g32", "w4a8_vnni", "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -90,6 +90,7 @@ OUR_CONFIGS = {
     "int1": ("binary", 64, None),
     "w4a8": ("int4", 128, None),  # GPTQ symmetric int4, group 128
     "w4a8_asym": ("affine4", 128, None),  # GPTQ asymmetric / AWQ int4 (stored zeros), group 128
+    "w4a8_g32": ("int4", 32, None),  # GGUF Q4_0's re-layout: symmetric int4, an fp16 scale per 32
     "w8a8": ("int8", -1, None),  # int8 per output channel: the output projection's default format
     "w6a8": ("int6", 32, None),  # 6-bit codes (GGUF's Q6_K / Q5 types), 192 bytes per 16 rows x 16 k
     "w8a8_g32": ("int8", 32, None),  # the same groups in 8-bit codes: how 6-bit codes were held before

@@ -68,7 +68,7 @@ static T512 __attribute__((noinline)) void gemv512_2b(const lowbit_args *a, int6
          * be merged per group, measured 3% slower) */
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
         for (int64_t c = 0; c < cpg; c++) {
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
             const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
             PLANE_DOT(d0, 0);
@@ -96,7 +96,7 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
         for (int64_t c = 0; c < cpg; c++) {
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
             const __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
             PLANE_DOT(d0, 0);
@@ -130,8 +130,8 @@ static T512 __attribute__((noinline)) void gemv512_4b(const lowbit_args *a, int6
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, e0 = d0, e1 = d0;
         int64_t c = 0;
         for (; c + 2 <= cpg; c += 2) {
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES + 64, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
             __m512i w = _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES));
             PLANE_DOT(d0, 0);
@@ -164,10 +164,10 @@ static T512 __attribute__((noinline)) void gemv512_8b(const lowbit_args *a, int6
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
         int64_t c = 0;
         for (; c + 4 <= cpg; c += 4) {
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_BYTES + 192, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES + 192, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
             d0 = dpbusd512(d0, _mm512_loadu_si512((const void *)(wp + c * CHUNK_BYTES)), _mm512_set1_epi32(xp[c]));
             d1 = dpbusd512(d1, _mm512_loadu_si512((const void *)(wp + (c + 1) * CHUNK_BYTES)), _mm512_set1_epi32(xp[c + 1]));
@@ -192,9 +192,9 @@ static T512 __attribute__((noinline)) void gemv512_6b(const lowbit_args *a, int6
         __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
         for (int64_t c = 0; c < cpg; c++) {
             const uint8_t *wc = wp + c * cb;
-            _mm_prefetch((const char *)wc + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)wc + PREFETCH_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)wc + PREFETCH_BYTES + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES + 128, _MM_HINT_T0);
             PREFETCH_L2(wc);
             PREFETCH_L2(wc + 128);
             const __m512i la = _mm512_loadu_si512((const void *)wc), lb = _mm512_loadu_si512((const void *)(wc + 64)),
