@@ -64,9 +64,9 @@ class editable_wheel_with_pth(editable_wheel):
 
 
 CSRC = "shared/aipc_kernels/csrc"
-# -fno-wrapv: undoes the -fwrapv of Python's own compile flags, which setuptools puts first; with it GCC
-# cannot treat the kernels' index arithmetic as non-wrapping: without it the AVX2 16-token tiles take 0.90-0.92x
-# the time on 6-bit codes, 0.96-0.97x on 2-bit (Zen 4, bench/results/cpu/ab_native_prefetch_decode_*.md)
+# -fno-wrapv undoes the -fwrapv of Python's own compile flags (setuptools puts those first), under which GCC
+# may not treat the kernels' index arithmetic as non-wrapping; dropping it, the AVX2 16-token tiles take
+# 0.90-0.92x the time on 6-bit codes, 0.96-0.97x on 2-bit (Zen 4, bench/results/cpu/ab_native_prefetch_decode_*.md)
 C_FLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-fno-wrapv"]
 
 
