@@ -55,11 +55,16 @@ def load(path: str) -> ctypes.CDLL:
     return lib
 
 
+def set_isa(lib: ctypes.CDLL, isa: str) -> None:
+    """Runs ``lib``'s kernels under ``isa`` (ValueError where this CPU lacks it)."""
+    if lib.aipc_set_isa(native.ISAS[isa]) != 0:
+        raise ValueError(f"isa={isa} not on this CPU")
+
+
 def time_with(lib: ctypes.CDLL, entry: str, vectors: list, isa: str, calls: int) -> float:
     """Seconds per call of ``lib``'s kernel ``entry`` over the argument vectors in turn (best round), timed
     by the probes' C loop (the same loop for both builds)."""
-    if lib.aipc_set_isa(native.ISAS[isa]) != 0:
-        raise ValueError(f"isa={isa} not on this CPU")
+    set_isa(lib, isa)
     return native_probes().time_calls(getattr(lib, entry), vectors, calls, 0.2)
 
 
@@ -68,8 +73,7 @@ def same_output(base: ctypes.CDLL, new: ctypes.CDLL, entry: str, vector: array, 
     with NaN before each call, so an output a build leaves unwritten differs)."""
     outs = []
     for lib in (base, new):
-        if lib.aipc_set_isa(native.ISAS[isa]) != 0:
-            raise ValueError(f"isa={isa} not on this CPU")
+        set_isa(lib, isa)
         y.fill_(float("nan"))
         if getattr(lib, entry)(vector.buffer_info()[0]) != 0:
             raise RuntimeError(f"{entry} failed under isa={isa}")
@@ -138,8 +142,7 @@ def segment_entry(lib: ctypes.CDLL, isa: str):
 
 def time_segment(fn, args: tuple, causal: bool, isa: str, lib: ctypes.CDLL, calls: int = 20) -> float:
     """Seconds per call of one build's ``aipc_segment_sdpa`` (best of ``calls``), run under ``isa``."""
-    if lib.aipc_set_isa(native.ISAS[isa]) != 0:
-        raise ValueError(f"isa={isa} not on this CPU")
+    set_isa(lib, isa)
     out = torch.empty(args[0].shape[0], args[0].shape[2], args[0].shape[1], args[0].shape[3])
     best = float("inf")
     for _ in range(calls):

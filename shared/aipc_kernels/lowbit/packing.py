@@ -14,7 +14,7 @@ scales ``[S][N/16][K/SB][16]``. ``triton_k32`` takes the two-level form only as 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,21 +102,21 @@ class PackedLowBit:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PackedLowBit":
+        """The same weight with ``fn`` applied to each of its tensors (the absent ones stay None)."""
+        def apply(t):
+            return None if t is None else fn(t)
+
+        return replace(self, qweight=fn(self.qweight), scales=fn(self.scales), zeros=apply(self.zeros),
+                       supers=apply(self.supers))  # fmt: skip
+
     def to(self, device: torch.device | str) -> "PackedLowBit":
         """The same weight with its tensors on ``device``."""
-        def move(t):
-            return None if t is None else t.to(device)
-
-        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device), zeros=move(self.zeros),
-                       supers=move(self.supers))  # fmt: skip
+        return self._map(lambda t: t.to(device))
 
     def clone(self) -> "PackedLowBit":
         """The same weight in tensors of its own (the benches' weight copies that outsize the cache)."""
-        def copy(t):
-            return None if t is None else t.clone()
-
-        return replace(self, qweight=self.qweight.clone(), scales=self.scales.clone(), zeros=copy(self.zeros),
-                       supers=copy(self.supers))  # fmt: skip
+        return self._map(torch.Tensor.clone)
 
 
 def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
