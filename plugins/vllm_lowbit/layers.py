@@ -34,6 +34,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)  # fmt: skip
 
 import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_linear)
+from aipc_kernels.lowbit.ops import a16_dequant
 from aipc_kernels.core.config_schema import Naming
 from aipc_kernels.lowbit import packing
 from aipc_kernels.lowbit.formats import FILE_GROUP_SIZES, LowBitWeight, fitting_group_size, resolve_group_size
@@ -128,9 +129,10 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, acti
     layer.lowbit_out_features = packed.out_features
     layer.lowbit_act_group = act_group
     layer.lowbit_a16 = activations == "float" and w.bits == 4
+    layer.lowbit_a16_dequant = a16_dequant(packed.layout)  # chosen once: a plain attribute under torch.compile
     layer.lowbit_split_rows = not layer.lowbit_a16 and splits_token_rows(layer, act_group)
     # on a CPU: the planned op (operands checked here, once; the per-call cost in C++), when built
-    layer.lowbit_cpu_call = plan_cpu_call(packed, act_group, "e0m4" if layer.lowbit_a16 else None)
+    layer.lowbit_cpu_call = plan_cpu_call(packed, act_group, layer.lowbit_a16_dequant if layer.lowbit_a16 else None)
     layer._already_called_process_weights_after_loading = True
 
 
@@ -155,8 +157,9 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
     """``x @ W^T + bias`` through ``aipc::lowbit_linear`` (its fake kernel makes it torch.compile-able);
     ``act_amax``: the op's per-token activation absmax, None for each token's own (a row-parallel layer
     over several ranks with per-token scales takes the whole row's: :func:`splits_token_rows`). A layer
-    installed with float activations runs ``aipc::lowbit_linear_a16`` (E0M4 dequantization) instead. On a
-    CPU each runs as its planned form (:mod:`aipc_kernels.lowbit.planned_ops`), operands checked at install."""
+    installed with float activations runs ``aipc::lowbit_linear_a16`` instead, with the dequantization
+    :func:`~aipc_kernels.lowbit.ops.a16_dequant` chose at install. On a CPU each runs as its planned form
+    (:mod:`aipc_kernels.lowbit.planned_ops`), operands checked at install."""
     if act_amax is None and layer.lowbit_split_rows:
         act_amax = whole_row_amax(x)
     if layer.lowbit_cpu_call is not None:
@@ -164,7 +167,7 @@ def apply_lowbit(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.T
     if layer.lowbit_a16:
         return torch.ops.aipc.lowbit_linear_a16(
             x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,
-            layer.lowbit_group_size, layer.lowbit_out_features, "e0m4",
+            layer.lowbit_group_size, layer.lowbit_out_features, layer.lowbit_a16_dequant,
         )  # fmt: skip
     return torch.ops.aipc.lowbit_linear(
         x, layer.qweight, layer.scales, layer.zeros, bias, layer.lowbit_layout, layer.lowbit_codebook,

@@ -129,7 +129,8 @@ class QuantizationConfigOptions(LowBit2Options):
     #: before ``lm_head``: true is ``lm_head: lowbit``, false is ``lm_head: float``
     quantize_lm_head: Optional[bool] = option(None)
     #: the linears' activations: ``int8`` (W*A8, quantized inside the kernel) or ``float`` (4-bit code books
-    #: only: the activation-exact W4A16 kernels, ``aipc::lowbit_linear_a16``, E0M4 dequantization); layers
+    #: only: the activation-exact W4A16 kernels, ``aipc::lowbit_linear_a16``; the codes dequantized as the CPU
+    #: kernel runs fastest, an int conversion on AVX2 and E0M4 elsewhere); layers
     #: that ``detect_grid`` stores in a 1-/2-bit code book and the output projection stay W*A8
     activations: str = option("int8", choices=("int8", "float"))
     #: what the converter read: a BitNet checkpoint, or a GGUF file (its blocks re-laid out exactly: the

@@ -44,13 +44,24 @@ def test_matches_float64_reference(isa, codebook, dequant, M, N, K, group, dtype
     _assert_exact(y, x, w, bias)
 
 
+@pytest.mark.parametrize("dequant", A16_DEQUANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activations_are_not_quantized(isa, dtype):
-    """One activation 1000x the others: int8 per-token scales would zero the small ones; W4A16 keeps them."""
+def test_activations_are_not_quantized(isa, dtype, dequant):
+    """One activation 1000x the others: int8 per-token scales would zero the small ones; W4A16 keeps them
+    (also where the AVX2 kernel's int dequantization scales x by up to 2^-24)."""
     w, p = _case(24, 256, "int4", 128, seed=3)
     x = torch.randn(2, 256).to(dtype) * 1e-3
     x[:, 7] = 1.0
-    _assert_exact(ops.lowbit_linear_a16(x, p, None, "e0m4"), x, w, None)
+    _assert_exact(ops.lowbit_linear_a16(x, p, None, dequant), x, w, None)
+
+
+def test_fastest_dequantization_follows_the_kernel(isa):
+    """int where the AVX2 kernel runs (a mask and a conversion per 8 codes against E0M4's three bit
+    operations), E0M4 where AVX-512's ternary logic makes it two: what a CPU-layout W4A16 call takes unless told;
+    the GPU layout takes E0M4."""
+    expected = "int" if isa in ("avx2", "avx_vnni") else "e0m4"
+    assert native.fastest_a16_dequant() == ops.a16_dequant() == ops.a16_dequant(packing.CPU_LAYOUT) == expected
+    assert ops.a16_dequant(packing.TRITON_LAYOUT) == "e0m4"
 
 
 def test_e0m4_and_int_dequantization_agree(isa):

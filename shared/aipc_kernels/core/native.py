@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-ABI_VERSION = 9  # AIPC_ABI_VERSION of the library this module binds
+ABI_VERSION = 10  # AIPC_ABI_VERSION of the library this module binds
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "amx_int8": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -72,6 +72,7 @@ def library() -> Optional[ctypes.CDLL]:
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_void_p]
     lib.aipc_bf16_dot_products.restype = ctypes.c_int
+    lib.aipc_lowbit_a16_fastest_dequant.restype = ctypes.c_int
     for fn in ("aipc_best_isa", "aipc_get_isa"):
         getattr(lib, fn).restype = ctypes.c_int
     lib.aipc_set_isa.argtypes = [ctypes.c_int]
@@ -282,6 +283,13 @@ def lowbit_linear_a16_into(
             f"aipc_lowbit_linear_a16 failed: {status_message(status)} (M={args[2]}, K={args[3]}, N={args[6]}, "
             f"group_size={group_size}, dequant={dequant})"
         )
+
+
+def fastest_a16_dequant() -> str:
+    """The dequantization (``e0m4`` / ``int``, :data:`DEQUANT_CODES`) the W4A16 kernel of the ISA in use runs
+    fastest: ``int`` on the AVX2 kernel (AVX2 and AVX-VNNI CPUs), ``e0m4`` elsewhere. Both are exact."""
+    code = _lib().aipc_lowbit_a16_fastest_dequant()
+    return next(name for name, c in DEQUANT_CODES.items() if c == code)
 
 
 def bf16_dot_products() -> bool:

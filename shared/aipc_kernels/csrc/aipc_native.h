@@ -12,7 +12,7 @@
 #define AIPC_API __attribute__((visibility("default")))
 
 /* Raised on any change of an entry point's arguments or of a code below. */
-#define AIPC_ABI_VERSION 9
+#define AIPC_ABI_VERSION 10
 
 /* Element types of activations, outputs, scales and K/V (names as torch's dtypes). */
 typedef enum {
@@ -136,6 +136,9 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
                                     const void *bias, void *y, int dequant, int nthreads);
 /* The same with its 16 arguments in one int64 vector (zero_const as a float32 bit pattern). */
 AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v);
+/* The aipc_dequant the W4A16 kernel of the ISA in use runs fastest: int on the AVX2 kernel (a mask and a
+ * conversion per 8 codes, e0m4 three bit operations there), e0m4 elsewhere (one ternary-logic op on AVX-512). */
+AIPC_API int aipc_lowbit_a16_fastest_dequant(void);
 
 /* ---------------------------------------------------------------- small-M dense linear (generic/dense_linear.c) */
 

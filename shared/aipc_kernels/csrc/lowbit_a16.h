@@ -9,13 +9,17 @@
 
 #define A16_M 4 /* tokens per tile: each dequantized vector feeds that many FMAs / dot products */
 
+/* The AVX2 kernel's int dequantization masks the code at k = 8c + p in place: bit offset 8 (p & 3) + 4 (p >> 2)
+ * of its lane, the top nibble (p = 7) shifted down. It takes x[k] scaled by 2^-A16_INT_SHIFT[p] (exact). */
+static const float A16_INT_SCALE[8] = {1.f, 0x1p-8f, 0x1p-16f, 0x1p-24f, 0x1p-4f, 0x1p-12f, 0x1p-20f, 1.f};
+
 typedef struct {
     const uint8_t *w;
     const void *scales, *zeros;
     int scale_dt;
     int64_t M, N, K, G;
     float zero_const;
-    const float *xf;     /* [M][K] float32 activations (FMA paths) */
+    const float *xf;     /* [M][K] float32 activations (FMA paths; AVX2 int: times A16_INT_SCALE[k % 8]) */
     const uint32_t *xp;  /* [M][K/2] bf16 pairs (k = 8c + kk, 8c + 4 + kk) at [m][4c + kk] (bf16 path) */
     const float *xs;     /* [M][K/G] group sums of x */
     const void *bias;

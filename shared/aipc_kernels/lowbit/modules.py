@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from aipc_kernels.lowbit.formats import LowBitWeight, fitting_group_size
-from aipc_kernels.lowbit.ops import lowbit_linear, lowbit_linear_a16
+from aipc_kernels.lowbit.ops import a16_dequant, lowbit_linear, lowbit_linear_a16
 from aipc_kernels.lowbit.packing import PackedLowBit, pack_for_cpu
 from aipc_kernels.lowbit.quantizers import quantize_weight
 
@@ -41,6 +41,7 @@ class LowBitLinear(nn.Module):
         self.codebook, self.group_size, self.act_group = weight.codebook, weight.group_size, act_group
         packed = pack_for_cpu(weight.single_level())  # two-level scales as their float32 products
         self.layout = packed.layout
+        self.dequant = a16_dequant(self.layout)  # W4A16: chosen here, outside any compiled region
         self.register_buffer("qweight", packed.qweight)
         self.register_buffer("scales", packed.scales)
         self.register_buffer("zeros", packed.zeros)
@@ -76,7 +77,7 @@ class LowBitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "float":
-            return lowbit_linear_a16(x, self.packed, self.bias)
+            return lowbit_linear_a16(x, self.packed, self.bias, self.dequant)
         return lowbit_linear(x, self.packed, self.bias, self.act_group)
 
     def extra_repr(self) -> str:

@@ -235,10 +235,19 @@ def _a16_fake(x, qweight, scales, zeros, bias, layout, codebook, group_size, out
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def a16_dequant(layout: str = CPU_LAYOUT) -> str:
+    """The dequantization W4A16 layers take: for the CPU layout the fastest one of the kernel the
+    ISA in use runs (:func:`aipc_kernels.core.native.fastest_a16_dequant`: ``int`` on AVX2, ``e0m4`` on
+    AVX-512), else ``e0m4``. Both are exact; they differ in float32 rounding only."""
+    return native.fastest_a16_dequant() if layout == CPU_LAYOUT and native.available() else "e0m4"
+
+
 def lowbit_linear_a16(
     x: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor] = None, dequant: str = "e0m4"
 ) -> torch.Tensor:
-    """``x @ W^T + bias`` for a packed 4-bit weight with unquantized activations (see the module docstring)."""
+    """``x @ W^T + bias`` for a packed 4-bit weight with unquantized activations (see the module docstring);
+    ``dequant``: ``e0m4`` or ``int`` (:func:`a16_dequant` says which runs fastest; decide it outside a
+    compiled region, it asks the native library)."""
     return torch.ops.aipc.lowbit_linear_a16(
         x, weight.qweight, weight.scales, weight.zeros, bias, weight.layout, weight.codebook,
         weight.group_size, weight.out_features, dequant,

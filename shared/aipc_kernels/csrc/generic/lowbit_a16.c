@@ -103,13 +103,19 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
     /* bf16 products (vdpbf16ps) only where the table's kernel is the AVX-512 one */
     const int use_bf16 =
         dt == AIPC_DT_BF16 && aipc_bf16_dot_products() && aipc_kernel_isa(AIPC_OP_A16) == AIPC_ISA_AVX512_VNNI;
+    /* the AVX2 kernel's int dequantization takes x scaled per nibble position (A16_INT_SCALE) */
+#ifdef AIPC_X86
+    const int prescale = dequant == AIPC_DEQUANT_INT && kernel == a16_block_avx2;
+#else
+    const int prescale = 0;
+#endif
     const int64_t ng = K / G;
     float *xs = (float *)malloc((size_t)(M * ng) * sizeof(float));
     float *xf = NULL;
     uint32_t *xp = NULL;
     if (use_bf16) xp = (uint32_t *)malloc((size_t)(M * K / 2) * sizeof(uint32_t));
-    else if (dt != AIPC_DT_F32) xf = (float *)malloc((size_t)(M * K) * sizeof(float));
-    if (!xs || (use_bf16 && !xp) || (!use_bf16 && dt != AIPC_DT_F32 && !xf)) {
+    else if (dt != AIPC_DT_F32 || prescale) xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (!xs || (use_bf16 && !xp) || (!use_bf16 && (dt != AIPC_DT_F32 || prescale) && !xf)) {
         status = AIPC_ERR_NOMEM;
         goto cleanup;
     }
@@ -120,7 +126,7 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
             for (int64_t k = g * G; k < (g + 1) * G; k++) {
                 const float v = load_f(x, m * K + k, dt);
                 sum += v;
-                if (xf) xf[m * K + k] = v;
+                if (xf) xf[m * K + k] = prescale ? v * A16_INT_SCALE[k % 8] : v;
             }
             xs[m * ng + g] = sum;
         }
@@ -151,4 +157,11 @@ AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v) {
     return aipc_lowbit_linear_a16((const void *)v[0], (int)v[1], v[2], v[3], (const uint8_t *)v[4], (int)v[5], v[6],
                                   (const void *)v[7], (const void *)v[8], (int)v[9], v[10], zero_const,
                                   (const void *)v[12], (void *)v[13], (int)v[14], (int)v[15]);
+}
+
+AIPC_API int aipc_lowbit_a16_fastest_dequant(void) {
+#ifdef AIPC_X86
+    if (aipc_kernels()->a16_block == a16_block_avx2) return AIPC_DEQUANT_INT;
+#endif
+    return AIPC_DEQUANT_E0M4;
 }

@@ -1,7 +1,9 @@
 /*
  * AVX2 (+ FMA, F16C) kernel of the activation-exact W4A16 linear (generic/lowbit_a16.c says the formula
  * and layout), also the AVX-VNNI CPUs' (VNNI adds nothing to float products): the 16 rows in two halves
- * of 8 float lanes, x in float32, one FMA per k and half; e0m4 dequantizes with a shift, an AND and an OR.
+ * of 8 float lanes, x in float32, one FMA per k and half. e0m4 dequantizes with a shift, an AND and an OR
+ * (AVX2 has no ternary-logic op); int with an AND and a conversion: the code stays where the lane holds
+ * it, c << OFF, and x comes scaled by 2^-OFF (A16_INT_SHIFT), so each product is x c exactly.
  */
 #include <immintrin.h>
 
@@ -23,22 +25,24 @@ static inline T256 __m256 load8_scales(const void *p, int64_t i, int dt) {
         _mm256_and_si256((OFF) <= 19 ? _mm256_slli_epi32(w, 19 - (OFF) < 0 ? 0 : 19 - (OFF))                      \
                                      : _mm256_srli_epi32(w, (OFF) - 19 < 0 ? 0 : (OFF) - 19), m_e0),              \
         one))
+/* c << OFF as float (x scaled by 2^-OFF makes the product x c); the top nibble shifted down (a mask would
+ * leave it signed) */
 #define INT_F32_256(w, OFF)                                                                                           \
-    _mm256_cvtepi32_ps((OFF) == 28 ? _mm256_srli_epi32(w, 28) : _mm256_and_si256(_mm256_srli_epi32(w, OFF), m_nib))
+    _mm256_cvtepi32_ps((OFF) == 28 ? _mm256_srli_epi32(w, 28) : _mm256_and_si256(w, _mm256_set1_epi32(0xF << (OFF))))
 
 /* float32 activations: per chunk the two 32-byte halves (rows 0-7, 8-15), 8 dequantized vectors each, each
- * times MT broadcast activations. CH chains per half and token (2 while few tokens leave the FMA latency
- * exposed, 1 once MT tokens give enough independent chains in 16 registers). */
+ * times MT broadcast activations. CH chains per half and token: 8 chains in all while few tokens leave the
+ * FMA latency exposed (4 cycles, two FMA units), 1 per half and token from MT = 3. */
 static inline T256 __attribute__((always_inline)) void a16_tile_fma256(const a16_args *a, int64_t nb, int64_t m0,
                                                                         const int MT, const int E0M4) {
     const int64_t ng = a->K / a->G, cpg = a->G / 8, K = a->K;
-    const int CH = MT <= 2 ? 2 : 1;
+    const int CH = MT == 1 ? 4 : MT == 2 ? 2 : 1;
     const uint8_t *wb = a->w + nb * (K / 8) * CHUNK_BYTES;
-    const __m256i m_e0 = _mm256_set1_epi32(0x00780000), one = _mm256_set1_epi32(0x3F800000), m_nib = _mm256_set1_epi32(0xF);
+    const __m256i m_e0 = _mm256_set1_epi32(0x00780000), one = _mm256_set1_epi32(0x3F800000);
     __m256 acc[A16_M][2];
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        __m256 d[2][A16_M][2]; /* [chain][token][half] */
+        __m256 d[4][A16_M][2]; /* [chain][token][half] */
         for (int ch = 0; ch < CH; ch++)
             for (int i = 0; i < MT; i++) d[ch][i][0] = d[ch][i][1] = _mm256_setzero_ps();
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
@@ -49,7 +53,7 @@ static inline T256 __attribute__((always_inline)) void a16_tile_fma256(const a16
             const float *xc = a->xf + m0 * K + c * 8;
 #define A16_FMA256(P, OFF)                                                                                            \
     do {                                                                                                              \
-        const int ch = CH == 2 ? (P) & 1 : 0;                                                                         \
+        const int ch = (P) & (CH - 1);                                                                         \
         const __m256 v0 = E0M4 ? E0M4_F32_256(w0, OFF) : INT_F32_256(w0, OFF);                                       \
         const __m256 v1 = E0M4 ? E0M4_F32_256(w1, OFF) : INT_F32_256(w1, OFF);                                       \
         for (int i = 0; i < MT; i++) {                                                                                \
@@ -77,7 +81,9 @@ static inline T256 __attribute__((always_inline)) void a16_tile_fma256(const a16
             const __m256 B = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s, a->dequant == AIPC_DEQUANT_INT
                                                                                      ? z : _mm256_add_ps(_mm256_set1_ps(16.f), z)));
             for (int i = 0; i < MT; i++) {
-                const __m256 dot = CH == 2 ? _mm256_add_ps(d[0][i][h], d[1][i][h]) : d[0][i][h];
+                const __m256 dot = CH == 4   ? _mm256_add_ps(_mm256_add_ps(d[0][i][h], d[1][i][h]), _mm256_add_ps(d[2][i][h], d[3][i][h]))
+                                  : CH == 2 ? _mm256_add_ps(d[0][i][h], d[1][i][h])
+                                            : d[0][i][h];
                 acc[i][h] = _mm256_fmadd_ps(A, dot, acc[i][h]);
                 acc[i][h] = _mm256_fmadd_ps(B, _mm256_set1_ps(a->xs[(m0 + i) * ng + g]), acc[i][h]);
             }
