@@ -76,6 +76,35 @@ void a16_block_scalar(const a16_args *a, int64_t nb, int use_bf16) {
 
 /* ------------------------------------------------------------------------------------ entry */
 
+static const float A16_NO_SCALE[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+
+/* One row of x (elements at..at+K of x): xf (float32, element k times scale[k % 8]; NULL: not wanted) and xs,
+ * each group's sum of the unscaled values in 8 partial sums (k % 8) added in a fixed order: no float add
+ * waits on the one before it, and the loops vectorize. */
+static void a16_prepare_row(const void *x, int dt, int64_t at, int64_t K, int64_t G, const float *scale, float *xf,
+                            float *xs) {
+    for (int64_t g = 0; g < K / G; g++) {
+        float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+            float v[8];
+            switch (dt) {
+            case AIPC_DT_BF16:
+                for (int j = 0; j < 8; j++) v[j] = bf16_to_f32(((const uint16_t *)x)[at + k + j]);
+                break;
+            case AIPC_DT_F16:
+                for (int j = 0; j < 8; j++) v[j] = f16_to_f32(((const uint16_t *)x)[at + k + j]);
+                break;
+            default:
+                for (int j = 0; j < 8; j++) v[j] = ((const float *)x)[at + k + j];
+            }
+            for (int j = 0; j < 8; j++) part[j] += v[j];
+            if (xf)
+                for (int j = 0; j < 8; j++) xf[k + j] = v[j] * scale[j];
+        }
+        xs[g] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    }
+}
+
 static int a16_check(const void *x, int dt, int64_t M, int64_t K, const uint8_t *w, int bits, int64_t N,
                      const void *scales, const void *zeros, int scale_dt, int64_t G, float zero_const, const void *y,
                      int dequant, int nthreads) {
@@ -119,17 +148,10 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
         status = AIPC_ERR_NOMEM;
         goto cleanup;
     }
-    /* the activations as the kernel reads them, and their group sums (float32, in k order) */
+    /* the activations as the kernel reads them, and their group sums */
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t g = 0; g < ng; g++) {
-            float sum = 0.f;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                const float v = load_f(x, m * K + k, dt);
-                sum += v;
-                if (xf) xf[m * K + k] = prescale ? v * A16_INT_SCALE[k % 8] : v;
-            }
-            xs[m * ng + g] = sum;
-        }
+        a16_prepare_row(x, dt, m * K, K, G, prescale ? A16_INT_SCALE : A16_NO_SCALE, xf ? xf + m * K : NULL,
+                        xs + m * ng);
         if (xp) {
             const uint16_t *xb = (const uint16_t *)x + m * K;
             for (int64_t c = 0; c < K / 8; c++)

@@ -3,7 +3,7 @@
  * and layout), also the AVX-VNNI CPUs' (VNNI adds nothing to float products): the 16 rows in two halves
  * of 8 float lanes, x in float32, one FMA per k and half. e0m4 dequantizes with a shift, an AND and an OR
  * (AVX2 has no ternary-logic op); int with an AND and a conversion: the code stays where the lane holds
- * it, c << OFF, and x comes scaled by 2^-OFF (A16_INT_SHIFT), so each product is x c exactly.
+ * it, c << OFF, and x comes scaled by 2^-OFF (A16_INT_SCALE), so each product is x c exactly.
  */
 #include <immintrin.h>
 
@@ -42,9 +42,8 @@ static inline T256 __attribute__((always_inline)) void a16_tile_fma256(const a16
     __m256 acc[A16_M][2];
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        __m256 d[4][A16_M][2]; /* [chain][token][half] */
-        for (int ch = 0; ch < CH; ch++)
-            for (int i = 0; i < MT; i++) d[ch][i][0] = d[ch][i][1] = _mm256_setzero_ps();
+        __m256 d[A16_M][2]; /* [chain * MT + token][half]: CH * MT <= A16_M, small enough to stay in registers */
+        for (int j = 0; j < CH * MT; j++) d[j][0] = d[j][1] = _mm256_setzero_ps();
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
             _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wb + c * CHUNK_BYTES);
@@ -58,8 +57,8 @@ static inline T256 __attribute__((always_inline)) void a16_tile_fma256(const a16
         const __m256 v1 = E0M4 ? E0M4_F32_256(w1, OFF) : INT_F32_256(w1, OFF);                                       \
         for (int i = 0; i < MT; i++) {                                                                                \
             const __m256 xb = _mm256_broadcast_ss(xc + i * K + (P));                                                  \
-            d[ch][i][0] = _mm256_fmadd_ps(xb, v0, d[ch][i][0]);                                                       \
-            d[ch][i][1] = _mm256_fmadd_ps(xb, v1, d[ch][i][1]);                                                       \
+            d[ch * MT + i][0] = _mm256_fmadd_ps(xb, v0, d[ch * MT + i][0]);                                           \
+            d[ch * MT + i][1] = _mm256_fmadd_ps(xb, v1, d[ch * MT + i][1]);                                           \
         }                                                                                                             \
     } while (0)
             /* k = 8c + P: byte kk = P & 3, nibble q = P >> 2, bit offset 8 kk + 4 q */
@@ -81,9 +80,10 @@ static inline T256 __attribute__((always_inline)) void a16_tile_fma256(const a16
             const __m256 B = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s, a->dequant == AIPC_DEQUANT_INT
                                                                                      ? z : _mm256_add_ps(_mm256_set1_ps(16.f), z)));
             for (int i = 0; i < MT; i++) {
-                const __m256 dot = CH == 4   ? _mm256_add_ps(_mm256_add_ps(d[0][i][h], d[1][i][h]), _mm256_add_ps(d[2][i][h], d[3][i][h]))
-                                  : CH == 2 ? _mm256_add_ps(d[0][i][h], d[1][i][h])
-                                            : d[0][i][h];
+                const __m256 dot = CH == 4   ? _mm256_add_ps(_mm256_add_ps(d[i][h], d[MT + i][h]),
+                                                             _mm256_add_ps(d[2 * MT + i][h], d[3 * MT + i][h]))
+                                   : CH == 2 ? _mm256_add_ps(d[i][h], d[MT + i][h])
+                                             : d[i][h];
                 acc[i][h] = _mm256_fmadd_ps(A, dot, acc[i][h]);
                 acc[i][h] = _mm256_fmadd_ps(B, _mm256_set1_ps(a->xs[(m0 + i) * ng + g]), acc[i][h]);
             }
