@@ -10,7 +10,7 @@
 #define A16_M 4 /* tokens per tile: each dequantized vector feeds that many FMAs / dot products */
 
 /* The AVX2 kernel's int dequantization masks the code at k = 8c + p in place: bit offset 8 (p & 3) + 4 (p >> 2)
- * of its lane, the top nibble (p = 7) shifted down. It takes x[k] scaled by 2^-A16_INT_SHIFT[p] (exact). */
+ * of its lane, the top nibble (p = 7) shifted down. It takes x[k] times A16_INT_SCALE[p], 2^-offset (exact). */
 static const float A16_INT_SCALE[8] = {1.f, 0x1p-8f, 0x1p-16f, 0x1p-24f, 0x1p-4f, 0x1p-12f, 0x1p-20f, 1.f};
 
 typedef struct {

@@ -9,7 +9,8 @@
  * Li et al., table "FP4 vs INT4 dequantization"):
  *   e0m4: v = as_float(0x3F800000 | c << 19) = 1 + c/16 (bf16: 0x3F80 | c << 3), a shift and one
  *         ternary-logic op; A = 16 s, B = -s (16 + z)   (w = s (c - z) = 16 s v - s (16 + z))
- *   int:  v = (float)c, a shift, a mask and an int-to-float conversion; A = s, B = -s z.
+ *   int:  v = (float)c, a shift, a mask and an int-to-float conversion (the AVX2 kernel: a mask in place and
+ *         the conversion, x scaled instead; lowbit_a16.h); A = s, B = -s z.
  * Both are exact for every 4-bit code book (fixed zero_const or stored integer/float zeros).
  *
  * Layout: a 64-byte chunk of a row block holds 16 rows x 8 k: lane n (32 bits) byte kk has the code of
