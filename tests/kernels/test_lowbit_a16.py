@@ -57,7 +57,7 @@ def test_activations_are_not_quantized(isa, dtype, dequant):
 
 def test_fastest_dequantization_follows_the_kernel(isa):
     """int where the AVX2 kernel runs (a mask and a conversion per 8 codes against E0M4's three bit
-    operations), E0M4 where AVX-512's ternary logic makes it two: what a CPU-layout W4A16 call takes unless told;
+    operations), E0M4 where AVX-512's ternary logic makes it two: what W4A16 layers on the CPU layout take;
     the GPU layout takes E0M4."""
     expected = "int" if isa in ("avx2", "avx_vnni") else "e0m4"
     assert native.fastest_a16_dequant() == ops.a16_dequant() == ops.a16_dequant(packing.CPU_LAYOUT) == expected

@@ -79,6 +79,17 @@ void a16_block_scalar(const a16_args *a, int64_t nb, int use_bf16) {
 
 static const float A16_NO_SCALE[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
 
+/* Whether `kernel` reads int codes in place (the AVX2 kernel: x scaled by A16_INT_SCALE, a mask and a conversion
+ * per 8 codes, which makes int its fastest dequantization). */
+static int a16_int_in_place(a16_block_fn kernel) {
+#ifdef AIPC_X86
+    return kernel == a16_block_avx2;
+#else
+    (void)kernel;
+    return 0;
+#endif
+}
+
 /* One row of x (elements at..at+K of x): xf (float32, element k times scale[k % 8]; NULL: not wanted) and xs,
  * each group's sum of the unscaled values in 8 partial sums (k % 8) added in a fixed order: no float add
  * waits on the one before it, and the loops vectorize. */
@@ -133,19 +144,16 @@ AIPC_API int aipc_lowbit_linear_a16(const void *x, int dt, int64_t M, int64_t K,
     /* bf16 products (vdpbf16ps) only where the table's kernel is the AVX-512 one */
     const int use_bf16 =
         dt == AIPC_DT_BF16 && aipc_bf16_dot_products() && aipc_kernel_isa(AIPC_OP_A16) == AIPC_ISA_AVX512_VNNI;
-    /* the AVX2 kernel's int dequantization takes x scaled per nibble position (A16_INT_SCALE) */
-#ifdef AIPC_X86
-    const int prescale = dequant == AIPC_DEQUANT_INT && kernel == a16_block_avx2;
-#else
-    const int prescale = 0;
-#endif
+    const int prescale = dequant == AIPC_DEQUANT_INT && a16_int_in_place(kernel);
+    /* float32 activations of their own: converted from bf16 / fp16, or scaled for the in-place int codes */
+    const int want_xf = !use_bf16 && (dt != AIPC_DT_F32 || prescale);
     const int64_t ng = K / G;
     float *xs = (float *)malloc((size_t)(M * ng) * sizeof(float));
     float *xf = NULL;
     uint32_t *xp = NULL;
     if (use_bf16) xp = (uint32_t *)malloc((size_t)(M * K / 2) * sizeof(uint32_t));
-    else if (dt != AIPC_DT_F32 || prescale) xf = (float *)malloc((size_t)(M * K) * sizeof(float));
-    if (!xs || (use_bf16 && !xp) || (!use_bf16 && (dt != AIPC_DT_F32 || prescale) && !xf)) {
+    else if (want_xf) xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (!xs || (use_bf16 && !xp) || (want_xf && !xf)) {
         status = AIPC_ERR_NOMEM;
         goto cleanup;
     }
@@ -183,8 +191,5 @@ AIPC_API int aipc_lowbit_linear_a16_v(const int64_t *v) {
 }
 
 AIPC_API int aipc_lowbit_a16_fastest_dequant(void) {
-#ifdef AIPC_X86
-    if (aipc_kernels()->a16_block == a16_block_avx2) return AIPC_DEQUANT_INT;
-#endif
-    return AIPC_DEQUANT_E0M4;
+    return a16_int_in_place(aipc_kernels()->a16_block) ? AIPC_DEQUANT_INT : AIPC_DEQUANT_E0M4;
 }
