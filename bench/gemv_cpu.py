@@ -98,6 +98,13 @@ OUR_CONFIGS = {
     "w8a8_vnni": ("int8", -1, "avx512_vnni"),
 }
 OUR_CONFIGS.update({general: OUR_CONFIGS[kind] for general, kind in GENERAL_OP.items()})
+# our W*A8 kinds on the run's own ISA (its int8 dot product bounds them at M > 1), and the W4A16 kinds with
+# int dequantization (on AVX2 / AVX-VNNI its mask-convert-FMA mix bounds them at M=1)
+INT_KINDS = tuple(k for k, (_, _, isa) in OUR_CONFIGS.items() if isa is None)
+A16_INT_KINDS = tuple(k for k, c in A16_CONFIGS.items() if c[2] == "int")
+# the instruction each int8 dot peak times (bench/native_probes.int8_dot_peak)
+DOT_INSTRUCTION = {"avx2": "vpmaddubsw + 16-bit adds, 256-bit", "avx_vnni": "vpdpbusd, 256-bit",
+                   "avx512_vnni": "vpdpbusd, 512-bit"}
 
 
 def make_weights(kind: str, w: torch.Tensor):
@@ -263,6 +270,21 @@ def fma_peak_of_run() -> tuple[int, float] | None:
     return (bits, native_probes().fma_peak(bits, torch.get_num_threads())) if bits else None
 
 
+def dot_peak_of_run() -> tuple[str, float] | None:
+    """(ISA, u8 x s8 multiply-adds per second) of the run's int8 dot product instruction (AIPC_ISA's, else the
+    CPU's best) on register operands, torch's threads: the W*A8 kernels' compute bound at M > 1; None for
+    portable C and AMX (its tiles are another instruction)."""
+    isa = native.get_isa() if native.available() else "scalar"
+    return (isa, native_probes().int8_dot_peak(isa, torch.get_num_threads())) if isa in native_probes().DOT_ISAS else None
+
+
+def dequant_peak_of_run() -> float | None:
+    """Multiply-adds per second of the AVX2 W4A16 kernel's int dequantization mix (mask, convert, FMA per 8
+    weights) where the run's W4A16 kernel is that one (AVX2 / AVX-VNNI), else None: its bound at M=1."""
+    isa = native.get_isa() if native.available() else "scalar"
+    return native_probes().dequant_fma_peak(torch.get_num_threads()) if isa in ("avx2", "avx_vnni") else None
+
+
 def main() -> None:
     ap = BenchParser("gemv_cpu", __doc__, PEERS + OURS + (READ,), what="kinds (rows per shape and M)", group="cpu")
     ap.add_argument("--ms", default="1,4,16,128")
@@ -290,12 +312,18 @@ def main() -> None:
         info = machine_info()
         rows = measure(shapes, kinds, ms, rotate, args.rounds)
         fma = fma_peak_of_run() if any(k in FLOAT_KINDS for k in kinds) else None
+        dq = dequant_peak_of_run() if any(k in A16_CONFIGS for k in kinds) else None
+        dot = dot_peak_of_run() if any(k in INT_KINDS for k in kinds) else None
         load_after = os.getloadavg()
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for r in rows:
         r["run"] = f"{stamp}, load {info['loadavg'][0]:.2f}"
         if fma and r["kind"] in FLOAT_KINDS:
             r["pct_fma"], r["fma_bits"] = 100 * r["gmacs"] * 1e9 / fma[1], fma[0]
+        if dq and r["kind"] in A16_INT_KINDS:
+            r["pct_dq"] = 100 * r["gmacs"] * 1e9 / dq
+        if dot and r["kind"] in INT_KINDS:
+            r["pct_dot"], r["dot_isa"] = 100 * r["gmacs"] * 1e9 / dot[1], dot[0]
     if args.update and (Path(args.out) / f"{args.name}.json").exists():
         kept = [r for r in read_results(args.out, args.name)["rows"] if r["shape"] not in shapes]
         order = list(SHAPES)
@@ -319,14 +347,22 @@ def main() -> None:
              + (f"; pct_fma (float kinds: {', '.join(k for k in FLOAT_KINDS if k in kinds)}) = of the float32 FMA peak of "
                 f"the run's vector width, {fma[1] / 1e9:.1f} GMAC/s ({fma[0]}-bit FMAs, {threads} threads: the probes' "
                 f"`aipc_fma_peak`, 12 independent chains per thread; AVX512-BF16 dot products, two multiply-adds "
-                f"a lane, can pass it)" if fma else "") + "."
+                f"a lane, can pass it)" if fma else "")
+             + (f"; pct_dq ({', '.join(k for k in A16_INT_KINDS if k in kinds)}) = of the multiply-adds per second of the "
+                f"AVX2 W4A16 kernel's int dequantization mix on registers (mask the code in place, convert, FMA per 8 "
+                f"weights; the probes' `aipc_dequant_fma_peak`), {dq / 1e9:.1f} GMAC/s: no kernel of that mix "
+                f"multiplies faster at M=1, where each weight is used once" if dq else "")
+             + (f"; pct_dot (our W*A8 kinds) = of the {dot[0]} int8 dot product instruction's multiply-adds per second "
+                f"on registers ({DOT_INSTRUCTION[dot[0]]}; the probes' `aipc_int8_dot_peak`), {dot[1] / 1e9:.1f} "
+                f"GMAC/s: their compute bound at M > 1" if dot else "") + "."
              + (" --update: the rows of shapes not named were kept from the previous file (see Runs)." if args.update else ""))
     runs = sorted({(r.get("run", "?"), r["shape"]) for r in rows})
     body = "Runs (shape: when, load average at its start): " + "; ".join(
         f"{sh}: {run}" for run, sh in sorted(runs, key=lambda t: list(SHAPES).index(t[1]) if t[1] in SHAPES else 99)) + "\n\n"
     cols = ["shape", "M", "kind", "us", "gbs", "pct_bw", "kernel_us", "op_over_kernel", "kernel_pct_bw", "kernel_pct_read",
-            "kernel_pct_own_read", "x_bf16", "x_fp32", "x_int8", "x_int4", "gmacs"] + (["pct_fma"] if fma else [])
-    lines = summary(rows, ms, fma)
+            "kernel_pct_own_read", "x_bf16", "x_fp32", "x_int8", "x_int4", "gmacs"] + (["pct_fma"] if fma else []) + (
+        ["pct_dq"] if dq else []) + (["pct_dot"] if dot else [])
+    lines = summary(rows, ms, fma, dq, dot)
     body += ("\n".join(lines) + "\n\n" if lines else "") + markdown_table(rows, cols) + "\n"
     write_results(args.out, args.name, "Low-bit GEMV/GEMM on CPU", info, rows, body, notes)
     plot(rows, stem, threads, info["cpu"])
@@ -394,9 +430,12 @@ def measure(shapes: dict, kinds: list[str], ms: list[int], rotate: float, rounds
     return rows
 
 
-def summary(rows: list[dict], ms: list[int], fma: tuple[int, float] | None = None) -> list[str]:
+def summary(rows: list[dict], ms: list[int], fma: tuple[int, float] | None = None, dq: float | None = None,
+            dot: tuple[str, float] | None = None) -> list[str]:
     """One line per kind of ours and M over the Llama-3-8B shapes: share of the read bandwidth, speed-ups;
-    with ``fma`` (:func:`fma_peak_of_run`), the W4A16 kinds' time against W4A8's, measured and at that peak."""
+    with ``fma`` (:func:`fma_peak_of_run`), the W4A16 kinds' time against W4A8's, measured and at that peak,
+    and with ``dq`` (:func:`dequant_peak_of_run`) at M=1 at the bound of the int dequantization mix; with
+    ``dot`` (:func:`dot_peak_of_run`), our W*A8 kinds' share of the int8 dot peak at M > 1 over all shapes."""
     def span(sel: list[dict], key: str, fmt: str) -> str:
         vals = [r[key] for r in sel if r.get(key) is not None]
         return f"{min(vals):{fmt}}-{max(vals):{fmt}}" if len(vals) == len(sel) else ""
@@ -440,9 +479,20 @@ def summary(rows: list[dict], ms: list[int], fma: tuple[int, float] | None = Non
             ratio = [r["us"] / w48[r["shape"]] for r in sel]
             at_peak = [r["us"] * r["pct_fma"] / 100 / w48[r["shape"]] for r in sel]
             pct = [r["pct_fma"] for r in sel]
+            at_dq = ([r["us"] * r["pct_dq"] / 100 / w48[r["shape"]] for r in sel]
+                     if M == 1 and all("pct_dq" in r for r in sel) else None)
             lines.append(f"- {kind} M={M}: {min(pct):.0f}-{max(pct):.0f}% of the float32 FMA peak ({fma[1] / 1e9:.1f} "
                          f"GMAC/s, {fma[0]}-bit); time / W4A8's {min(ratio):.2f}-{max(ratio):.2f}x, at the FMA peak "
-                         f"{min(at_peak):.2f}-{max(at_peak):.2f}x over {len(sel)} shapes")
+                         f"{min(at_peak):.2f}-{max(at_peak):.2f}x over {len(sel)} shapes"
+                         + (f"; {min(r['pct_dq'] for r in sel):.0f}-{max(r['pct_dq'] for r in sel):.0f}% of the int "
+                            f"dequantization mix's bound ({dq / 1e9:.1f} GMAC/s), at that bound {min(at_dq):.2f}-"
+                            f"{max(at_dq):.2f}x W4A8's time" if at_dq else ""))
+    for kind in (k for k in OURS if k in INT_KINDS) if dot else ():
+        for M in (m for m in ms if m > 1):
+            sel = [r for r in rows if r["M"] == M and r["kind"] == kind and "pct_dot" in r]
+            if sel:
+                lines.append(f"- {kind} M={M}: {min(r['pct_dot'] for r in sel):.0f}-{max(r['pct_dot'] for r in sel):.0f}% "
+                             f"of the {dot[0]} int8 dot peak ({dot[1] / 1e9:.1f} GMAC/s) over {len(sel)} shapes")
     return lines
 
 

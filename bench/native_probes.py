@@ -3,6 +3,10 @@
 
 * :func:`stream_read`: a read-bandwidth probe that streams memory with the low-bit kernels' prefetch;
 * :func:`fma_peak`: the float32 multiply-add peak of 256- or 512-bit FMAs (the float kernels' compute bound);
+* :func:`dequant_fma_peak`: the same with the AVX2 W4A16 kernel's int dequantization before each FMA (its bound
+  at M=1, where each weight is used once);
+* :func:`int8_dot_peak`: the int8 dot product instruction of an ISA on register operands (the W*A8 kernels'
+  compute bound at M > 1);
 * :func:`time_calls` / :func:`time_lowbit_linear` / :func:`time_stream_read`: loops timed in C (best
   round over operand sets called in turn), so no interpreter runs between the calls.
 """
@@ -35,6 +39,10 @@ def library() -> ctypes.CDLL:
     lib.aipc_time_vector_calls.argtypes = [vp, vp, i64, i64, ctypes.c_double]
     lib.aipc_fma_peak.restype = ctypes.c_double
     lib.aipc_fma_peak.argtypes = [ctypes.c_int, ctypes.c_int, i64]
+    lib.aipc_dequant_fma_peak.restype = ctypes.c_double
+    lib.aipc_dequant_fma_peak.argtypes = [ctypes.c_int, i64]
+    lib.aipc_int8_dot_peak.restype = ctypes.c_double
+    lib.aipc_int8_dot_peak.argtypes = [ctypes.c_int, ctypes.c_int, i64]
     lib.aipc_time_stream_read.restype = ctypes.c_double
     lib.aipc_time_stream_read.argtypes = [vp, i64, i64, ctypes.c_int, i64, ctypes.c_double]
     return lib
@@ -59,6 +67,35 @@ def fma_peak(bits: int = 256, threads: Optional[int] = None, iters: int = 20_000
     r = library().aipc_fma_peak(bits, threads or torch.get_num_threads(), iters)
     if r < 0:
         raise RuntimeError(f"fma_peak: {native.status_message(int(r))} (no {bits}-bit FMA on this CPU or build)")
+    return r
+
+
+def dequant_fma_peak(threads: Optional[int] = None, iters: int = 20_000_000) -> float:
+    """Float32 multiply-adds per second of ``threads`` threads running the AVX2 W4A16 kernel's int
+    dequantization mix per 8 weights (mask the code in place, convert, FMA), best of three rounds."""
+    if iters <= 0:
+        raise ValueError(f"dequant_fma_peak: iters={iters} must be > 0 (default 20_000_000)")
+    r = library().aipc_dequant_fma_peak(threads or torch.get_num_threads(), iters)
+    if r < 0:
+        raise RuntimeError(f"dequant_fma_peak: {native.status_message(int(r))} (needs AVX2 + FMA)")
+    return r
+
+
+#: :func:`int8_dot_peak`'s ISAs: the dot product instruction each runs (the W*A8 kernels' inner loop there)
+DOT_ISAS = {"avx2": 0, "avx_vnni": 1, "avx512_vnni": 2}
+
+
+def int8_dot_peak(isa: str, threads: Optional[int] = None, iters: int = 20_000_000) -> float:
+    """u8 x s8 multiply-adds per second of ``threads`` threads running ``isa``'s int8 dot product on register
+    operands (``avx2``: vpmaddubsw with the 16-bit adds its tiles sum in; ``avx_vnni`` / ``avx512_vnni``:
+    vpdpbusd on 256 / 512 bits), best of three rounds."""
+    if isa not in DOT_ISAS:
+        raise ValueError(f"int8_dot_peak: isa={isa!r}; use one of {sorted(DOT_ISAS)}")
+    if iters <= 0:
+        raise ValueError(f"int8_dot_peak: iters={iters} must be > 0 (default 20_000_000)")
+    r = library().aipc_int8_dot_peak(DOT_ISAS[isa], threads or torch.get_num_threads(), iters)
+    if r < 0:
+        raise RuntimeError(f"int8_dot_peak: {native.status_message(int(r))} (this CPU has no {isa} dot product)")
     return r
 
 

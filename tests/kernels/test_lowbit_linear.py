@@ -233,6 +233,32 @@ def test_fma_peak_probe_answers_or_names_what_is_missing():
         probes.fma_peak(256, threads=1, iters=0)
 
 
+def test_instruction_mix_probes_answer_or_name_what_is_missing():
+    """The compute bounds bench/gemv_cpu.py puts rows against: the W4A16 int dequantization mix
+    (``dequant_fma_peak``, AVX2 + FMA) and the int8 dot product of each ISA (``int8_dot_peak``): a positive
+    rate where the CPU has the instructions, a clear error naming the ISA where it does not, and ValueErrors
+    for an unknown ISA or no iterations."""
+    probes = _bench_probes()
+    flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
+    if {"avx2", "fma"} <= flags:
+        assert 0 < probes.dequant_fma_peak(threads=1, iters=1000) < math.inf
+    else:
+        with pytest.raises(RuntimeError, match="needs AVX2"):
+            probes.dequant_fma_peak(threads=1, iters=1000)
+    for isa, needs in (("avx2", {"avx2"}), ("avx_vnni", {"avx2", "avx_vnni"}), ("avx512_vnni", {"avx512bw", "avx512_vnni"})):
+        if needs <= flags:
+            assert 0 < probes.int8_dot_peak(isa, threads=1, iters=1000) < math.inf
+        else:
+            with pytest.raises(RuntimeError, match=f"no {isa} dot product"):
+                probes.int8_dot_peak(isa, threads=1, iters=1000)
+    with pytest.raises(ValueError, match="isa='amx_int8'"):
+        probes.int8_dot_peak("amx_int8")
+    with pytest.raises(ValueError, match="iters=0"):
+        probes.int8_dot_peak("avx2", threads=1, iters=0)
+    with pytest.raises(ValueError, match="iters=0"):
+        probes.dequant_fma_peak(threads=1, iters=0)
+
+
 @pytest.mark.parametrize("codebook, K, top", [("int8", 4096, 127), ("int4", 32768, 7)])
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_wide_codes_cancel_exactly(isa, M, codebook, K, top):

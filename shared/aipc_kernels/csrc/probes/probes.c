@@ -80,6 +80,24 @@ FMA_SPAN(fma_span256, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm25
 FMA_SPAN(fma_span512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32)
 #endif
 
+/* Multiply-adds per second of `nthreads` threads running `span`, best of three rounds of `iters` iterations
+ * of `macs` multiply-adds each (the probes below share it). */
+static double peak_rate(float (*span)(int64_t, float), int nthreads, int64_t iters, double macs) {
+    double best = 1e30;
+    volatile float sink = 0.f;
+    for (int round = 0; round < 3; round++) {
+        const double t0 = omp_get_wtime();
+        float total = 0.f;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+        total += span(iters, (float)omp_get_thread_num());
+        const double dt = omp_get_wtime() - t0;
+        sink += total;
+        if (dt < best) best = dt;
+    }
+    (void)sink;
+    return (double)nthreads * (double)iters * macs / best;
+}
+
 /* Float32 multiply-adds per second of `nthreads` threads, each running FMA_CHAINS independent chains of
  * `bits`-wide vector FMAs (256: AVX2 + FMA, 512: AVX-512F) for `iters` iterations, best of three rounds;
  * negative (AIPC_ERR_ISA) where this CPU has no such FMA or the build is not for x86. */
@@ -89,23 +107,100 @@ AIPC_API double aipc_fma_peak(int bits, int nthreads, int64_t iters) {
     if (bits == 256 ? !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
                     : bits != 512 || !__builtin_cpu_supports("avx512f"))
         return AIPC_ERR_ISA;
-    if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (iters <= 0) return AIPC_ERR_SHAPE;
-    double best = 1e30;
-    volatile float sink = 0.f;
-    for (int round = 0; round < 3; round++) {
-        const double t0 = omp_get_wtime();
-        float total = 0.f;
-#pragma omp parallel num_threads(nthreads) reduction(+ : total)
-        total += bits == 256 ? fma_span256(iters, (float)omp_get_thread_num()) : fma_span512(iters, (float)omp_get_thread_num());
-        const double dt = omp_get_wtime() - t0;
-        sink += total;
-        if (dt < best) best = dt;
-    }
-    (void)sink;
-    return (double)nthreads * (double)iters * FMA_CHAINS * (bits / 32) / best;
+    return peak_rate(bits == 256 ? fma_span256 : fma_span512, nthreads <= 0 ? omp_get_max_threads() : nthreads, iters,
+                     FMA_CHAINS * (bits / 32));
 #else
     (void)bits, (void)nthreads, (void)iters;
+    return AIPC_ERR_ISA;
+#endif
+}
+
+/* ------------------------------------------------------------------ instruction-mix peaks */
+
+#ifdef PROBE_X86
+/* The inner step of the AVX2 W4A16 kernel's int dequantization (x86/lowbit_a16_avx2.c), per 8 weights: the
+ * code masked in place (the top nibble shifted down), converted to float32, one FMA; 8 chains, one per
+ * nibble position of a 32-bit code word, which the empty asm makes opaque so nothing is hoisted. Each weight
+ * is used once at M=1, so no kernel of this instruction mix multiplies faster. */
+#define DQ_FMA(a, m) a = _mm256_fmadd_ps(x, _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(m))), a)
+__attribute__((target("avx2,fma"))) static float dequant_fma_span256(int64_t iters, float seed) {
+    __m256i w = _mm256_set1_epi32(0x12345678 + (int)seed);
+    const __m256 x = _mm256_set1_ps(1e-9f);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < iters; i++) {
+        DQ_FMA(a0, 0xF), DQ_FMA(a1, 0xF00), DQ_FMA(a2, 0xF0000), DQ_FMA(a3, 0xF000000);
+        DQ_FMA(a4, 0xF0), DQ_FMA(a5, 0xF000), DQ_FMA(a6, 0xF00000);
+        a7 = _mm256_fmadd_ps(x, _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 28)), a7);
+        __asm__ volatile("" : "+x"(w));
+    }
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                   _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    return _mm256_cvtss_f32(s);
+}
+#undef DQ_FMA
+
+/* The int8 dot products of the W*A8 kernels, register operands only (their compute bound at M > 1): AVX2
+ * vpmaddubsw into 16-bit sums (the tiles' SUM16 form, 32 multiply-adds an instruction), AVX-VNNI vpdpbusd
+ * ymm (32), AVX-512 VNNI vpdpbusd zmm (64). NW x NX chains, each its own (weight, activation) pair of
+ * registers that an empty asm makes opaque, so no product is hoisted or shared; 6 chains keep 11 ymm
+ * registers live (the 16-bit adds wait one cycle), 12 cover vpdpbusd's latency on two pipes. */
+#define OPAQUE_2_3(w, x) __asm__ volatile("" : "+x"(w[0]), "+x"(w[1]), "+x"(x[0]), "+x"(x[1]), "+x"(x[2]))
+#define OPAQUE_3_4(w, x) \
+    __asm__ volatile("" : "+x"(w[0]), "+x"(w[1]), "+x"(w[2]), "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]))
+#define DOT_SPAN(NAME, TARGET_ISA, VEC, SET1, ZERO, STEP, FIRST, NW, NX)                                     \
+    __attribute__((target(TARGET_ISA))) static float NAME(int64_t iters, float seed) {                       \
+        VEC w[3], x[4], a[NW * NX];                                                                           \
+        _Pragma("GCC unroll 16") for (int j = 0; j < 3; j++) w[j] = SET1(0x35 + j + (int)seed);                 \
+        _Pragma("GCC unroll 16") for (int j = 0; j < 4; j++) x[j] = SET1(j - 2);                                 \
+        _Pragma("GCC unroll 16") for (int j = 0; j < NW * NX; j++) a[j] = ZERO();                               \
+        for (int64_t i = 0; i < iters; i++) {                                                                 \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NW * NX; j++) a[j] = STEP(a[j], w[j / NX], x[j % NX]); \
+            OPAQUE_##NW##_##NX(w, x);                                                                         \
+        }                                                                                                     \
+        int32_t t = 0;                                                                                        \
+        _Pragma("GCC unroll 16") for (int j = 0; j < NW * NX; j++) t += FIRST(a[j]);                            \
+        return (float)t;                                                                                      \
+    }
+#define MADDUBS16(a, w, x) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x))
+#define DPBUSD256(a, w, x) _mm256_dpbusd_avx_epi32(a, w, x)
+#define DPBUSD512(a, w, x) _mm512_dpbusd_epi32(a, w, x)
+#define FIRST256(v) _mm256_extract_epi32(v, 0)
+#define FIRST512(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
+DOT_SPAN(maddubs_span256, "avx2", __m256i, _mm256_set1_epi8, _mm256_setzero_si256, MADDUBS16, FIRST256, 2, 3)
+DOT_SPAN(dpbusd_span256, "avx2,avxvnni", __m256i, _mm256_set1_epi8, _mm256_setzero_si256, DPBUSD256, FIRST256, 2, 3)
+DOT_SPAN(dpbusd_span512, "avx512f,avx512bw,avx512vnni", __m512i, _mm512_set1_epi8, _mm512_setzero_si512, DPBUSD512, FIRST512, 3, 4)
+#endif
+
+/* Float32 multiply-adds per second of the AVX2 W4A16 kernel's int dequantization mix (dequant_fma_span256) on
+ * `nthreads` threads; negative (AIPC_ERR_ISA) without AVX2 + FMA. */
+AIPC_API double aipc_dequant_fma_peak(int nthreads, int64_t iters) {
+#ifdef PROBE_X86
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return AIPC_ERR_ISA;
+    if (iters <= 0) return AIPC_ERR_SHAPE;
+    return peak_rate(dequant_fma_span256, nthreads <= 0 ? omp_get_max_threads() : nthreads, iters, 8.0 * 8);
+#else
+    (void)nthreads, (void)iters;
+    return AIPC_ERR_ISA;
+#endif
+}
+
+/* u8 x s8 multiply-adds per second of the int8 dot instruction of `isa` (0: AVX2 vpmaddubsw + 16-bit adds,
+ * 1: AVX-VNNI vpdpbusd ymm, 2: AVX-512 VNNI vpdpbusd zmm) on `nthreads` threads; negative (AIPC_ERR_ISA)
+ * where the CPU lacks it, AIPC_ERR_SHAPE for another isa. */
+AIPC_API double aipc_int8_dot_peak(int isa, int nthreads, int64_t iters) {
+#ifdef PROBE_X86
+    __builtin_cpu_init();
+    if (isa < 0 || isa > 2 || iters <= 0) return AIPC_ERR_SHAPE;
+    const int ok = isa == 0   ? __builtin_cpu_supports("avx2")
+                   : isa == 1 ? __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni")
+                              : __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    if (!ok) return AIPC_ERR_ISA;
+    float (*span)(int64_t, float) = isa == 0 ? maddubs_span256 : isa == 1 ? dpbusd_span256 : dpbusd_span512;
+    return peak_rate(span, nthreads <= 0 ? omp_get_max_threads() : nthreads, iters, isa == 2 ? 12 * 64.0 : 6 * 32.0);
+#else
+    (void)isa, (void)nthreads, (void)iters;
     return AIPC_ERR_ISA;
 #endif
 }
