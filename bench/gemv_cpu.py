@@ -34,7 +34,11 @@ read bandwidth probe in every round (best of): the host's bandwidth moves, and t
 the probe see the same conditions. Each kernel's GB/s (weight bytes incl. scales / time) is given
 as a share of it. ``gmacs``: multiply-adds per second (M x N x K / time); for the float kinds (W4A16, dense)
 ``pct_fma``: of the float32 FMA peak of the run's vector width (the probes' ``aipc_fma_peak``), their compute
-bound at M > 1, and a summary line of the W4A16 FMA kinds' time over W4A8's, measured and at that peak.
+bound at M > 1, and a summary line of the W4A16 FMA kinds' time over W4A8's, measured and at that peak;
+``pct_dq`` (W4A16 with int dequantization, AVX2 / AVX-VNNI runs): of its own mask-convert-FMA mix on
+registers (``aipc_dequant_fma_peak``), its bound at M=1, where each weight is used once; ``pct_dot`` (our
+W*A8 kinds on the run's ISA): of that ISA's int8 dot product on registers (``aipc_int8_dot_peak``), their
+compute bound at M > 1.
 Writes a markdown table and a roofline plot (M=1).
 """
 from __future__ import annotations

@@ -216,17 +216,23 @@ def test_timing_helpers_run_the_kernel_and_report_errors():
         probes.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)
 
 
+def _rate_or_named_error(has: bool, probe, match: str) -> None:
+    """A probe of instructions the CPU has answers a positive, finite rate; one it lacks raises a RuntimeError
+    matching ``match`` (what is missing)."""
+    if has:
+        assert 0 < probe() < math.inf
+    else:
+        with pytest.raises(RuntimeError, match=match):
+            probe()
+
+
 def test_fma_peak_probe_answers_or_names_what_is_missing():
     """The float32 FMA peak probe (``fma_peak``, the W4A16 / dense rows' compute bound in bench/gemv_cpu.py):
     a positive rate for each width this CPU has, a clear error for one it lacks or a width that is none."""
     probes = _bench_probes()
     flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
     for bits, needs in ((256, {"avx2", "fma"}), (512, {"avx512f"})):
-        if needs <= flags:
-            assert 0 < probes.fma_peak(bits, threads=1, iters=1000) < math.inf
-        else:
-            with pytest.raises(RuntimeError, match=f"no {bits}-bit FMA"):
-                probes.fma_peak(bits, threads=1, iters=1000)
+        _rate_or_named_error(needs <= flags, lambda: probes.fma_peak(bits, threads=1, iters=1000), f"no {bits}-bit FMA")
     with pytest.raises(ValueError, match="bits=128"):
         probes.fma_peak(128)
     with pytest.raises(ValueError, match="iters=0"):
@@ -240,17 +246,10 @@ def test_instruction_mix_probes_answer_or_name_what_is_missing():
     for an unknown ISA or no iterations."""
     probes = _bench_probes()
     flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
-    if {"avx2", "fma"} <= flags:
-        assert 0 < probes.dequant_fma_peak(threads=1, iters=1000) < math.inf
-    else:
-        with pytest.raises(RuntimeError, match="needs AVX2"):
-            probes.dequant_fma_peak(threads=1, iters=1000)
+    _rate_or_named_error({"avx2", "fma"} <= flags, lambda: probes.dequant_fma_peak(threads=1, iters=1000), "needs AVX2")
     for isa, needs in (("avx2", {"avx2"}), ("avx_vnni", {"avx2", "avx_vnni"}), ("avx512_vnni", {"avx512bw", "avx512_vnni"})):
-        if needs <= flags:
-            assert 0 < probes.int8_dot_peak(isa, threads=1, iters=1000) < math.inf
-        else:
-            with pytest.raises(RuntimeError, match=f"no {isa} dot product"):
-                probes.int8_dot_peak(isa, threads=1, iters=1000)
+        _rate_or_named_error(needs <= flags, lambda: probes.int8_dot_peak(isa, threads=1, iters=1000),
+                             f"no {isa} dot product")
     with pytest.raises(ValueError, match="isa='amx_int8'"):
         probes.int8_dot_peak("amx_int8")
     with pytest.raises(ValueError, match="iters=0"):
