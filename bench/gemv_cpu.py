@@ -266,10 +266,15 @@ def plot(rows: list[dict], out: Path, threads: int, cpu: str) -> None:
     fig.savefig(out.parent / f"{out.name}.png", dpi=110)
 
 
+def run_isa() -> str:
+    """The ISA the run's kernels take (AIPC_ISA's, else the CPU's best), ``scalar`` without the native build."""
+    return native.get_isa() if native.available() else "scalar"
+
+
 def fma_peak_of_run() -> tuple[int, float] | None:
     """(vector bits, float32 multiply-adds per second) of the run's ISA (AIPC_ISA's, else the CPU's best) on
     torch's threads: 256-bit FMAs for AVX2 / AVX-VNNI, 512-bit for AVX-512 and AMX; None for portable C."""
-    isa = native.get_isa() if native.available() else "scalar"
+    isa = run_isa()
     bits = {"avx2": 256, "avx_vnni": 256, "avx512_vnni": 512, "amx_int8": 512}.get(isa)
     return (bits, native_probes().fma_peak(bits, torch.get_num_threads())) if bits else None
 
@@ -278,14 +283,14 @@ def dot_peak_of_run() -> tuple[str, float] | None:
     """(ISA, u8 x s8 multiply-adds per second) of the run's int8 dot product instruction (AIPC_ISA's, else the
     CPU's best) on register operands, torch's threads: the W*A8 kernels' compute bound at M > 1; None for
     portable C and AMX (its tiles are another instruction)."""
-    isa = native.get_isa() if native.available() else "scalar"
+    isa = run_isa()
     return (isa, native_probes().int8_dot_peak(isa, torch.get_num_threads())) if isa in native_probes().DOT_ISAS else None
 
 
 def dequant_peak_of_run() -> float | None:
     """Multiply-adds per second of the AVX2 W4A16 kernel's int dequantization mix (mask, convert, FMA per 8
     weights) where the run's W4A16 kernel is that one (AVX2 / AVX-VNNI), else None: its bound at M=1."""
-    isa = native.get_isa() if native.available() else "scalar"
+    isa = run_isa()
     return native_probes().dequant_fma_peak(torch.get_num_threads()) if isa in ("avx2", "avx_vnni") else None
 
 

@@ -216,6 +216,11 @@ def test_timing_helpers_run_the_kernel_and_report_errors():
         probes.time_stream_read([torch.ones(64, dtype=torch.uint8), torch.ones(128, dtype=torch.uint8)], calls=1)
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo)."""
+    return set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
+
+
 def _rate_or_named_error(has: bool, probe, match: str) -> None:
     """A probe of instructions the CPU has answers a positive, finite rate; one it lacks raises a RuntimeError
     matching ``match`` (what is missing)."""
@@ -230,7 +235,7 @@ def test_fma_peak_probe_answers_or_names_what_is_missing():
     """The float32 FMA peak probe (``fma_peak``, the W4A16 / dense rows' compute bound in bench/gemv_cpu.py):
     a positive rate for each width this CPU has, a clear error for one it lacks or a width that is none."""
     probes = _bench_probes()
-    flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
+    flags = _cpu_flags()
     for bits, needs in ((256, {"avx2", "fma"}), (512, {"avx512f"})):
         _rate_or_named_error(needs <= flags, lambda: probes.fma_peak(bits, threads=1, iters=1000), f"no {bits}-bit FMA")
     with pytest.raises(ValueError, match="bits=128"):
@@ -245,7 +250,7 @@ def test_instruction_mix_probes_answer_or_name_what_is_missing():
     rate where the CPU has the instructions, a clear error naming the ISA where it does not, and ValueErrors
     for an unknown ISA or no iterations."""
     probes = _bench_probes()
-    flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
+    flags = _cpu_flags()
     _rate_or_named_error({"avx2", "fma"} <= flags, lambda: probes.dequant_fma_peak(threads=1, iters=1000), "needs AVX2")
     for isa, needs in (("avx2", {"avx2"}), ("avx_vnni", {"avx2", "avx_vnni"}), ("avx512_vnni", {"avx512bw", "avx512_vnni"})):
         _rate_or_named_error(needs <= flags, lambda: probes.int8_dot_peak(isa, threads=1, iters=1000),

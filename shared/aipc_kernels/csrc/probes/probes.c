@@ -80,9 +80,10 @@ FMA_SPAN(fma_span256, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm25
 FMA_SPAN(fma_span512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32)
 #endif
 
-/* Multiply-adds per second of `nthreads` threads running `span`, best of three rounds of `iters` iterations
- * of `macs` multiply-adds each (the probes below share it). */
+/* Multiply-adds per second of `nthreads` threads (<= 0: OpenMP's default) running `span`, best of three rounds
+ * of `iters` iterations of `macs` multiply-adds each (the probes below share it). */
 static double peak_rate(float (*span)(int64_t, float), int nthreads, int64_t iters, double macs) {
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
     double best = 1e30;
     volatile float sink = 0.f;
     for (int round = 0; round < 3; round++) {
@@ -108,8 +109,7 @@ AIPC_API double aipc_fma_peak(int bits, int nthreads, int64_t iters) {
                     : bits != 512 || !__builtin_cpu_supports("avx512f"))
         return AIPC_ERR_ISA;
     if (iters <= 0) return AIPC_ERR_SHAPE;
-    return peak_rate(bits == 256 ? fma_span256 : fma_span512, nthreads <= 0 ? omp_get_max_threads() : nthreads, iters,
-                     FMA_CHAINS * (bits / 32));
+    return peak_rate(bits == 256 ? fma_span256 : fma_span512, nthreads, iters, FMA_CHAINS * (bits / 32));
 #else
     (void)bits, (void)nthreads, (void)iters;
     return AIPC_ERR_ISA;
@@ -179,7 +179,7 @@ AIPC_API double aipc_dequant_fma_peak(int nthreads, int64_t iters) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return AIPC_ERR_ISA;
     if (iters <= 0) return AIPC_ERR_SHAPE;
-    return peak_rate(dequant_fma_span256, nthreads <= 0 ? omp_get_max_threads() : nthreads, iters, 8.0 * 8);
+    return peak_rate(dequant_fma_span256, nthreads, iters, 8.0 * 8);
 #else
     (void)nthreads, (void)iters;
     return AIPC_ERR_ISA;
@@ -198,7 +198,7 @@ AIPC_API double aipc_int8_dot_peak(int isa, int nthreads, int64_t iters) {
                               : __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     if (!ok) return AIPC_ERR_ISA;
     float (*span)(int64_t, float) = isa == 0 ? maddubs_span256 : isa == 1 ? dpbusd_span256 : dpbusd_span512;
-    return peak_rate(span, nthreads <= 0 ? omp_get_max_threads() : nthreads, iters, isa == 2 ? 12 * 64.0 : 6 * 32.0);
+    return peak_rate(span, nthreads, iters, isa == 2 ? 12 * 64.0 : 6 * 32.0);
 #else
     (void)isa, (void)nthreads, (void)iters;
     return AIPC_ERR_ISA;
