@@ -100,12 +100,13 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
     if (quantize_activations(x, dt, M, K, G, act_group, act_amax, xq, sx, gsum, nthreads) != AIPC_OK) goto cleanup;
     const void *group_zeros = min_form ? NULL : zeros; /* lowbit_args.zeros: stored zero points, not mins */
-    /* the integer zero terms of int_epilogue, in gsum's place (the kernels read zq, not gsum) */
+    /* minus the integer zero terms of int_epilogue (lowbit_args.zero_start), in gsum's place (the kernels read zq,
+     * not gsum) */
     const int int_zero_terms = int_epilogue_for(bits, group_zeros);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < ng; g++) {
             zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
-            if (int_zero_terms) gsum[m * ng + g] = int_zero_term(zero_const, zq[m * ng + g]);
+            if (int_zero_terms) gsum[m * ng + g] = -int_zero_term(zero_const, zq[m * ng + g]);
         }
         outs[m] = act_group == K ? sx[m * ng] * cmul : cmul;
     }

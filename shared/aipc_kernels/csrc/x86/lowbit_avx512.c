@@ -27,7 +27,7 @@ static inline T512 __attribute__((always_inline)) void tile_otf512(const lowbit_
     for (int64_t g = 0; g < ng; g++) {
         __m512i dq[4][8];
         for (int i = 0; i < MT; i++)
-            for (int q = 0; q < nq; q++) dq[i][q] = _mm512_setzero_si512();
+            for (int q = 0; q < nq; q++) dq[i][q] = q ? _mm512_setzero_si512() : dot_start512(a, (m0 + i) * ng + g);
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(wb + c * CHUNK_BYTES));
             _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
@@ -66,7 +66,7 @@ static T512 __attribute__((noinline)) void gemv512_2b(const lowbit_args *a, int6
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
         /* four chains: a chunk takes longer to issue than the VNNI latency (a second set of chains, to
          * be merged per group, measured 3% slower) */
-        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+        __m512i d0 = dot_start512(a, m * ng + g), d1 = _mm512_setzero_si512(), d2 = d1, d3 = d1;
         for (int64_t c = 0; c < cpg; c++) {
             _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
@@ -94,7 +94,7 @@ static T512 __attribute__((noinline)) void gemv512_1b(const lowbit_args *a, int6
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
-        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
+        __m512i d0 = dot_start512(a, m * ng + g), d1 = _mm512_setzero_si512(), d2 = d1, d3 = d1, d4 = d1, d5 = d1, d6 = d1, d7 = d1;
         for (int64_t c = 0; c < cpg; c++) {
             _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wp + c * CHUNK_BYTES);
@@ -127,7 +127,7 @@ static T512 __attribute__((noinline)) void gemv512_4b(const lowbit_args *a, int6
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * NQ;
-        __m512i d0 = _mm512_setzero_si512(), d1 = d0, e0 = d0, e1 = d0;
+        __m512i d0 = dot_start512(a, m * ng + g), d1 = _mm512_setzero_si512(), e0 = d1, e1 = d1;
         int64_t c = 0;
         for (; c + 2 <= cpg; c += 2) {
             _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
@@ -161,7 +161,7 @@ static T512 __attribute__((noinline)) void gemv512_8b(const lowbit_args *a, int6
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *wp = wb + g * cpg * CHUNK_BYTES;
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg;
-        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+        __m512i d0 = dot_start512(a, m * ng + g), d1 = _mm512_setzero_si512(), d2 = d1, d3 = d1;
         int64_t c = 0;
         for (; c + 4 <= cpg; c += 4) {
             _mm_prefetch((const char *)(wp + c * CHUNK_BYTES) + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
@@ -189,7 +189,7 @@ static T512 __attribute__((noinline)) void gemv512_6b(const lowbit_args *a, int6
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *wp = wb + g * cpg * cb;
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * 4;
-        __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+        __m512i d0 = dot_start512(a, m * ng + g), d1 = _mm512_setzero_si512(), d2 = d1, d3 = d1;
         for (int64_t c = 0; c < cpg; c++) {
             const uint8_t *wc = wp + c * cb;
             _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
@@ -219,7 +219,7 @@ static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_a
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         __m512i dot[8];
-        for (int i = 0; i < MT; i++) dot[i] = _mm512_setzero_si512();
+        for (int i = 0; i < MT; i++) dot[i] = dot_start512(a, (m0 + i) * ng + g);
         for (int64_t kq = g * qpg; kq < (g + 1) * qpg; kq++) {
             const __m512i wq = _mm512_loadu_si512((const void *)(up + kq * CHUNK_BYTES));
             for (int i = 0; i < MT; i++) dot[i] = dpbusd512(dot[i], wq, _mm512_set1_epi32(xt[kq * UP_M + i]));
