@@ -77,8 +77,8 @@ typedef struct {
      * levels included) gets the same exact u (group_u_int). 4 bits with stored zeros keep the float
      * form, exact while |dot| < 2^24 (groups of at most MAX_G_4BIT_ZEROS). */
     const float *zq;    /* [M][K/G] */
-    const int32_t *zero_start; /* [M][K/G]: -int(z * zq) where int_epilogue (z = zero_const), once per call, where
-                                * an int32 dot may start to end as u; else NULL */
+    const int32_t *zero_start; /* [M][K/G] where int_epilogue: -int(z * zq) (z = zero_const), once per call, where
+                                * an int32 dot may start to end as u (or be added to it); else NULL */
     const float *ws;    /* [M][K/G], or NULL */
     const float *outs;  /* [M] */
     const void *bias; /* [N] in out_dt, or NULL */

@@ -51,16 +51,16 @@ static inline T512 __m512i plane512(__m512i w, int q, int bits) {
     return _mm512_and_si512(q ? _mm512_srli_epi16(w, (unsigned)(q * bits)) : w, mask);
 }
 
-/* Where an int32 dot of token m's group g (mg = m * K/G + g) starts: at minus the group's integer zero term
- * where the op's table has it (lowbit_args.zero_start, int_epilogue), so the dot ends as group_u_int's u with
- * no multiply, conversion or subtraction per group and token (the same integers, added in another order:
- * bit-identical); else at 0. Every caller of group_epilogue512 starts its unshifted chain here. */
+/* Where an int32 dot of token m's group g (mg = m * K/G + g) starts: where int_epilogue, at minus the group's
+ * integer zero term (the op's table lowbit_args.zero_start), so the dot ends as group_u_int's u with no multiply,
+ * conversion or subtraction per group and token (the same integers, added in another order: bit-identical);
+ * else at 0. Every caller of group_epilogue512 starts its unshifted chain here. */
 static inline T512 __m512i dot_start512(const lowbit_args *a, int64_t mg) {
-    return a->zero_start ? _mm512_set1_epi32(a->zero_start[mg]) : _mm512_setzero_si512();
+    return int_epilogue(a) ? _mm512_set1_epi32(a->zero_start[mg]) : _mm512_setzero_si512();
 }
 
-/* The epilogue of group g for MT tokens (see lowbit_args): u = dot - z * zq (dot from dot_start512: already u
- * where zero_start holds the integer zero terms); acc += s * ws * u (+ m * ws * zq). */
+/* The epilogue of group g for MT tokens (see lowbit_args): u = dot - z * zq (where int_epilogue the dot, from
+ * dot_start512, is u already); acc += s * ws * u (+ m * ws * zq). */
 static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
                                           const __m512i *dot, __m512 *acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
@@ -70,10 +70,8 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
     for (int i = 0; i < mt; i++) {
         const int64_t mg = (m0 + i) * ng + g;
         const __m512 zz = _mm512_set1_ps(a->zq[mg]);
-        const __m512 u = a->zero_start ? _mm512_cvtepi32_ps(dot[i]) /* started at -int(z * zq): u, as group_u_int */
-                         : int_epilogue(a) /* in integers, as group_u_int (a caller without the op's table) */
-                             ? _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i], _mm512_cvtps_epi32(_mm512_mul_ps(z, zz))))
-                             : _mm512_fnmadd_ps(z, zz, _mm512_cvtepi32_ps(dot[i]));
+        /* int_epilogue: the dot started at -int(z * zq) (dot_start512), so it is group_u_int's u */
+        const __m512 u = int_epilogue(a) ? _mm512_cvtepi32_ps(dot[i]) : _mm512_fnmadd_ps(z, zz, _mm512_cvtepi32_ps(dot[i]));
         acc[i] = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s, u, acc[i]);
         if (a->mins) acc[i] = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn, zz, acc[i]);
     }
