@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -30,8 +31,13 @@ LINEAR_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 # CMake options per instruction set: the CPU's own (GGML_NATIVE), or one forced for a comparison with our
 # kernels under AIPC_ISA (AVX2 / AVX-VNNI: the widest that client CPUs without AVX-512 have). Without
 # GGML_NATIVE, ggml enables AVX, AVX2, BMI2, FMA and F16C and leaves every AVX-512 option off.
+# ``native_no_amx``: the CPU's own minus AMX, whose ggml path (``ggml_backend_amx_mul_mat``) dies with a general
+# protection fault in llama-bench and llama-server on the 2-core Xeon with AMX here (Q4_0, Q4_K_M, Q8_0: a known,
+# unfixed llama.cpp crash, ggml-org/llama.cpp#20824); explicit -mno-amx-* flags outrank GCC's -march=native.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 ISA_OPTIONS = {
     "native": ["-DGGML_NATIVE=ON"],
+    "native_no_amx": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"],
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
     "avx_vnni": ["-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=ON"],
 }
@@ -73,11 +79,11 @@ def cpu_key() -> str:
 
 
 def build_dir(cache: Path, isa: str = "native") -> Path:
-    """The build folder of llama.cpp for ``isa`` (a key of :data:`ISA_OPTIONS`); the native one is per CPU
+    """The build folder of llama.cpp for ``isa`` (a key of :data:`ISA_OPTIONS`); the native ones are per CPU
     (:func:`cpu_key`)."""
     if isa not in ISA_OPTIONS:
         raise ValueError(f"llama.cpp isa={isa!r}: use one of {sorted(ISA_OPTIONS)}")
-    return cache / (f"build-native-{cpu_key()}" if isa == "native" else f"build-{isa}")
+    return cache / (f"build-{isa}-{cpu_key()}" if isa.startswith("native") else f"build-{isa}")
 
 
 def llamacpp_bin(cache: Path, tool: str, isa: str = "native") -> Path:
@@ -90,7 +96,7 @@ def build_hint(cache: Path, isa: str = "native") -> str:
     return (f"llama.cpp is not built in {cache}: rerun with --build-llamacpp (about 20 min on 2 cores), or by hand: "
             f"python -m pip download --no-deps --no-binary :all: llama-cpp-python=={LLAMA_CPP_PYTHON} -d {cache}/src && "
             f"tar xzf {cache}/src/llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz -C {cache}/src && "
-            f"cmake -S {src} -B {build} {' '.join(ISA_OPTIONS[isa])} -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
+            f"cmake -S {src} -B {build} {shlex.join(ISA_OPTIONS[isa])} -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
             "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release && "
             f"nice -n 10 cmake --build {build} -j2 --target {' '.join(TOOLS)}")  # fmt: skip
 

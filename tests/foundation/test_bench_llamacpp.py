@@ -7,6 +7,8 @@ llama.cpp's own converter, ``llama-quantize`` Q4_0, the GGUF's bytes against Q4_
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -167,5 +169,23 @@ def test_builds_per_instruction_set(tmp_path):
     hint = llamacpp.build_hint(tmp_path, "avx_vnni")
     assert f"-B {tmp_path}/build-avx_vnni -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=ON" in hint
     assert "-DGGML_AVX_VNNI=OFF" in " ".join(llamacpp.ISA_OPTIONS["avx2"])
-    with pytest.raises(ValueError, match=r"isa='avx512': use one of \['avx2', 'avx_vnni', 'native'\]"):
+    assert llamacpp.build_dir(tmp_path, "native_no_amx") == tmp_path / f"build-native_no_amx-{key}"
+    hint = llamacpp.build_hint(tmp_path, "native_no_amx")  # the flags' spaces quoted for the shell
+    assert "-DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in hint
+    with pytest.raises(ValueError, match=r"isa='avx512': use one of \['avx2', 'avx_vnni', 'native', 'native_no_amx'\]"):
         llamacpp.build_dir(tmp_path, "avx512")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_no_amx_flags_outrank_march():
+    """native_no_amx puts -mno-amx-* in CMAKE_C_FLAGS, which come before ggml's -march=native on the compile
+    line: GCC must leave AMX off whatever the order (checked on an AMX target, so on any build machine)."""
+    flags = llamacpp.ISA_OPTIONS["native_no_amx"][1].split("=", 1)[1].split()
+
+    def amx_int8(args: list[str]) -> bool:
+        out = subprocess.run(["gcc", *args, "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+        return "__AMX_INT8__" in out
+
+    assert amx_int8(["-march=sapphirerapids"])
+    assert not amx_int8([*flags, "-march=sapphirerapids"])
