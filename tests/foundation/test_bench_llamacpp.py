@@ -179,8 +179,9 @@ def test_builds_per_instruction_set(tmp_path):
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_no_amx_flags_outrank_march():
     """native_no_amx puts -mno-amx-* in CMAKE_C_FLAGS, which come before ggml's -march=native on the compile
-    line: GCC must leave AMX off whatever the order (checked on an AMX target, so on any build machine)."""
-    flags = llamacpp.ISA_OPTIONS["native_no_amx"][1].split("=", 1)[1].split()
+    line: GCC must leave AMX off with them first (checked on an AMX target, so on any build machine)."""
+    c_flags = next(o for o in llamacpp.ISA_OPTIONS["native_no_amx"] if o.startswith("-DCMAKE_C_FLAGS="))
+    flags = c_flags.split("=", 1)[1].split()
 
     def amx_int8(args: list[str]) -> bool:
         out = subprocess.run(["gcc", *args, "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True,
