@@ -7,6 +7,7 @@ over rotating weights, as ``bench/gemv_cpu.py``'s ``kernel_us``), per shape, tok
        $(ls $C/*.c $C/generic/*.c $C/x86/*.c 2>/dev/null) -o /tmp/base.so -lm
     python bench/ab_native.py --base /tmp/base.so --base-name REV --name NAME [--rows '8B*'] [--m 1,16]
                               [--codebook affine --group 64]
+    python bench/ab_native.py --base /tmp/base.so --gguf FILE.gguf --tensors 'blk.4.ffn_down.weight,blk.4.attn_q.weight+blk.4.attn_k.weight+blk.4.attn_v.weight' --m 16,512
 
 (every unit of the library picks its ISA per function, so one cc line builds any revision's units: csrc/*.c,
 and csrc/generic/*.c, csrc/x86/*.c where the revision has them; a revision before -fno-wrapv was in setup.py's
@@ -15,7 +16,8 @@ Both builds take the same argument vector (``native.lowbit_linear_args``) and ar
 loop (the probes' ``time_calls`` of each build's ``aipc_lowbit_linear_v``); rounds alternate A and B
 and the best round of each is kept, so both see the same host conditions. ``new_over_base`` > 1: the
 working tree's build is slower. Rows: the shapes of ``bench/llama_shapes.py`` (default the Llama-3-8B ones;
-``150m *``: segment_kv's model, whose prefill is M = 1024) through ``--kernel`` (``lowbit``: W·A8,
+``150m *``: segment_kv's model, whose prefill is M = 1024), or ``--gguf``'s ``--tensors`` (re-laid out as vLLM
+serves them: ``a+b+c`` is one merged layer in the stored form the plugin gives it) through ``--kernel`` (``lowbit``: W·A8,
 ``a16``: W4A16, ``dense``: the small-M dense kernel on bf16 weights), weights in ``--codebook`` / ``--group``,
 and the segment-KV attention kernel (``aipc_segment_sdpa``, rows ``seg *``: bench/segment_kv.py's llama-150m
 attention, BS=1, 4 beams, prompt 1024, 128 response tokens; decode is one query token per beam, prefill
@@ -24,6 +26,8 @@ the 1024-token prompt), timed from Python (``time.perf_counter`` around the same
 from __future__ import annotations
 
 import ctypes
+import math
+import sys
 import time
 from array import array
 
@@ -32,7 +36,9 @@ import torch
 from aipc_kernels.core import native
 from aipc_kernels.decoder import segment_attention
 from aipc_kernels.lowbit.contract import operand_plan
+from aipc_kernels.lowbit.formats import LowBitWeight
 from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
+from aipc_kernels.lowbit.planned_ops import plan_cpu_call
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from gemv_cpu import codebook_kernel_args  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
@@ -92,6 +98,33 @@ def weight_sets(kernel: str, codebook: str, group: int, N: int, K: int, rotate_g
         one, what, nbytes = (p.qweight, p.scales, p.zeros), f"{codebook} g{group}", p.nbytes()
     copies = max(2, int(rotate_gb * 1e9 // nbytes))
     return [one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)], what
+
+
+def gguf_weight_sets(path: str, tensors: str, rotate_gb: float) -> tuple[list, str, int, int, list]:
+    """Copies of one layer of a GGUF file as the plugin serves it (``tensors``: names joined by ``+`` for a merged
+    layer, put in their common stored form and stacked along N), what it is, N, K, and the ``lowbit_linear_args``
+    scalars after the operands: ``[bits, group_size, cmul, zero]`` (zero NaN with per-group zero points)."""
+    from aipc_kernels.checkpoints.gguf import GGUFCheckpoint, common_form
+
+    ckpt = GGUFCheckpoint.open(path)
+    names = tensors.split("+")
+    ws = common_form([ckpt.load(n) for n in names])
+    if any(isinstance(w, torch.Tensor) for w in ws):
+        raise ValueError(f"--tensors {tensors}: a float tensor; pass quantized tensors of {path}")
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts, dim=1 if ts[0].dim() == 3 else 0)  # noqa: E731
+    w = ws[0] if len(ws) == 1 else LowBitWeight(cat([v.qweight for v in ws]), cat([v.scales for v in ws]),
+                                                cat([v.zeros for v in ws]), ws[0].codebook, ws[0].group_size,
+                                                ws[0].in_features, supers=cat([v.supers for v in ws]))  # fmt: skip
+    p = pack_for_cpu(w)
+    plan = plan_cpu_call(p)
+    bits, G, N, cmul, zero, _ = plan.args
+    zero = float("nan") if p.zeros is not None and not plan.mins else zero
+    one = (p.qweight, p.scales, p.zeros, p.supers)
+    copies = max(2, int(rotate_gb * 1e9 // p.nbytes()))
+    types = "+".join(ckpt.tensor_type(n).name for n in names)
+    return ([one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)],
+            f"{types}: {p.codebook} g{G}{' two-level' if p.supers is not None else ''}", N, p.in_features,
+            [bits, G, cmul, zero])
 
 
 def kernel_vectors(kernel: str, codebook: str, group: int, sets: list, x: torch.Tensor, N: int) -> list:
@@ -165,7 +198,16 @@ def main() -> None:
     ap.add_argument("--kernel", default="lowbit", choices=list(ENTRIES),
                     help="the shapes' kernel: lowbit (W*A8), a16 (W4A16; a 4-bit --codebook) or dense (bf16 weights)")
     ap.add_argument("--rotate-gb", type=float, default=1.2)
+    ap.add_argument("--gguf", help="a GGUF file whose --tensors are rows too (kernel lowbit)")
+    ap.add_argument("--tensors", default="", help="comma list of --gguf's tensors, a+b+c: one merged layer")
+    ap.add_argument("--act-group", type=int, default=32,
+                    help="--gguf rows: int8 activation scales per this many inputs, widened to the weight's group as "
+                         "the plugin serves GGUF (its default 32); 0: one per token")
     args = ap.parse_args()
+    if bool(args.gguf) != bool(args.tensors):
+        ap.error("--gguf and --tensors go together: a GGUF file and the names of its tensors to time")
+    if args.gguf and not any(a.startswith("--rows") for a in sys.argv[1:]):
+        args.rows = []  # only the file's tensors
     base, new = load(args.base), native.library()
     best = native.best_isa()
     isas = args.isas.split(",") if args.isas else [best] + (["avx_vnni"] if best != "avx_vnni" and "avx_vnni" in native.supported_isas() else [])
@@ -199,6 +241,25 @@ def main() -> None:
                     rows.append(dict(shape=label, M=M, isa=isa, kernel=args.kernel, weights=what,
                                      base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"],
                                      identical=same_output(base, new, entry, vectors[0], y, isa)))  # fmt: skip
+                    print(rows[-1], flush=True)
+                del y, vectors
+        for tensors in [t for t in args.tensors.split(",") if t]:
+            sets, what, N, K, scalars = gguf_weight_sets(args.gguf, tensors, args.rotate_gb)
+            for M in (int(m) for m in args.m.split(",")):
+                x = torch.randn(M, K, dtype=torch.bfloat16)
+                y = torch.empty(M, N, dtype=torch.bfloat16)
+                span = math.lcm(args.act_group, scalars[1]) if args.act_group else K
+                vectors = [native.lowbit_linear_args(y, x, q, s, z, None, scalars[0], scalars[1], scalars[2], scalars[3],
+                                                     span, supers=sup) for q, s, z, sup in sets]  # fmt: skip
+                for isa in isas:
+                    t = {"base": float("inf"), "new": float("inf")}
+                    for _ in range(args.rounds):
+                        t["base"] = min(t["base"], time_with(base, ENTRIES["lowbit"], vectors, isa, 8))
+                        t["new"] = min(t["new"], time_with(new, ENTRIES["lowbit"], vectors, isa, 8))
+                    rows.append(dict(shape=f"{tensors} {N}x{K}", M=M, isa=isa, kernel="lowbit",
+                                     weights=f"{what}, activations per {span}",
+                                     base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"],
+                                     identical=same_output(base, new, ENTRIES["lowbit"], vectors[0], y, isa)))  # fmt: skip
                     print(rows[-1], flush=True)
                 del y, vectors
         native.set_isa(best)

@@ -11,6 +11,11 @@ Rows: the Llama-3-8B shapes by default (``--rows '1B*'``: Llama-3.2-1B's). Per s
   floor  - a torch op with the same schema whose CPU kernel is a Python function that does nothing but
            call the C kernel on a pre-built argument vector and return a pre-allocated output: the least
            any op registered from Python (no torch C++ headers) can cost.
+  ctypes - the same C kernel on the same argument vectors, called through ctypes from the same Python loop (no
+           torch op): what the interpreter's loop alone adds to the kernel;
+  alias  - ``torch.ops.aten.alias`` (a torch op that does nothing but make a view) after each ctypes call, less
+           the ctypes row (``alias_after_kernel_us``), against the same op in a loop of its own (``alias_hot_us``):
+           what any torch dispatch costs once a kernel has streamed its weights through the caches.
 The dispatch runs after a kernel streamed megabytes of weights, with the caches full of them, as in a
 decode step. Bound = the weight bytes / (kernel + floor) as a share of the read bandwidth probe: the most
 an op registered from Python can reach on this machine. ``planned_over_kernel``: the planned op's time over the
@@ -57,13 +62,15 @@ def main() -> None:
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
         rows = [measure(label, args.rotate_gb, args.rounds) for label in args.rows]
-    cols = ["shape", "mb", "read_gbs", "kernel_us", "planned_us", "op_us", "floor_us", "planned_overhead_us",
-            "op_overhead_us", "floor_overhead_us", "planned_over_kernel", "kernel_pct", "planned_pct", "op_pct", "bound_pct"]
+    cols = ["shape", "mb", "read_gbs", "kernel_us", "planned_us", "op_us", "floor_us", "ctypes_us", "planned_overhead_us",
+            "op_overhead_us", "floor_overhead_us", "ctypes_overhead_us", "alias_after_kernel_us", "alias_hot_us",
+            "planned_over_kernel", "kernel_pct", "planned_pct", "op_pct", "bound_pct"]
     notes = (f"{torch.get_num_threads()} threads. int2 affine group 64, weights rotated over {args.rotate_gb:.1f} GB, "
              f"best of {args.rounds} rounds, ISA {native.get_isa()}. kernel = C kernel timed in C; planned = the planned op "
              f"the plugins call (`torch.ops.aipc.lowbit_linear_cpu`, C++ per call) timed from Python; op = the general "
              f"op `torch.ops.aipc.lowbit_linear` timed from Python; floor = a Python-registered op that only calls the C kernel (pre-built arguments, "
-             f"pre-allocated output); *_pct = weight bytes / time as a share of the read bandwidth probe "
+             f"pre-allocated output); ctypes = the C kernel through ctypes from the same Python loop; alias_after_kernel = "
+             f"`torch.ops.aten.alias` after each ctypes call less the ctypes row, alias_hot = the same op alone in a loop; *_pct = weight bytes / time as a share of the read bandwidth probe "
              f"(bound_pct: the floor's, the most an op registered from Python reaches).")
     write_results(args.out, args.name, "Op dispatch at decode (M=1): what it costs, what it bounds", info, rows,
                   markdown_table(rows, cols), notes)
@@ -84,7 +91,9 @@ def measure(label: str, rotate_gb: float, rounds: int) -> dict:
     planned = plan_cpu_call(p)
     if planned is None:
         raise RuntimeError("the planned ops are not built (csrc/ops): build the package, then run again")
-    best = {"kernel": float("inf"), "planned": float("inf"), "op": float("inf"), "floor": float("inf")}
+    call, addresses = native._lib().aipc_lowbit_linear_v, [v.buffer_info()[0] for v in vectors]
+    alias = torch.ops.aten.alias.default
+    best = {k: float("inf") for k in ("kernel", "planned", "op", "floor", "ctypes", "ctypes_alias", "alias_hot")}
     bw = 0.0
     for _ in range(rounds):  # round-robin, best of: the host's bandwidth drifts
         bw = max(bw, read_bandwidth(reps=3))
@@ -92,12 +101,18 @@ def measure(label: str, rotate_gb: float, rounds: int) -> dict:
         best["planned"] = min(best["planned"], time_rotating(lambda x, ws: planned(x, ws[0], ws[1], ws[2]), sets, x, 8))
         best["op"] = min(best["op"], time_rotating(lambda x, ws: op(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
         best["floor"] = min(best["floor"], time_rotating(lambda x, ws: floor(x, ws[0], ws[1], ws[2], None, *meta, 0), sets, x, 8))
+        best["ctypes"] = min(best["ctypes"], time_rotating(lambda x, a: call(a), addresses, x, 8))
+        best["ctypes_alias"] = min(best["ctypes_alias"], time_rotating(lambda x, a: (call(a), alias(x)), addresses, x, 8))
+        best["alias_hot"] = min(best["alias_hot"], time_rotating(lambda x, a: alias(x), addresses, x, 8))
     nb = p.nbytes()
-    pct = {k: 100 * nb / v / 1e9 / bw for k, v in best.items()}
+    pct = {k: 100 * nb / best[k] / 1e9 / bw for k in ("kernel", "planned", "op", "floor")}
     row = dict(shape=label, mb=nb / 1e6, read_gbs=bw, kernel_us=best["kernel"] * 1e6, planned_us=best["planned"] * 1e6,
                op_us=best["op"] * 1e6, floor_us=best["floor"] * 1e6,
                planned_overhead_us=(best["planned"] - best["kernel"]) * 1e6,
+               ctypes_us=best["ctypes"] * 1e6,
                op_overhead_us=(best["op"] - best["kernel"]) * 1e6, floor_overhead_us=(best["floor"] - best["kernel"]) * 1e6,
+               ctypes_overhead_us=(best["ctypes"] - best["kernel"]) * 1e6,
+               alias_after_kernel_us=(best["ctypes_alias"] - best["ctypes"]) * 1e6, alias_hot_us=best["alias_hot"] * 1e6,
                planned_over_kernel=best["planned"] / best["kernel"], kernel_pct=pct["kernel"],
                planned_pct=pct["planned"], op_pct=pct["op"], bound_pct=pct["floor"])
     print(row, flush=True)

@@ -387,7 +387,7 @@ def _random_weight(N, K, codebook, group, scale_dtype, seed):
 @pytest.mark.parametrize("codebook", sorted(n for n, c in CODEBOOKS.items() if c.bits >= 2))
 @pytest.mark.parametrize("group, scale_dtype", [(16, torch.float32), (16, torch.float16), (32, torch.float32)],
                          ids=["g16-fp32", "g16-fp16", "g32-fp32"])
-@pytest.mark.parametrize("M", [1, 5, 20])  # decode, a 256-bit / AVX-512 tile, AMX's tiles (16 tokens on)
+@pytest.mark.parametrize("M", [1, 5, 36])  # decode, a 256-bit / AVX-512 tile, AMX's tiles (16 tokens on, 32 with g16)
 def test_gguf_k_quant_groups_and_float32_scales(isa, codebook, group, scale_dtype, M):
     """GGUF's K-quants: 16-element sub-blocks and float32 scales (d * sub-block scale) on every kernel."""
     N, K = 37, 256
@@ -397,7 +397,7 @@ def test_gguf_k_quant_groups_and_float32_scales(isa, codebook, group, scale_dtyp
     y = ops.lowbit_linear(x, packing.pack_for_cpu(w), bias)
     ref = ops.reference_linear_w8(x, w, bias)
     torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
-    if M == 20:  # and per-group activation scales over 16-element groups
+    if M == 36:  # and per-group activation scales over 16-element groups
         y = ops.lowbit_linear(x, packing.pack_for_cpu(w), bias, act_group=group)
         ref = ops.reference_linear_w8(x, w, bias, act_group=group)
         torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())

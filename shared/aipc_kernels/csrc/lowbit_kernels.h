@@ -47,6 +47,11 @@
 #define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once (6 bits: from 2) */
 #define AMX_M 16   /* tokens per AMX tile (tile rows); two tiles share each weight tile */
 #define AMX_MIN_M 16 /* from this many tokens on, AMX (where available) does the int8 dot products */
+/* the same for groups of 16 k (e.g. GGUF's Q6_K; a tile step of 16 k): at 16 tokens the tiles took 0.99-1.06x
+ * AVX-512 VNNI's time, from 32 on 0.81-0.99x (bench/results/cpu/ab_native_amx_g16_xeon.md) */
+#ifndef AMX_MIN_M_G16
+#define AMX_MIN_M_G16 32
+#endif
 
 typedef struct {
     const uint8_t *w;   /* packed codes, [N/16][K/kc][64] */
@@ -192,7 +197,7 @@ void block_avxvnni(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx2(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up);
 #endif
-/* Every row block at once, for M >= AMX_MIN_M and G >= 32 (x86/lowbit_amx.c); xq padded with zero rows to
+/* Every row block at once, for M >= AMX_MIN_M (AMX_MIN_M_G16) and G a multiple of 32 (16) (x86/lowbit_amx.c); xq padded with zero rows to
  * Mp = whole tiles. Returns AIPC_OK or AIPC_ERR_NOMEM. */
 typedef int (*lowbit_tiles_fn)(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads);
 #ifdef AIPC_AMX

@@ -82,7 +82,8 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     if (nthreads == 0) nthreads = omp_get_max_threads();
     const int64_t ng = K / G;
     const aipc_kernel_set *ks = aipc_kernels();
-    const int use_amx = ks->lowbit_tiles && M >= AMX_MIN_M && G >= 32; /* a tile step spans 32 or 64 k */
+    /* a tile step spans 64, 32 or 16 k; with 16 (G an odd multiple of 16) the tiles win from more tokens on */
+    const int use_amx = ks->lowbit_tiles && G % 16 == 0 && M >= (G % 32 ? AMX_MIN_M_G16 : AMX_MIN_M);
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
     /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
