@@ -36,7 +36,6 @@ import torch
 from aipc_kernels.core import native
 from aipc_kernels.decoder import segment_attention
 from aipc_kernels.lowbit.contract import operand_plan
-from aipc_kernels.lowbit.formats import LowBitWeight
 from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
 from aipc_kernels.lowbit.planned_ops import plan_cpu_call
 from aipc_kernels.lowbit.quantizers import quantize_rtn
@@ -102,29 +101,36 @@ def weight_sets(kernel: str, codebook: str, group: int, N: int, K: int, rotate_g
 
 def gguf_weight_sets(path: str, tensors: str, rotate_gb: float) -> tuple[list, str, int, int, list]:
     """Copies of one layer of a GGUF file as the plugin serves it (``tensors``: names joined by ``+`` for a merged
-    layer, put in their common stored form and stacked along N), what it is, N, K, and the ``lowbit_linear_args``
-    scalars after the operands: ``[bits, group_size, cmul, zero]`` (zero NaN with per-group zero points)."""
-    from aipc_kernels.checkpoints.gguf import GGUFCheckpoint, common_form
+    layer, stacked along N in their common stored form by :func:`~aipc_kernels.checkpoints.gguf.cat_rows`), what
+    it is, N, K, and the ``lowbit_linear_args`` scalars after the operands: ``[bits, group_size, cmul, zero]``."""
+    from aipc_kernels.checkpoints.gguf import GGUFCheckpoint, cat_rows
 
     ckpt = GGUFCheckpoint.open(path)
     names = tensors.split("+")
-    ws = common_form([ckpt.load(n) for n in names])
+    ws = [ckpt.load(n) for n in names]
     if any(isinstance(w, torch.Tensor) for w in ws):
         raise ValueError(f"--tensors {tensors}: a float tensor; pass quantized tensors of {path}")
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts, dim=1 if ts[0].dim() == 3 else 0)  # noqa: E731
-    w = ws[0] if len(ws) == 1 else LowBitWeight(cat([v.qweight for v in ws]), cat([v.scales for v in ws]),
-                                                cat([v.zeros for v in ws]), ws[0].codebook, ws[0].group_size,
-                                                ws[0].in_features, supers=cat([v.supers for v in ws]))  # fmt: skip
-    p = pack_for_cpu(w)
-    plan = plan_cpu_call(p)
-    bits, G, N, cmul, zero, _ = plan.args
-    zero = float("nan") if p.zeros is not None and not plan.mins else zero
+    p = pack_for_cpu(cat_rows(ws, tensors))
+    bits, G, N, cmul, _, _ = plan_cpu_call(p).args
+    zero = operand_plan(CPU_LAYOUT, p.codebook, G, N, p.in_features, 0).zero  # the op's: NaN with per-group zeros
     one = (p.qweight, p.scales, p.zeros, p.supers)
     copies = max(2, int(rotate_gb * 1e9 // p.nbytes()))
     types = "+".join(ckpt.tensor_type(n).name for n in names)
     return ([one] + [tuple(None if t is None else t.clone() for t in one) for _ in range(copies - 1)],
             f"{types}: {p.codebook} g{G}{' two-level' if p.supers is not None else ''}", N, p.in_features,
             [bits, G, cmul, zero])
+
+
+def ab_row(base: ctypes.CDLL, new: ctypes.CDLL, entry: str, vectors: list, y: torch.Tensor, isa: str,
+           rounds: int) -> dict:
+    """Both builds' best time of ``entry`` over the vectors under ``isa`` (rounds alternating base and new), their
+    ratio, and whether their outputs are bit-identical."""
+    t = {"base": float("inf"), "new": float("inf")}
+    for _ in range(rounds):
+        t["base"] = min(t["base"], time_with(base, entry, vectors, isa, 8))
+        t["new"] = min(t["new"], time_with(new, entry, vectors, isa, 8))
+    return dict(base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"],
+                identical=same_output(base, new, entry, vectors[0], y, isa))
 
 
 def kernel_vectors(kernel: str, codebook: str, group: int, sets: list, x: torch.Tensor, N: int) -> list:
@@ -234,13 +240,8 @@ def main() -> None:
                 x = torch.randn(M, K, dtype=torch.bfloat16)
                 *vectors, y = kernel_vectors(args.kernel, args.codebook, args.group, sets, x, N)
                 for isa in isas:
-                    t = {"base": float("inf"), "new": float("inf")}
-                    for _ in range(args.rounds):
-                        t["base"] = min(t["base"], time_with(base, entry, vectors, isa, 8))
-                        t["new"] = min(t["new"], time_with(new, entry, vectors, isa, 8))
                     rows.append(dict(shape=label, M=M, isa=isa, kernel=args.kernel, weights=what,
-                                     base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"],
-                                     identical=same_output(base, new, entry, vectors[0], y, isa)))  # fmt: skip
+                                     **ab_row(base, new, entry, vectors, y, isa, args.rounds)))
                     print(rows[-1], flush=True)
                 del y, vectors
         for tensors in [t for t in args.tensors.split(",") if t]:
@@ -252,14 +253,9 @@ def main() -> None:
                 vectors = [native.lowbit_linear_args(y, x, q, s, z, None, scalars[0], scalars[1], scalars[2], scalars[3],
                                                      span, supers=sup) for q, s, z, sup in sets]  # fmt: skip
                 for isa in isas:
-                    t = {"base": float("inf"), "new": float("inf")}
-                    for _ in range(args.rounds):
-                        t["base"] = min(t["base"], time_with(base, ENTRIES["lowbit"], vectors, isa, 8))
-                        t["new"] = min(t["new"], time_with(new, ENTRIES["lowbit"], vectors, isa, 8))
                     rows.append(dict(shape=f"{tensors} {N}x{K}", M=M, isa=isa, kernel="lowbit",
                                      weights=f"{what}, activations per {span}",
-                                     base_us=t["base"] * 1e6, new_us=t["new"] * 1e6, new_over_base=t["new"] / t["base"],
-                                     identical=same_output(base, new, ENTRIES["lowbit"], vectors[0], y, isa)))  # fmt: skip
+                                     **ab_row(base, new, ENTRIES["lowbit"], vectors, y, isa, args.rounds)))
                     print(rows[-1], flush=True)
                 del y, vectors
         native.set_isa(best)

@@ -273,22 +273,9 @@ def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: t
     del layer.gguf_parts
     if all(isinstance(w, torch.Tensor) for w in weights):
         return torch.cat([w.to(params_dtype) for w in weights]) if len(weights) > 1 else weights[0].to(params_dtype)
-    return _cat_rows(weights, layer.prefix)
+    from aipc_kernels.checkpoints.gguf import cat_rows
 
-
-def _cat_rows(ws: list[LowBitWeight], name: str) -> LowBitWeight:
-    """Weights of one code book and group stacked along N (the shards of a merged layer), in their common
-    stored form (:func:`aipc_kernels.checkpoints.gguf.common_form`: scales of different dtypes, e.g. a Q4_1
-    part's fp16 and a Q4_K part's float32, held in float32, exactly)."""
-    from aipc_kernels.checkpoints.gguf import common_form
-
-    if len(ws) == 1:
-        return ws[0]
-    ws = common_form(ws)
-    zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws])
-    supers = None if ws[0].supers is None else torch.cat([w.supers for w in ws], dim=1)
-    return LowBitWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), zeros,
-                        ws[0].codebook, ws[0].group_size, ws[0].in_features, name=name, supers=supers)  # fmt: skip
+    return cat_rows(weights, layer.prefix)
 
 
 def _pad_rows(w: LowBitWeight, n: int) -> LowBitWeight:

@@ -428,7 +428,7 @@ def test_two_level_parts_merge_and_pad_exactly():
     import numpy as np
     from aipc_kernels.checkpoints import gguf as gf
     from aipc_kernels.lowbit.packing import dequantize_rows, pack_for_cpu
-    from vllm_lowbit.gguf import _cat_rows, _pad_rows
+    from vllm_lowbit.gguf import _pad_rows
 
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(3)
@@ -442,7 +442,7 @@ def test_two_level_parts_merge_and_pad_exactly():
 
     raws = [(blocks(T.Q4_K, 32, 512), T.Q4_K), (blocks(T.Q4_K, 16, 512), T.Q4_K), (blocks(T.Q6_K, 16, 512), T.Q6_K)]
     parts = [gf.relayout(r, t, (r.shape[0], 512), f"w{i}") for i, (r, t) in enumerate(raws)]
-    merged = _cat_rows(parts, "qkv_proj")
+    merged = gf.cat_rows(parts, "qkv_proj")
     assert merged.codebook == "min8" and merged.super_block == 256 and merged.scales.dtype == torch.int8
     want = torch.cat([torch.from_numpy(np.array(gguf.quants.dequantize(r, t), dtype=np.float32)) for r, t in raws])
     assert torch.equal(merged.dequantize(), want)

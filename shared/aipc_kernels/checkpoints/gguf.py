@@ -436,6 +436,19 @@ def common_form(ws: list[LowBitWeight]) -> list[LowBitWeight]:
     return ws
 
 
+def cat_rows(ws: list[LowBitWeight], name: str = "weight") -> LowBitWeight:
+    """Weights of one merged layer (vLLM's q / k / v or gate / up shards) stacked along N, in their common
+    stored form (:func:`common_form`: scales of different dtypes, e.g. a Q4_1 part's fp16 and a Q4_K part's
+    float32, held in float32, exactly)."""
+    if len(ws) == 1:
+        return ws[0]
+    ws = common_form(ws)
+    zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws])
+    supers = None if ws[0].supers is None else torch.cat([w.supers for w in ws], dim=1)
+    return LowBitWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), zeros,
+                        ws[0].codebook, ws[0].group_size, ws[0].in_features, name=name, supers=supers)  # fmt: skip
+
+
 def llama_unpermute(n_rows: int, n_head: int) -> torch.LongTensor:
     """The row order that undoes llama.cpp's ``convert_hf_to_gguf`` ``LlamaModel.permute`` of a q (``n_head``
     heads) or k (``n_head_kv`` heads) projection with ``n_rows`` output rows: GGUF stores each head's rows

@@ -47,8 +47,9 @@
 #define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once (6 bits: from 2) */
 #define AMX_M 16   /* tokens per AMX tile (tile rows); two tiles share each weight tile */
 #define AMX_MIN_M 16 /* from this many tokens on, AMX (where available) does the int8 dot products */
-/* the same for groups of 16 k (e.g. GGUF's Q6_K; a tile step of 16 k): at 16 tokens the tiles took 0.99-1.06x
- * AVX-512 VNNI's time, from 32 on 0.81-0.99x (bench/results/cpu/ab_native_amx_g16_xeon.md) */
+/* the same for groups of 16 k (e.g. GGUF's Q6_K; a tile step of 16 k): at 16 tokens the tiles took 1.08-1.16x
+ * the AVX-512 VNNI tiles' time (bench/results/cpu/ab_native_amx_g16_threshold_xeon.md), from 32 on 0.82-1.02x
+ * (ab_native_amx_epilogue_xeon_q4_k_m*.md) */
 #ifndef AMX_MIN_M_G16
 #define AMX_MIN_M_G16 32
 #endif

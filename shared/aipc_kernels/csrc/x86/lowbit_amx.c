@@ -91,17 +91,22 @@ static TAMX void amx_upconvert(const lowbit_args *a, const amx_plan *pl, int64_t
     }
 }
 
-/* amx_epilogue's rows where the dots are the levels' (level_mul 1, so u = d), for constant mins / ws: the
- * same operations in the same order as its general loop, less the multiply by 1 and the per-row tests. */
-static inline __attribute__((always_inline)) TAMX void amx_epilogue_levels(const lowbit_args *a, int64_t ng, int64_t g,
-                                                                           int64_t m0, const int32_t *__restrict c,
-                                                                           float *__restrict acc, __m512 s, __m512 mn,
-                                                                           const int mins, const int ws) {
+/* amx_epilogue's rows. unit: the dots are the levels' with level_mul 1 (u = d, no multiply); mins / ws: whether
+ * zq times the mins is added and whether a per-group activation scale multiplies. Constant flags give a loop
+ * without per-row tests; the operations and their order are the same for any flags. */
+static inline __attribute__((always_inline)) TAMX void amx_epilogue_rows(const lowbit_args *a, const amx_plan *pl,
+                                                                         int64_t g, int64_t m0, const int32_t *__restrict c,
+                                                                         float *__restrict acc, __m512 s, __m512 z,
+                                                                         __m512 mn, const int unit, const int mins,
+                                                                         const int ws) {
+    const int64_t ng = a->K / a->G;
+    const __m512 ls = _mm512_set1_ps(pl->level_scale);
     for (int i = 0; i < AMX_M; i++) {
         const int64_t mg = (m0 + i) * ng + g;
         const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N));
+        const __m512 u = unit ? d : pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[mg]), d);
         const __m512 sw = ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s;
-        __m512 r = _mm512_fmadd_ps(sw, d, _mm512_load_ps(acc + i * BLOCK_N));
+        __m512 r = _mm512_fmadd_ps(sw, u, _mm512_load_ps(acc + i * BLOCK_N));
         if (mins) r = _mm512_fmadd_ps(ws ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn, _mm512_set1_ps(a->zq[mg]), r);
         _mm512_store_ps(acc + i * BLOCK_N, r);
     }
@@ -109,35 +114,24 @@ static inline __attribute__((always_inline)) TAMX void amx_epilogue_levels(const
 
 /* acc[i][:] (tokens m0 + i, row block nb) += group g's contribution from the int32 dots c[i][:], the
  * epilogue of lowbit_args bit for bit: with fixed-zero levels c is r * cmul * u exactly, else the dot of
- * the codes (zq, ws: padded to whole tiles). */
+ * the codes (zq, ws: padded to whole tiles). Levels with level_mul 1 (the GGUF types, lowbit4) take a loop
+ * per case without per-row tests. */
 static inline TAMX void amx_epilogue(const lowbit_args *a, const amx_plan *pl, int64_t nb, int64_t g, int64_t m0,
                                      const int32_t *__restrict c, float *__restrict acc) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
     const __m512 s = load16_group(a, a->scales, a->super_scales, si, nb, g);
     const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
     const __m512 mn = a->mins ? load16_group(a, a->mins, a->super_mins, si, nb, g) : _mm512_setzero_ps();
-    if (pl->level_mul == 1) { /* u = d (the GGUF types, lowbit4): one loop per case, no per-row branches */
-        if (a->mins && a->ws)
-            amx_epilogue_levels(a, ng, g, m0, c, acc, s, mn, 1, 1);
-        else if (a->mins)
-            amx_epilogue_levels(a, ng, g, m0, c, acc, s, mn, 1, 0);
-        else if (a->ws)
-            amx_epilogue_levels(a, ng, g, m0, c, acc, s, mn, 0, 1);
-        else
-            amx_epilogue_levels(a, ng, g, m0, c, acc, s, mn, 0, 0);
-        return;
-    }
-    const __m512 ls = _mm512_set1_ps(pl->level_scale);
-    for (int i = 0; i < AMX_M; i++) {
-        const int64_t mg = (m0 + i) * ng + g;
-        const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N));
-        const __m512 u = pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[mg]), d);
-        const __m512 sw = a->ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s;
-        __m512 r = _mm512_fmadd_ps(sw, u, _mm512_load_ps(acc + i * BLOCK_N));
-        if (a->mins)
-            r = _mm512_fmadd_ps(a->ws ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn, _mm512_set1_ps(a->zq[mg]), r);
-        _mm512_store_ps(acc + i * BLOCK_N, r);
-    }
+    if (pl->level_mul != 1)
+        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 0, a->mins != NULL, a->ws != NULL);
+    else if (a->mins && a->ws)
+        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 1, 1);
+    else if (a->mins)
+        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 1, 0);
+    else if (a->ws)
+        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 0, 1);
+    else
+        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 0, 0);
 }
 
 /* Row blocks 2*pr and 2*pr + 1 (if it exists) for tokens [mb0, mb0 + mbt). up: 2 x [K/4][64] bytes,
