@@ -44,7 +44,6 @@
 #define CHUNK_BYTES 64
 #define OTF_M 4    /* tokens per tile when up-converting on the fly (2 bits; half that for 1 bit) */
 #define UP_M 8     /* tokens per tile once a row block is up-converted */
-#define UP_MIN_M 8 /* from this many tokens on, each row block is up-converted once (6 bits: from 2) */
 #define AMX_M 16   /* tokens per AMX tile (tile rows); two tiles share each weight tile */
 #define AMX_MIN_M 16 /* from this many tokens on, AMX (where available) does the int8 dot products */
 /* the same for groups of 16 k (e.g. GGUF's Q6_K; a tile step of 16 k): at 16 tokens the tiles took 1.08-1.16x
@@ -98,8 +97,12 @@ typedef struct {
 static inline int64_t chunk_k(int bits) { return bits == 6 ? 16 : CHUNK_BYTES * 8 / bits / BLOCK_N; }
 static inline int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_BIT_UNITS * CHUNK_BYTES : CHUNK_BYTES; }
 
-/* Tokens from which a kernel that up-converts does so: 6-bit codes have no on-the-fly tile. */
-static inline int64_t up_min_m(int bits) { return bits == 6 ? 2 : UP_MIN_M; }
+/* Tokens from which a kernel that up-converts (AVX-512) does so, each row block once, reused by tiles of UP_M tokens;
+ * fewer tokens up-convert on the fly in tiles of OTF_M (1 bit: OTF_M / 2), each tile re-reading the block from cache.
+ * 6-bit codes have no on-the-fly tile. The thresholds are where on-the-fly tiles stopped winning against a build that
+ * never up-converts (Xeon, AVX-512 VNNI, Llama-3.2-1B GGUF layers; scratch). Against the single threshold of 8 before
+ * them, 8-24 tokens take 0.75-1.01x the time, outputs bit-identical (bench/results/cpu/ab_native_up_min_m_xeon_*.md). */
+static inline int64_t up_min_m(int bits) { return bits == 6 ? 2 : bits == 8 ? 48 : bits == 4 ? 32 : bits == 2 ? 16 : 8; }
 
 /* The u8 code (0..63) of a 6-bit chunk's byte i (n * 4 + kk, i < 64) in quad q (k = 4q + kk). */
 static inline int six_bit_code(const uint8_t *chunk, int i, int q) {
@@ -182,7 +185,7 @@ int quantize_activations(const void *x, int dt, int64_t M, int64_t K, int64_t G,
                          int8_t *xq, float *sx, int32_t *gsum, int nthreads);
 
 /* Row block nb for every token; `up`: [K/4][64] bytes of scratch for a kernel that up-converts a row block
- * once from UP_MIN_M tokens on (lowbit_block_kernel.up_converts), else unused. Entries of the dispatch
+ * once from up_min_m tokens on (lowbit_block_kernel.up_converts), else unused. Entries of the dispatch
  * table (dispatch.h): generic/lowbit_scalar.c (portable C), x86/lowbit_avx256.c (AVX2, AVX-VNNI),
  * x86/lowbit_avx512.c (AVX-512 VNNI). */
 typedef void (*lowbit_block_fn)(const lowbit_args *a, int64_t nb, uint8_t *up);
@@ -190,7 +193,7 @@ typedef void (*lowbit_block_fn)(const lowbit_args *a, int64_t nb, uint8_t *up);
 typedef struct {
     lowbit_block_fn run;
     int interleaved; /* reads xt: the quads of a tile's T tokens side by side (else xq) */
-    int up_converts; /* up-converts each row block once from UP_MIN_M tokens on: needs `up` (not for 8 bits) */
+    int up_converts; /* up-converts each row block once from up_min_m tokens on: needs `up` (not for 8 bits) */
 } lowbit_block_kernel;
 void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up);
 #ifdef AIPC_X86

@@ -1,7 +1,7 @@
 /*
  * AVX-512 VNNI kernels of the low-bit linear layer: decode (one token: gemv512_2b / gemv512_1b /
  * gemv512_4b / gemv512_6b / gemv512_8b), small
- * batches (tile_otf512: up-convert on the fly, a tile of tokens shares each plane), and from UP_MIN_M
+ * batches (tile_otf512: up-convert on the fly, a tile of tokens shares each plane), and from up_min_m
  * tokens on each row block up-converted once and reused by every token tile (tile_up512; 6-bit codes from
  * 2 tokens on).
  */
