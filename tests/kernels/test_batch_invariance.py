@@ -13,10 +13,10 @@ from aipc_kernels.lowbit.quantizers import quantize_rtn
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
 ISAS = native.supported_isas() if native.available() else []
-# batch sizes that reach every kernel and remainder: decode (1), on-the-fly tiles of 1-4 tokens (2-7, and 8-33 where
-# up_min_m is 16, 32 or 48: 2-, 4- and 8-bit codes), up-converted tiles of 8 with every remainder (8-15, 23: 1- and
-# 6-bit codes; 16-23, 33: 2 bits; 33, 257: every width), AMX tiles of 16 with padding (16, 17, 33) and a second AMX
-# pass (AMX_MB = 256 tokens: 257)
+# batch sizes that reach every kernel and remainder: decode (1), on-the-fly tiles of 1-4 tokens (2-7, and below
+# up_min_m: 8-15 with 2-bit codes, 8-17 and 23 with 4-bit, 8-33 with 8-bit), up-converted tiles of 8 with every
+# remainder (8-15, 23 with 1- and 6-bit codes; 16-23, 33 with 2-bit; 33 with 4-bit; 257 with every width), AMX tiles
+# of 16 with padding (16, 17, 33) and a second AMX pass (AMX_MB = 256 tokens: 257)
 BATCHES = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 33, 257)
 
 
