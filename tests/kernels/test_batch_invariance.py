@@ -13,11 +13,11 @@ from aipc_kernels.lowbit.quantizers import quantize_rtn
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
 ISAS = native.supported_isas() if native.available() else []
-# batch sizes that reach every kernel and remainder: decode (1), on-the-fly tiles of 1-4 tokens (2-7, and below
-# up_min_m: 8-15 with 2-bit codes, 8-17 and 23 with 4-bit, 8-33 with 8-bit), up-converted tiles of 8 with every
-# remainder (8-15, 23 with 1- and 6-bit codes; 16-23, 33 with 2-bit; 33 with 4-bit; 257 with every width), AMX tiles
-# of 16 with padding (16, 17, 33) and a second AMX pass (AMX_MB = 256 tokens: 257)
-BATCHES = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 33, 257)
+# batch sizes that reach every kernel and remainder: decode (1), on-the-fly tiles below up_min_m (otf_m: tiles of 8
+# with every remainder 1-8, 1-bit codes tiles of 2), up-converted tiles of 8 with a remainder (1-bit codes from 8
+# tokens on: 8-257; 6-bit from 80: 81, 257, 513; 2- and 4-bit from 512: 513; 8-bit never), AMX tiles of 16 with
+# padding (16, 17, 33) and further AMX passes (AMX_MB = 256 tokens: 257, 513)
+BATCHES = (2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 23, 33, 81, 257, 513)
 
 
 def _rows_alone_and_in_batches(x: torch.Tensor, p, bias, act_group: int) -> list[tuple[str, torch.Tensor]]:

@@ -307,7 +307,7 @@ def test_largest_codes_times_largest_activations(isa, codebook, sign, M):
 
 @pytest.mark.parametrize("codebook, group", [("ternary", -1), ("affine", 64), ("int8", -1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 5, 40])  # decode; on-the-fly tiles (int8 also at 40); up-converted (2-bit) / AMX
+@pytest.mark.parametrize("M", [1, 5, 40])  # decode; on-the-fly tiles (one of 5 tokens, five of 8) / AMX at 40
 def test_act_amax_matches_reference(isa, codebook, group, dtype, M):
     """A given absmax above each token's own (coarser codes), below it (codes clamped to +-127) or zero
     (zero activations: bias only): every ISA's kernel equals ``reference_linear_w8`` with the same

@@ -42,7 +42,11 @@
 
 #define BLOCK_N 16
 #define CHUNK_BYTES 64
-#define OTF_M 4    /* tokens per tile when up-converting on the fly (2 bits; half that for 1 bit) */
+#define OTF_MAX 8  /* the most tokens of an on-the-fly tile (otf_m) */
+#define OTF_MASKED_M 4 /* on-the-fly tiles of up to this many tokens keep one int32 chain per plane and token (planes
+                        * masked in place); larger ones one chain per token (planes shifted down): at 8 tokens of 4-bit
+                        * codes 0.92-0.98x the time of a chain per plane (scratch A/B), and 2-bit codes' 8 x 4 chains
+                        * would not fit the registers */
 #define UP_M 8     /* tokens per tile once a row block is up-converted */
 #define AMX_M 16   /* tokens per AMX tile (tile rows); two tiles share each weight tile */
 #define AMX_MIN_M 16 /* from this many tokens on, AMX (where available) does the int8 dot products */
@@ -97,12 +101,20 @@ typedef struct {
 static inline int64_t chunk_k(int bits) { return bits == 6 ? 16 : CHUNK_BYTES * 8 / bits / BLOCK_N; }
 static inline int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_BIT_UNITS * CHUNK_BYTES : CHUNK_BYTES; }
 
-/* Tokens from which a kernel that up-converts (AVX-512) does so, each row block once, reused by tiles of UP_M tokens;
- * fewer tokens up-convert on the fly in tiles of OTF_M (1 bit: OTF_M / 2), each tile re-reading the block from cache.
- * 6-bit codes have no on-the-fly tile. The thresholds are where on-the-fly tiles stopped winning against a build that
- * never up-converts (Xeon, AVX-512 VNNI, Llama-3.2-1B GGUF layers; scratch). Against the single threshold of 8 before
- * them, 8-24 tokens take 0.75-1.01x the time, outputs bit-identical (bench/results/cpu/ab_native_up_min_m_xeon_*.md). */
-static inline int64_t up_min_m(int bits) { return bits == 6 ? 2 : bits == 8 ? 48 : bits == 4 ? 32 : bits == 2 ? 16 : 8; }
+/* The AVX-512 VNNI kernels' token tiles (2-core Xeon, forced avx512_vnni, Llama-3.2-1B GGUF layers, interleaved
+ * A/Bs, outputs bit-identical):
+ * - otf_m: tokens per on-the-fly tile, each tile re-reading its row block from cache and up-converting it in registers:
+ *   8 (1-bit codes: 2). Against tiles of 4 up to 16 / 32 / 48 tokens (2- / 4- / 8-bit) and 6-bit codes up-converted
+ *   from 2 tokens on (23f17e0): 0.69-0.88x the time at 8-32 tokens, 0.82-0.97x at 64-128; 6-bit codes (Q6_K
+ *   ffn_down and output projection) 0.53-0.83x at 2-24 tokens (bench/results/cpu/ab_native_otf8_xeon_*.md).
+ * - up_min_m: tokens from which a kernel that up-converts (lowbit_block_kernel.up_converts) does so instead, each
+ *   row block once, reused by tiles of UP_M tokens: where that stopped losing to tiles of 8 on the fly (scratch A/Bs
+ *   of 16-512 tokens: on the fly 0.92-0.99x the time at 128-256 tokens, up-converted 0.97-0.99x at 512 for 2- and
+ *   4-bit codes and 0.92-0.98x from 80 for 6-bit; for 8-bit codes, the operand as stored, it lost at every M up to 512). */
+static inline int64_t otf_m(int bits) { return bits == 1 ? 2 : OTF_MAX; }
+static inline int64_t up_min_m(int bits) {
+    return bits == 1 ? 8 : bits == 6 ? 80 : bits == 8 ? INT64_MAX : 512;
+}
 
 /* The u8 code (0..63) of a 6-bit chunk's byte i (n * 4 + kk, i < 64) in quad q (k = 4q + kk). */
 static inline int six_bit_code(const uint8_t *chunk, int i, int q) {

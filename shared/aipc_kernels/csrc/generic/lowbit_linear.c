@@ -53,7 +53,7 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
 /* The row-block kernel over every row block, threads splitting the blocks. */
 static int run_blocks(const lowbit_args *a, const lowbit_block_kernel *kernel, int nthreads) {
     const int64_t M = a->M, K = a->K, nblocks = (a->N + BLOCK_N - 1) / BLOCK_N;
-    const int need_up = kernel->up_converts && M >= up_min_m(a->bits) && a->bits != 8; /* 8 bits: stored as the operand */
+    const int need_up = kernel->up_converts && M >= up_min_m(a->bits);
     int status = AIPC_OK;
     if (nblocks < nthreads) nthreads = (int)nblocks;
 #pragma omp parallel num_threads(nthreads)
@@ -87,7 +87,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
     /* AVX-512 tiles read the quads of their T tokens side by side: one pointer, constant offsets */
-    const int64_t T = M == 1 ? 1 : M >= up_min_m(bits) ? UP_M : bits == 1 ? OTF_M / 2 : OTF_M, K4 = K / 4;
+    const int64_t T = M == 1 ? 1 : M >= up_min_m(bits) ? UP_M : otf_m(bits), K4 = K / 4;
     const int interleave = ks->lowbit_block->interleaved && T > 1 && !use_amx;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
     /* scratch, zeroed: [Mp][K/G] each (AMX reads whole tiles of rows) sx and zq (float), gsum (int32);

@@ -1,31 +1,31 @@
 /*
  * AVX-512 VNNI kernels of the low-bit linear layer: decode (one token: gemv512_2b / gemv512_1b /
- * gemv512_4b / gemv512_6b / gemv512_8b), small
- * batches (tile_otf512: up-convert on the fly, a tile of tokens shares each plane), and from up_min_m
- * tokens on each row block up-converted once and reused by every token tile (tile_up512; 6-bit codes from
- * 2 tokens on).
+ * gemv512_4b / gemv512_6b / gemv512_8b), batches below up_min_m tokens (tile_otf512, tile_otf6_512: up-convert
+ * on the fly, a tile of otf_m tokens shares each plane), and from up_min_m tokens on each row block
+ * up-converted once and reused by every token tile (tile_up512).
  */
 #include "lowbit_kernels.h"
 #ifdef AIPC_X86
 #include "lowbit_avx512.h"
 #include "prefetch.h"
 
-/* Up-convert on the fly, MT tokens share each up-converted vector (decode / small M).
- * Plane q is masked in place (w & (mask << q*bits) = 2^(q*bits) * c_q), so no shift sits beside the
- * VNNI op on its port; each plane has its own int32 sums, shifted back once per group (exact: they
- * are multiples of 2^(q*bits)). */
+/* Up-convert on the fly, MT tokens share each up-converted vector (small M).
+ * In tiles of up to OTF_MASKED_M tokens, plane q is masked in place (w & (mask << q*bits) = 2^(q*bits) * c_q), so no shift
+ * sits beside the VNNI op on its port; each plane has its own int32 sums, shifted back once per group (exact:
+ * they are multiples of 2^(q*bits)). Larger tiles shift the planes down, one chain per token. */
 static inline T512 __attribute__((always_inline)) void tile_otf512(const lowbit_args *a, int64_t nb, int64_t m0,
                                                                     const int MT, const int bits) {
     const int nq = 8 / bits;
+    const int shifted = MT > OTF_MASKED_M; /* planes shifted down, one chain per token (else one per plane) */
     const int64_t kc = chunk_k(bits), ng = a->K / a->G, cpg = a->G / kc;
     const uint8_t *wb = a->w + nb * (a->K / kc) * CHUNK_BYTES;
     const int32_t *xt = a->xt + m0 * (a->K / 4); /* m0 is a multiple of T = MT's tile */
     __m512i pmask[8];
     for (int q = 0; q < nq; q++) pmask[q] = _mm512_set1_epi8((char)(((1 << bits) - 1) << (q * bits)));
-    __m512 acc[4];
+    __m512 acc[OTF_MAX];
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        __m512i dq[4][8];
+        __m512i dq[OTF_MAX][8];
         for (int i = 0; i < MT; i++)
             for (int q = 0; q < nq; q++) dq[i][q] = q ? _mm512_setzero_si512() : dot_start512(a, (m0 + i) * ng + g);
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
@@ -33,15 +33,54 @@ static inline T512 __attribute__((always_inline)) void tile_otf512(const lowbit_
             _mm_prefetch((const char *)(wb + c * CHUNK_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);
             PREFETCH_L2(wb + c * CHUNK_BYTES);
             for (int q = 0; q < nq; q++) {
-                const __m512i wq = _mm512_and_si512(w, pmask[q]);
-                for (int i = 0; i < MT; i++)
-                    dq[i][q] = dpbusd512(dq[i][q], wq, _mm512_set1_epi32(xt[(c * nq + q) * a->T + i]));
+                const __m512i wq = shifted ? plane512(w, q, bits) : _mm512_and_si512(w, pmask[q]);
+                const int d = shifted ? 0 : q;
+                for (int i = 0; i < MT; i++) dq[i][d] = dpbusd512(dq[i][d], wq, _mm512_set1_epi32(xt[(c * nq + q) * a->T + i]));
             }
         }
-        __m512i dot[4];
+        __m512i dot[OTF_MAX];
         for (int i = 0; i < MT; i++) {
             dot[i] = dq[i][0];
-            for (int q = 1; q < nq; q++) dot[i] = _mm512_add_epi32(dot[i], _mm512_srai_epi32(dq[i][q], (unsigned)(q * bits)));
+            for (int q = 1; q < (shifted ? 1 : nq); q++) dot[i] = _mm512_add_epi32(dot[i], _mm512_srai_epi32(dq[i][q], (unsigned)(q * bits)));
+        }
+        group_epilogue512(a, nb, g, m0, MT, dot, acc);
+    }
+    store512(a, m0, MT, nb, acc);
+}
+
+/* A 6-bit chunk's three units (lowbit_kernels.h) at wc, prefetching the stream pf bytes ahead into L1 (and far ahead
+ * into L2). */
+static inline T512 __attribute__((always_inline)) void six_bit_units512(const uint8_t *wc, int64_t pf, __m512i *la,
+                                                                         __m512i *lb, __m512i *hi) {
+    _mm_prefetch((const char *)wc + pf, _MM_HINT_T0);
+    _mm_prefetch((const char *)wc + pf + 64, _MM_HINT_T0);
+    _mm_prefetch((const char *)wc + pf + 128, _MM_HINT_T0);
+    PREFETCH_L2(wc);
+    PREFETCH_L2(wc + 128);
+    *la = _mm512_loadu_si512((const void *)wc);
+    *lb = _mm512_loadu_si512((const void *)(wc + 64));
+    *hi = _mm512_loadu_si512((const void *)(wc + 128));
+}
+
+/* 6-bit codes on the fly: each chunk's three units become four quads of u8 codes (six_bit_quad512), shared by the
+ * tile's MT tokens, one chain per token. */
+static inline T512 __attribute__((always_inline)) void tile_otf6_512(const lowbit_args *a, int64_t nb, int64_t m0,
+                                                                      const int MT) {
+    const int64_t cb = chunk_bytes(6), ng = a->K / a->G, cpg = a->G / chunk_k(6);
+    const uint8_t *wb = a->w + nb * (a->K / chunk_k(6)) * cb;
+    const int32_t *xt = a->xt + m0 * (a->K / 4); /* m0 is a multiple of T = MT's tile */
+    __m512 acc[OTF_MAX];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i dot[OTF_MAX];
+        for (int i = 0; i < MT; i++) dot[i] = dot_start512(a, (m0 + i) * ng + g);
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
+            __m512i la, lb, hi;
+            six_bit_units512(wb + c * cb, PREFETCH_BYTES, &la, &lb, &hi);
+            for (int q = 0; q < 4; q++) {
+                const __m512i wq = six_bit_quad512(la, lb, hi, q);
+                for (int i = 0; i < MT; i++) dot[i] = dpbusd512(dot[i], wq, _mm512_set1_epi32(xt[(c * 4 + q) * a->T + i]));
+            }
         }
         group_epilogue512(a, nb, g, m0, MT, dot, acc);
     }
@@ -191,14 +230,8 @@ static T512 __attribute__((noinline)) void gemv512_6b(const lowbit_args *a, int6
         const int32_t *xp = (const int32_t *)(a->xq + m * a->K) + g * cpg * 4;
         __m512i d0 = dot_start512(a, m * ng + g), d1 = _mm512_setzero_si512(), d2 = d1, d3 = d1;
         for (int64_t c = 0; c < cpg; c++) {
-            const uint8_t *wc = wp + c * cb;
-            _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)wc + PREFETCH_DECODE_BYTES + 128, _MM_HINT_T0);
-            PREFETCH_L2(wc);
-            PREFETCH_L2(wc + 128);
-            const __m512i la = _mm512_loadu_si512((const void *)wc), lb = _mm512_loadu_si512((const void *)(wc + 64)),
-                          hi = _mm512_loadu_si512((const void *)(wc + 128));
+            __m512i la, lb, hi;
+            six_bit_units512(wp + c * cb, PREFETCH_DECODE_BYTES, &la, &lb, &hi);
             d0 = dpbusd512(d0, six_bit_quad512(la, lb, hi, 0), _mm512_set1_epi32(xp[c * 4]));
             d1 = dpbusd512(d1, six_bit_quad512(la, lb, hi, 1), _mm512_set1_epi32(xp[c * 4 + 1]));
             d2 = dpbusd512(d2, six_bit_quad512(la, lb, hi, 2), _mm512_set1_epi32(xp[c * 4 + 2]));
@@ -231,8 +264,7 @@ static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_a
 
 T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     if (a->M >= up_min_m(a->bits)) {
-        if (a->bits == 8) up = (uint8_t *)a->w + nb * (a->K / 4) * CHUNK_BYTES; /* stored as the operand */
-        else upconvert_block512(a, nb, up);
+        upconvert_block512(a, nb, up); /* not 8-bit codes (up_min_m) */
         int64_t m0 = 0;
         for (; m0 + UP_M <= a->M; m0 += UP_M) tile_up512(a, nb, m0, UP_M, up);
         switch (a->M - m0) {
@@ -255,38 +287,35 @@ T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
         else gemv512_1b(a, nb, 0);
         return;
     }
-    const int64_t tile = a->bits == 1 ? OTF_M / 2 : OTF_M;
+    /* on-the-fly tiles of otf_m(bits) tokens (the last one shorter) */
+#define OTF_CASES(FN, ...)                                                                                             \
+    switch (mt) {                                                                                                      \
+    case 8: FN(a, nb, m0, 8, ##__VA_ARGS__); break;                                                                    \
+    case 7: FN(a, nb, m0, 7, ##__VA_ARGS__); break;                                                                    \
+    case 6: FN(a, nb, m0, 6, ##__VA_ARGS__); break;                                                                    \
+    case 5: FN(a, nb, m0, 5, ##__VA_ARGS__); break;                                                                    \
+    case 4: FN(a, nb, m0, 4, ##__VA_ARGS__); break;                                                                    \
+    case 3: FN(a, nb, m0, 3, ##__VA_ARGS__); break;                                                                    \
+    case 2: FN(a, nb, m0, 2, ##__VA_ARGS__); break;                                                                    \
+    default: FN(a, nb, m0, 1, ##__VA_ARGS__);                                                                          \
+    }
+    const int64_t tile = otf_m(a->bits);
     for (int64_t m0 = 0; m0 < a->M; m0 += tile) {
         const int64_t mt = a->M - m0 < tile ? a->M - m0 : tile;
         if (a->bits == 8) {
-            switch (mt) {
-            case 4: tile_otf512(a, nb, m0, 4, 8); break;
-            case 3: tile_otf512(a, nb, m0, 3, 8); break;
-            case 2: tile_otf512(a, nb, m0, 2, 8); break;
-            default: tile_otf512(a, nb, m0, 1, 8);
-            }
-            continue;
-        }
-        if (a->bits == 4) {
-            switch (mt) {
-            case 4: tile_otf512(a, nb, m0, 4, 4); break;
-            case 3: tile_otf512(a, nb, m0, 3, 4); break;
-            case 2: tile_otf512(a, nb, m0, 2, 4); break;
-            default: tile_otf512(a, nb, m0, 1, 4);
-            }
-            continue;
-        }
-        if (a->bits == 1) {
-            if (mt == 2) tile_otf512(a, nb, m0, 2, 1);
-            else tile_otf512(a, nb, m0, 1, 1);
-            continue;
-        }
-        switch (mt) {
-        case 4: tile_otf512(a, nb, m0, 4, 2); break;
-        case 3: tile_otf512(a, nb, m0, 3, 2); break;
-        case 2: tile_otf512(a, nb, m0, 2, 2); break;
-        default: tile_otf512(a, nb, m0, 1, 2);
+            OTF_CASES(tile_otf512, 8)
+        } else if (a->bits == 6) {
+            OTF_CASES(tile_otf6_512)
+        } else if (a->bits == 4) {
+            OTF_CASES(tile_otf512, 4)
+        } else if (a->bits == 2) {
+            OTF_CASES(tile_otf512, 2)
+        } else if (mt == 2) {
+            tile_otf512(a, nb, m0, 2, 1);
+        } else {
+            tile_otf512(a, nb, m0, 1, 1);
         }
     }
+#undef OTF_CASES
 }
 #endif /* AIPC_X86 */
