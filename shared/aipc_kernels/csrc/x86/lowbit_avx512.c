@@ -262,20 +262,26 @@ static inline T512 __attribute__((always_inline)) void tile_up512(const lowbit_a
     store512(a, m0, MT, nb, acc);
 }
 
+/* FN(a, nb, m0, mt, ...) with mt (1-8 tokens) a compile-time constant */
+#define TILE_CASES(FN, ...)                                                                                            \
+    switch (mt) {                                                                                                      \
+    case 8: FN(a, nb, m0, 8, ##__VA_ARGS__); break;                                                                    \
+    case 7: FN(a, nb, m0, 7, ##__VA_ARGS__); break;                                                                    \
+    case 6: FN(a, nb, m0, 6, ##__VA_ARGS__); break;                                                                    \
+    case 5: FN(a, nb, m0, 5, ##__VA_ARGS__); break;                                                                    \
+    case 4: FN(a, nb, m0, 4, ##__VA_ARGS__); break;                                                                    \
+    case 3: FN(a, nb, m0, 3, ##__VA_ARGS__); break;                                                                    \
+    case 2: FN(a, nb, m0, 2, ##__VA_ARGS__); break;                                                                    \
+    default: FN(a, nb, m0, 1, ##__VA_ARGS__);                                                                          \
+    }
+_Static_assert(UP_M <= 8 && OTF_MAX <= 8, "TILE_CASES has cases for tiles of up to 8 tokens");
+
 T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
     if (a->M >= up_min_m(a->bits)) {
         upconvert_block512(a, nb, up); /* not 8-bit codes (up_min_m) */
-        int64_t m0 = 0;
-        for (; m0 + UP_M <= a->M; m0 += UP_M) tile_up512(a, nb, m0, UP_M, up);
-        switch (a->M - m0) {
-        case 7: tile_up512(a, nb, m0, 7, up); break;
-        case 6: tile_up512(a, nb, m0, 6, up); break;
-        case 5: tile_up512(a, nb, m0, 5, up); break;
-        case 4: tile_up512(a, nb, m0, 4, up); break;
-        case 3: tile_up512(a, nb, m0, 3, up); break;
-        case 2: tile_up512(a, nb, m0, 2, up); break;
-        case 1: tile_up512(a, nb, m0, 1, up); break;
-        default: break;
+        for (int64_t m0 = 0; m0 < a->M; m0 += UP_M) {
+            const int64_t mt = a->M - m0 < UP_M ? a->M - m0 : UP_M;
+            TILE_CASES(tile_up512, up)
         }
         return;
     }
@@ -288,34 +294,23 @@ T512 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up) {
         return;
     }
     /* on-the-fly tiles of otf_m(bits) tokens (the last one shorter) */
-#define OTF_CASES(FN, ...)                                                                                             \
-    switch (mt) {                                                                                                      \
-    case 8: FN(a, nb, m0, 8, ##__VA_ARGS__); break;                                                                    \
-    case 7: FN(a, nb, m0, 7, ##__VA_ARGS__); break;                                                                    \
-    case 6: FN(a, nb, m0, 6, ##__VA_ARGS__); break;                                                                    \
-    case 5: FN(a, nb, m0, 5, ##__VA_ARGS__); break;                                                                    \
-    case 4: FN(a, nb, m0, 4, ##__VA_ARGS__); break;                                                                    \
-    case 3: FN(a, nb, m0, 3, ##__VA_ARGS__); break;                                                                    \
-    case 2: FN(a, nb, m0, 2, ##__VA_ARGS__); break;                                                                    \
-    default: FN(a, nb, m0, 1, ##__VA_ARGS__);                                                                          \
-    }
     const int64_t tile = otf_m(a->bits);
     for (int64_t m0 = 0; m0 < a->M; m0 += tile) {
         const int64_t mt = a->M - m0 < tile ? a->M - m0 : tile;
         if (a->bits == 8) {
-            OTF_CASES(tile_otf512, 8)
+            TILE_CASES(tile_otf512, 8)
         } else if (a->bits == 6) {
-            OTF_CASES(tile_otf6_512)
+            TILE_CASES(tile_otf6_512)
         } else if (a->bits == 4) {
-            OTF_CASES(tile_otf512, 4)
+            TILE_CASES(tile_otf512, 4)
         } else if (a->bits == 2) {
-            OTF_CASES(tile_otf512, 2)
+            TILE_CASES(tile_otf512, 2)
         } else if (mt == 2) {
             tile_otf512(a, nb, m0, 2, 1);
         } else {
             tile_otf512(a, nb, m0, 1, 1);
         }
     }
-#undef OTF_CASES
 }
+#undef TILE_CASES
 #endif /* AIPC_X86 */
