@@ -37,6 +37,9 @@ typedef struct {
     int level_sub;
     float level_scale; /* 1 / (r * cmul), 1 or 1/2: a dot of levels times it is exactly u = dot - z * zq */
     int64_t nblocks;
+    int64_t Mp;        /* token rows, whole tiles */
+    const float *zq_t, *ws_t; /* lowbit_args.zq and .ws (NULL: none) group-major, [K/G][Mp]: the epilogue of one
+                               * group reads its tokens' values from consecutive lines */
 } amx_plan;
 
 /* k per tile step: 64, or 32 / 16 where the group size is an odd multiple of 32 / 16 */
@@ -94,20 +97,19 @@ static TAMX void amx_upconvert(const lowbit_args *a, const amx_plan *pl, int64_t
 /* amx_epilogue's rows. unit: the dots are the levels' with level_mul 1 (u = d, no multiply); mins / ws: whether
  * zq times the mins is added and whether a per-group activation scale multiplies. Constant flags give a loop
  * without per-row tests; the operations and their order are the same for any flags. */
-static inline __attribute__((always_inline)) TAMX void amx_epilogue_rows(const lowbit_args *a, const amx_plan *pl,
+static inline __attribute__((always_inline)) TAMX void amx_epilogue_rows(const amx_plan *pl,
                                                                          int64_t g, int64_t m0, const int32_t *__restrict c,
                                                                          float *__restrict acc, __m512 s, __m512 z,
                                                                          __m512 mn, const int unit, const int mins,
                                                                          const int ws) {
-    const int64_t ng = a->K / a->G;
     const __m512 ls = _mm512_set1_ps(pl->level_scale);
+    const float *zq = pl->zq_t + g * pl->Mp + m0, *wsg = ws ? pl->ws_t + g * pl->Mp + m0 : NULL;
     for (int i = 0; i < AMX_M; i++) {
-        const int64_t mg = (m0 + i) * ng + g;
         const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N));
-        const __m512 u = unit ? d : pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(a->zq[mg]), d);
-        const __m512 sw = ws ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s;
+        const __m512 u = unit ? d : pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(zq[i]), d);
+        const __m512 sw = ws ? _mm512_mul_ps(s, _mm512_set1_ps(wsg[i])) : s;
         __m512 r = _mm512_fmadd_ps(sw, u, _mm512_load_ps(acc + i * BLOCK_N));
-        if (mins) r = _mm512_fmadd_ps(ws ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn, _mm512_set1_ps(a->zq[mg]), r);
+        if (mins) r = _mm512_fmadd_ps(ws ? _mm512_mul_ps(mn, _mm512_set1_ps(wsg[i])) : mn, _mm512_set1_ps(zq[i]), r);
         _mm512_store_ps(acc + i * BLOCK_N, r);
     }
 }
@@ -123,15 +125,15 @@ static inline TAMX void amx_epilogue(const lowbit_args *a, const amx_plan *pl, i
     const __m512 z = a->zeros ? load16_scales(a->zeros, si, a->scale_dt) : _mm512_set1_ps(a->zero_const);
     const __m512 mn = a->mins ? load16_group(a, a->mins, a->super_mins, si, nb, g) : _mm512_setzero_ps();
     if (pl->level_mul != 1)
-        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 0, a->mins != NULL, a->ws != NULL);
+        amx_epilogue_rows(pl, g, m0, c, acc, s, z, mn, 0, a->mins != NULL, a->ws != NULL);
     else if (a->mins && a->ws)
-        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 1, 1);
+        amx_epilogue_rows(pl, g, m0, c, acc, s, z, mn, 1, 1, 1);
     else if (a->mins)
-        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 1, 0);
+        amx_epilogue_rows(pl, g, m0, c, acc, s, z, mn, 1, 1, 0);
     else if (a->ws)
-        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 0, 1);
+        amx_epilogue_rows(pl, g, m0, c, acc, s, z, mn, 1, 0, 1);
     else
-        amx_epilogue_rows(a, pl, g, m0, c, acc, s, z, mn, 1, 0, 0);
+        amx_epilogue_rows(pl, g, m0, c, acc, s, z, mn, 1, 0, 0);
 }
 
 /* Row blocks 2*pr and 2*pr + 1 (if it exists) for tokens [mb0, mb0 + mbt). up: 2 x [K/4][64] bytes,
@@ -210,10 +212,22 @@ int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads)
     amx_levels(a, &pl);
     pl.ks = amx_kstep(a->G), pl.nblocks = nblocks;
     const int64_t npairs = (nblocks + 1) / 2;
+    const int64_t ng = K / a->G;
     int8_t *xa = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
-    if (!xa) return AIPC_ERR_NOMEM;
+    float *zq_t = (float *)malloc(sizeof(float) * (size_t)((a->ws ? 2 : 1) * ng * Mp));
+    if (!xa || !zq_t) {
+        free(xa);
+        free(zq_t);
+        return AIPC_ERR_NOMEM;
+    }
     amx_tile_activations(xq, Mp, K, pl.ks, xa);
-    pl.xa = xa;
+    float *ws_t = a->ws ? zq_t + ng * Mp : NULL;
+    for (int64_t m = 0; m < Mp; m++) /* zq and ws are [Mp][K/G] (padded rows zeroed) */
+        for (int64_t g = 0; g < ng; g++) {
+            zq_t[g * Mp + m] = a->zq[m * ng + g];
+            if (ws_t) ws_t[g * Mp + m] = a->ws[m * ng + g];
+        }
+    pl.xa = xa, pl.Mp = Mp, pl.zq_t = zq_t, pl.ws_t = ws_t;
     if (npairs < nthreads) nthreads = (int)npairs;
     int status = AIPC_OK;
 #pragma omp parallel num_threads(nthreads)
@@ -239,6 +253,7 @@ int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads)
         free(acc);
     }
     free(xa);
+    free(zq_t);
     return status;
 }
 #endif /* AIPC_AMX */
