@@ -38,8 +38,8 @@ typedef struct {
     float level_scale; /* 1 / (r * cmul), 1 or 1/2: a dot of levels times it is exactly u = dot - z * zq */
     int64_t nblocks;
     int64_t Mp;        /* token rows, whole tiles */
-    const float *zq_t, *ws_t; /* lowbit_args.zq and .ws (NULL: none) group-major, [K/G][Mp]: the epilogue of one
-                               * group reads its tokens' values from consecutive lines */
+    const float *zq_t, *ws_t; /* lowbit_args.zq and .ws group-major, [K/G][Mp], where the epilogue reads them (else
+                               * NULL): the epilogue of one group reads its tokens' values from consecutive lines */
 } amx_plan;
 
 /* k per tile step: 64, or 32 / 16 where the group size is an odd multiple of 32 / 16 */
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) TAMX void amx_epilogue_rows(const a
                                                                          __m512 mn, const int unit, const int mins,
                                                                          const int ws) {
     const __m512 ls = _mm512_set1_ps(pl->level_scale);
-    const float *zq = pl->zq_t + g * pl->Mp + m0, *wsg = ws ? pl->ws_t + g * pl->Mp + m0 : NULL;
+    const float *zq = pl->zq_t ? pl->zq_t + g * pl->Mp + m0 : NULL, *wsg = ws ? pl->ws_t + g * pl->Mp + m0 : NULL;
     for (int i = 0; i < AMX_M; i++) {
         const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * BLOCK_N));
         const __m512 u = unit ? d : pl->level_mul ? _mm512_mul_ps(d, ls) : _mm512_fnmadd_ps(z, _mm512_set1_ps(zq[i]), d);
@@ -213,18 +213,20 @@ int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads)
     pl.ks = amx_kstep(a->G), pl.nblocks = nblocks;
     const int64_t npairs = (nblocks + 1) / 2;
     const int64_t ng = K / a->G;
+    /* the epilogue reads zq only for the codes' zero correction (affine codes, level_mul 0) and the mins' term */
+    const int nzq = pl.level_mul == 0 || a->mins, nws = a->ws != NULL;
     int8_t *xa = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
-    float *zq_t = (float *)malloc(sizeof(float) * (size_t)((a->ws ? 2 : 1) * ng * Mp));
-    if (!xa || !zq_t) {
+    float *vals = (float *)malloc(sizeof(float) * (size_t)((nzq + nws) * ng * Mp + 1));
+    if (!xa || !vals) {
         free(xa);
-        free(zq_t);
+        free(vals);
         return AIPC_ERR_NOMEM;
     }
     amx_tile_activations(xq, Mp, K, pl.ks, xa);
-    float *ws_t = a->ws ? zq_t + ng * Mp : NULL;
+    float *zq_t = nzq ? vals : NULL, *ws_t = nws ? vals + nzq * ng * Mp : NULL;
     for (int64_t m = 0; m < Mp; m++) /* zq and ws are [Mp][K/G] (padded rows zeroed) */
         for (int64_t g = 0; g < ng; g++) {
-            zq_t[g * Mp + m] = a->zq[m * ng + g];
+            if (zq_t) zq_t[g * Mp + m] = a->zq[m * ng + g];
             if (ws_t) ws_t[g * Mp + m] = a->ws[m * ng + g];
         }
     pl.xa = xa, pl.Mp = Mp, pl.zq_t = zq_t, pl.ws_t = ws_t;
@@ -253,7 +255,7 @@ int amx_linear(const lowbit_args *a, const int8_t *xq, int64_t Mp, int nthreads)
         free(acc);
     }
     free(xa);
-    free(zq_t);
+    free(vals);
     return status;
 }
 #endif /* AIPC_AMX */
