@@ -39,7 +39,7 @@ from aipc_kernels.lowbit.contract import operand_plan
 from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
 from aipc_kernels.lowbit.planned_ops import plan_cpu_call
 from aipc_kernels.lowbit.quantizers import quantize_rtn
-from gemv_cpu import codebook_kernel_args  # bench/ is on sys.path when run as a script
+from gemv_cpu import codebook_kernel_args, random_progressive  # bench/ is on sys.path when run as a script
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, write_results
 from llama_shapes import HEAD_SHAPES, SEGMENT_KV_SHAPES, SHAPES
 
@@ -86,12 +86,17 @@ def same_output(base: ctypes.CDLL, new: ctypes.CDLL, entry: str, vector: array, 
     return torch.equal(*outs)
 
 
-def weight_sets(kernel: str, codebook: str, group: int, N: int, K: int, rotate_gb: float) -> tuple[list, str]:
+def weight_sets(kernel: str, codebook: str, group: int, N: int, K: int, rotate_gb: float,
+                progressive: bool = False) -> tuple[list, str]:  # fmt: skip
     """Copies of one weight for ``kernel`` (rotated through ``rotate_gb`` so the kernels stream them from
-    DRAM), and what they are: packed low-bit codes, or the bf16 matrix of the dense kernel."""
+    DRAM), and what they are: packed low-bit codes (``progressive``: the progressive form, random parts, its supers
+    fourth), or the bf16 matrix of the dense kernel."""
     w = torch.randn(N, K) * 0.02
     if kernel == "dense":
         one, what, nbytes = (w.to(torch.bfloat16),), "bf16 dense", N * K * 2
+    elif progressive:
+        p = pack_for_cpu(random_progressive(w, codebook, group))
+        one, what, nbytes = (p.qweight, p.scales, p.zeros, p.supers), f"{codebook} g{group} progressive", p.nbytes()
     else:
         p = pack_for_cpu(quantize_rtn(w, codebook, group))
         one, what, nbytes = (p.qweight, p.scales, p.zeros), f"{codebook} g{group}", p.nbytes()
@@ -201,6 +206,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--codebook", default="affine", help="code book of the low-bit rows' weights")
     ap.add_argument("--group", type=int, default=64, help="group size of the low-bit rows' weights")
+    ap.add_argument("--progressive", action="store_true",
+                    help="the shape rows' weights in the progressive form (--codebook min2 or min4; random parts)")
     ap.add_argument("--kernel", default="lowbit", choices=list(ENTRIES),
                     help="the shapes' kernel: lowbit (W*A8), a16 (W4A16; a 4-bit --codebook) or dense (bf16 weights)")
     ap.add_argument("--rotate-gb", type=float, default=1.2)
@@ -235,7 +242,7 @@ def main() -> None:
         entry = ENTRIES[args.kernel]
         for label in [r for r in args.rows if r in LOWBIT_SHAPES]:
             N, K = LOWBIT_SHAPES[label]
-            sets, what = weight_sets(args.kernel, args.codebook, args.group, N, K, args.rotate_gb)
+            sets, what = weight_sets(args.kernel, args.codebook, args.group, N, K, args.rotate_gb, args.progressive)
             for M in (int(m) for m in args.m.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16)
                 *vectors, y = kernel_vectors(args.kernel, args.codebook, args.group, sets, x, N)

@@ -9,7 +9,9 @@ group 64 forced onto the 256-bit AVX-VNNI kernels, the widest that client CPUs s
 and 1-bit (binary, group 64), W2A8 / W1A8 with activation quantization fused in, ``w4a8`` / ``w4a8_asym`` (the ``int4`` / ``affine4``
 code books, group 128: GPTQ / AWQ int4 weights, W4A8) and ``w8a8`` (the ``int8`` code book, one scale
 per output channel: the output projection's format, W8A8), ``w4a8_vnni`` / ``w8a8_vnni`` (the same forced
-onto the AVX-512 VNNI kernels, to show what AMX adds for M >= 16); the activation-exact W4A16 kernels
+onto the AVX-512 VNNI kernels, to show what AMX adds for M >= 16), ``int2_prog`` (``_vnni``, ``_avxvnni``: the same
+forced) the progressive two-level form (``min2`` group 64, int8 levels ``s1 * c + m`` and one ``s0`` a row, random
+parts: the kernels accumulate it in int32 over the whole K) beside ``int2``; the activation-exact W4A16 kernels
 (``aipc::lowbit_linear_a16``, ``e0m4`` code book, group 128) with Transformer-Lite's E0M4 dequantization
 (``w4a16_e0m4``: two bit operations) against int-to-float dequantization on the same skeleton
 (``w4a16_int``), with bf16 activations (AVX512-BF16 dot products where the CPU has them) and with float32
@@ -58,6 +60,7 @@ import aipc_kernels.lowbit.ops  # noqa: F401  (registers torch.ops.aipc.lowbit_l
 from aipc_kernels.lowbit.contract import operand_plan
 from aipc_kernels.lowbit.packing import CPU_LAYOUT, pack_for_cpu
 from aipc_kernels.lowbit.planned_ops import available as plan_ready, plan_cpu_call
+from aipc_kernels.lowbit.progressive import from_parts, max_sub_scale
 from aipc_kernels.lowbit.quantizers import quantize_rtn
 from harness import BenchParser, bench_lock, machine_info, markdown_table, native_probes, read_bandwidth, read_results, select, write_results
 from llama_shapes import HEAD_SHAPES, SHAPES  # bench/ is on sys.path when run as a script
@@ -84,7 +87,8 @@ FLOAT_KINDS = tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # beside the planned op the plugins call (aipc_kernels.lowbit.planned_ops: checked once, C++ per call)
 GENERAL_OP = {"int2_general": "int2", "w4a8_general": "w4a8"}
 OURS = ("int2", "int2_general", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_general",
-        "w4a8_asym", "w4a8_g32", "w8a8", "w6a8", "w8a8_g32", "w4a8_vnni", "w8a8_vnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
+        "w4a8_asym", "w4a8_g32", "w8a8", "w6a8", "w8a8_g32", "w4a8_vnni", "w8a8_vnni", "int2_prog", "int2_prog_vnni",
+        "int2_prog_avxvnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -100,7 +104,12 @@ OUR_CONFIGS = {
     "w8a8_g32": ("int8", 32, None),  # the same groups in 8-bit codes: how 6-bit codes were held before
     "w4a8_vnni": ("int4", 128, "avx512_vnni"),  # W4A8 / W8A8 on the AVX-512 VNNI kernels even where AMX exists
     "w8a8_vnni": ("int8", -1, "avx512_vnni"),
+    # the progressive two-level form (issue 41's: int8 levels s1 * c + m, one s0 a row; int32 over the whole K)
+    "int2_prog": ("min2", 64, None),
+    "int2_prog_vnni": ("min2", 64, "avx512_vnni"),
+    "int2_prog_avxvnni": ("min2", 64, "avx_vnni"),
 }
+PROG_KINDS = ("int2_prog", "int2_prog_vnni", "int2_prog_avxvnni")  # quantized by quantize_progressive
 OUR_CONFIGS.update({general: OUR_CONFIGS[kind] for general, kind in GENERAL_OP.items()})
 # our W*A8 kinds on the run's own ISA (its int8 dot product bounds them at M > 1), and the W4A16 kinds with
 # int dequantization (on AVX2 / AVX-VNNI its mask-convert-FMA mix bounds them at M=1)
@@ -155,14 +164,15 @@ def make_weights(kind: str, w: torch.Tensor):
             a16 = lambda x, ws: planned(x, ws[0], ws[1], ws[2])  # noqa: E731
         return a16, (p.qweight, p.scales, p.zeros), p.nbytes()
     codebook, group, isa = OUR_CONFIGS[kind]
-    p = pack_for_cpu(quantize_rtn(w, codebook, group))
+    p = pack_for_cpu(random_progressive(w, codebook, group) if kind in PROG_KINDS else quantize_rtn(w, codebook, group))
     meta = (p.layout, p.codebook, p.group_size, p.out_features)
-    op = lambda x, ws: torch.ops.aipc.lowbit_linear(x, ws[0], ws[1], ws[2], None, *meta, 0)  # noqa: E731
+    one = (p.qweight, p.scales, p.zeros) + ((p.supers,) if p.supers is not None else ())
+    op = lambda x, ws: torch.ops.aipc.lowbit_linear(x, *ws[:3], None, *meta, 0, None, *ws[3:])  # noqa: E731
     planned = None if kind in GENERAL_OP else plan_cpu_call(p)
     if planned is not None:  # what the plugins call
-        op = lambda x, ws: planned(x, ws[0], ws[1], ws[2])  # noqa: E731
+        op = lambda x, ws: planned(x, *ws[:3], None, None, *ws[3:])  # noqa: E731
     if isa is None or native.ISAS[isa] >= native.ISAS[native.best_isa()]:
-        return op, (p.qweight, p.scales, p.zeros), p.nbytes()
+        return op, one, p.nbytes()
 
     def forced(x, ws):
         run_isa = native.get_isa()  # the run's own ISA (AIPC_ISA), restored after the row's
@@ -172,7 +182,19 @@ def make_weights(kind: str, w: torch.Tensor):
         finally:
             native.set_isa(run_isa)
 
-    return forced, (p.qweight, p.scales, p.zeros), p.nbytes()
+    return forced, one, p.nbytes()
+
+
+def random_progressive(w: torch.Tensor, codebook: str, group: int):
+    """A weight of ``w``'s shape in the progressive form with random codes, ``s1``, ``m`` (every level an int8) and
+    ``s0``: the kernels' work does not depend on the values, and the optimized quantizer takes minutes on 1B
+    shapes."""
+    N, K = w.shape
+    top, ng = get_codebook(codebook).max_code, K // group
+    s1 = torch.randint(1, max_sub_scale(codebook) + 1, (N, ng))
+    m = (torch.rand(N, ng) * (256 - s1 * top) - 128).floor().clamp(max=127 - s1 * top).to(torch.int64)
+    s0 = (w.abs().amax(1) / 127).half().float()
+    return from_parts(torch.randint(0, top + 1, (N, K)), s1, m, s0, codebook, group)
 
 
 def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
@@ -183,13 +205,14 @@ def kernel_args(kind: str, sets, x: torch.Tensor, N: int) -> list:
 
 
 def codebook_kernel_args(codebook: str, group: int, sets, x: torch.Tensor, N: int) -> list:
-    """:func:`kernel_args` for weights in ``codebook`` / ``group`` (-1: one group per row), then ``y``."""
+    """:func:`kernel_args` for weights in ``codebook`` / ``group`` (-1: one group per row), then ``y``; a set's
+    fourth tensor, where it has one, is its supers (the two-level form)."""
     cb = get_codebook(codebook)
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
     G = group if group > 0 else x.shape[1]
     zero = operand_plan(CPU_LAYOUT, codebook, G, N, x.shape[1], 0).zero  # the op's: NaN with per-group zeros
-    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, G, cb.cmul, zero, x.shape[1])
-            for q, s, z in sets] + [y]  # y last: kept alive
+    return [native.lowbit_linear_args(y, x, q, s, z, None, cb.bits, G, cb.cmul, zero, x.shape[1], None, *sup)
+            for q, s, z, *sup in sets] + [y]  # y last: kept alive
 
 
 def time_kernel(kind: str, sets, x: torch.Tensor, N: int, min_calls: int) -> float:

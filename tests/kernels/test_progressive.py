@@ -240,14 +240,97 @@ def test_bad_supers_are_refused_naming_the_operand():
         check_operands(x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, 64, 40, 0, supers=None)
 
 
-@pytest.mark.parametrize("codebook", progressive.CODEBOOKS)
-def test_cpu_kernels_take_the_form(codebook, isa):
-    """The native kernels run the form as the two-level min form (per-group float32 products), every ISA."""
+def _native():
     from aipc_kernels.core import native
 
     if not native.available():
         pytest.skip("native kernels not built")
-    for M, group in ((1, 64), (20, 32), (3, -1)):
-        _, q = _weight(37, 576, codebook, group, seed=M)
+    return native
+
+
+def _on_scalar(native, fn):
+    """``fn()`` with the portable C kernels forced (the bits every ISA must give), the ISA in force restored."""
+    isa = native.get_isa()
+    native.set_isa("scalar")
+    try:
+        return fn()
+    finally:
+        native.set_isa(isa)
+
+
+@pytest.mark.parametrize("codebook", progressive.CODEBOOKS)
+def test_cpu_kernels_accumulate_the_form_in_int32(codebook, isa):
+    """Per-token activations: every ISA's kernels (AMX tiles of the levels from 16 tokens, the VNNI / AVX2 tiles' integer
+    group epilogue, 16-bit pairs where the dots fit) sum s1 * dot + m * gsum in int32 over the whole K and round once:
+    each output within a few float32 roundings of the float64 reference, bit for bit the portable kernel's at every
+    M, and each row the same alone as in its batch. Groups 32-128 and one a row; M across the AMX, on-the-fly and
+    up-converted (512+) tiles."""
+    native = _native()
+    for M, group, K in ((1, 64, 576), (5, 128, 640), (20, 32, 576), (3, -1, 576), (40, 64, 576), (520, 64, 576)):
+        _, q = _weight(37, K, codebook, group, seed=M)
+        p = packing.pack_for_cpu(q)
+        assert packing.is_cpu_progressive(p) and p.supers.shape == (1, 3, 1, 16)
+        x = torch.randn(M, K)
+        ref = _reference(x, q)
+        out = torch.full((M, 37), float("nan"))  # poisoned: every output written
+        native.lowbit_linear_into(out, x, p.qweight, p.scales, p.zeros, None, p.bits, q.group_size, 1.0, 0.0, K,
+                                  supers=p.supers)  # fmt: skip
+        y = ops.lowbit_linear(x, p)
+        assert torch.equal(y, out)
+        err = (y.double() - ref).abs()
+        assert bool((err <= 2**-21 * ref.abs() + 1e-30).all()), f"M={M} G={group}: {float((err / ref.abs()).max()):.3g}"
+        assert torch.equal(y, _on_scalar(native, lambda: ops.lowbit_linear(x, p)))
+        for i in sorted({0, M // 2, M - 1}):
+            assert torch.equal(ops.lowbit_linear(x[i : i + 1], p)[0], y[i])
+
+
+@pytest.mark.parametrize("codebook", progressive.CODEBOOKS)
+def test_cpu_form_with_group_activation_scales(codebook, isa):
+    """Activation scales per group: the two-level min form's per-group float epilogue, both super scales s0."""
+    native = _native()
+    _, q = _weight(37, 576, codebook, 64, seed=11)
+    p = packing.pack_for_cpu(q)
+    for M in (1, 7, 33):
         x = torch.randn(M, 576)
-        _close(ops.lowbit_linear(x, packing.pack_for_cpu(q)), _reference(x, q))
+        y = ops.lowbit_linear(x, p, act_group=64)
+        _close(y, ops.reference_linear_w8(x, q, act_group=64))
+        assert torch.equal(y, _on_scalar(native, lambda: ops.lowbit_linear(x, p, act_group=64)))
+
+
+def test_cpu_levels_outside_int8_stay_exact(isa):
+    """A caller's scales whose levels leave the int8 range (the C entry point trusts none): the AMX tiles decline,
+    the integer group epilogue still gives the exact sum."""
+    native = _native()
+    N, K, G = 40, 512, 64
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 4, (N, K), generator=g)
+    s1 = torch.randint(0, 86, (N, K // G), generator=g)
+    m = (torch.rand(N, K // G, generator=g) * (256 - 3 * s1)).floor().long() - 128
+    s0 = (torch.rand(N, generator=g) * 0.01).half().float()
+    p = packing.pack_for_cpu(progressive.from_parts(codes, s1, m, s0, "min2", G))
+    s1[5, 2], m[5, 2] = 120, 20  # levels up to 380
+    p.scales.copy_(packing.pack_cpu_groups(s1.to(torch.int8)))
+    p.zeros.copy_(packing.pack_cpu_groups(m.to(torch.int8)))
+    for M in (1, 16, 48):
+        x = torch.randn(M, K, generator=g)
+        xq, sx = quantize_activations(x.double())
+        w = (s0.double()[:, None] * (s1.double().repeat_interleave(G, 1) * codes + m.double().repeat_interleave(G, 1)))
+        ref = (xq.double() @ w.t()) * sx.double()
+        y = torch.empty(M, N)
+        native.lowbit_linear_into(y, x, p.qweight, p.scales, p.zeros, None, 2, G, 1.0, 0.0, K, supers=p.supers)
+        assert bool(((y.double() - ref).abs() <= 2**-21 * ref.abs() + 1e-30).all())
+
+
+def test_cpu_form_refusals():
+    native = _native()
+    _, q = _weight(40, 512, "min2", 64, seed=8)
+    p = packing.pack_for_cpu(q)
+    x = torch.randn(2, 512)
+    with pytest.raises(ValueError, match=r"progressive form, float32 \[1, 3, 1, 16\]"):
+        check_operands(x, p.qweight, p.scales, p.zeros, None, p.layout, p.codebook, 64, 40, 0,
+                       supers=p.supers.expand(1, 3, 2, 16).contiguous())  # fmt: skip
+    with pytest.raises(RuntimeError, match="two-level scales"):  # the C entry point: one super-block a row
+        native.lowbit_linear_into(torch.empty(2, 40), x, p.qweight, p.scales, p.zeros, None, 2, 64, 1.0, 0.0, 512,
+                                  supers=p.supers.expand(1, 3, 2, 16).contiguous())  # fmt: skip
+    back = packing.to_canonical(p)
+    assert torch.equal(back.supers, q.supers) and torch.equal(back.dequantize(), q.dequantize())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
 import os
 import struct
 from array import array
@@ -29,6 +30,8 @@ ISA_NAMES = {v: k for k, v in ISAS.items()}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: scale_dt codes of aipc_lowbit_linear: the dtypes, and int8 for the two-level form (AIPC_SCALE_I8)
 SCALE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3}
+#: scale_dt of the progressive form (AIPC_SCALE_I8_PROG: int8 scales and mins, one set of supers)
+SCALE_PROG = 4
 #: aipc_dequant: how the W4A16 kernel turns a 4-bit code into a float
 DEQUANT_CODES = {"e0m4": 0, "int": 1}
 
@@ -195,11 +198,20 @@ def lowbit_linear_args(
     K = x.shape[-1]
     return array("q", (
         x.data_ptr(), DTYPE_CODES[x.dtype], x.numel() // K if K else 0, K, qweight.data_ptr(), bits, y.shape[-1],
-        scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), SCALE_DTYPE_CODES[scales.dtype], group_size,
+        scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), scale_dtype_code(scales, zeros, zero, supers), group_size,
         _f32_bits(cmul), _f32_bits(zero), 0 if bias is None else bias.data_ptr(), y.data_ptr(), act_group,
         torch.get_num_threads(), 0 if act_amax is None else act_amax.data_ptr(),
         0 if supers is None else supers.data_ptr(), 0 if supers is None else K // supers.shape[-2],
     ))  # fmt: skip
+
+
+def scale_dtype_code(scales: torch.Tensor, zeros: Optional[torch.Tensor], zero: float,
+                     supers: Optional[torch.Tensor]) -> int:
+    """``scale_dt`` of ``aipc_lowbit_linear``: the scales' dtype, or the two-level form's code; a min form
+    (``zeros`` the mins, ``zero`` finite) with one set of supers is the progressive form (AIPC_SCALE_I8_PROG)."""
+    if supers is not None and zeros is not None and not math.isnan(zero) and supers.shape[0] == 1:
+        return SCALE_PROG
+    return SCALE_DTYPE_CODES[scales.dtype]
 
 
 def lowbit_linear_into(

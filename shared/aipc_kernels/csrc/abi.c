@@ -31,7 +31,8 @@ AIPC_API const char *aipc_status_message(int status) {
     case AIPC_ERR_DEQUANT: return "dequant must be 0 (e0m4: bit operations) or 1 (int: conversion)";
     case AIPC_ERR_SUPERS:
         return "two-level scales (int8 scales): supers (float32 super-block scales) required, the super-block a "
-               "power-of-two number of groups dividing K, and no stored zero points; other scales take no supers";
+               "power-of-two number of groups dividing K, and no stored zero points (the progressive form: the min "
+               "form with zero 0 and cmul 1, one super-block a row, K <= 131072); other scales take no supers";
     }
     return "unknown status";
 }

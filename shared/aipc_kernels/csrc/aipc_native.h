@@ -59,6 +59,9 @@ typedef enum {
 /* scale_dt of aipc_lowbit_linear only (no element type of activations): the two-level form, int8 sub-block
  * scales (and mins) times float32 super-block scales (see aipc_lowbit_linear). */
 #define AIPC_SCALE_I8 3
+/* scale_dt of aipc_lowbit_linear only: the progressive form (see aipc_lowbit_linear), int8 sub-block scales and mins
+ * sharing one set of float32 super-block scales, one super-block a row. */
+#define AIPC_SCALE_I8_PROG 4
 
 /* ---------------------------------------------------------------- codes (cpu_features.c, abi.c) */
 
@@ -110,7 +113,15 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
  * then the epilogue as with float32 scales, so the outputs are those of the same weight with those
  * products stored as float32 scales, bit for bit. SB: a multiple of G dividing K with SB / G a power of
  * two. Stored zero points are not taken in this form. supers NULL (SB ignored) for every other scale_dt.
+ * The progressive form (scale_dt AIPC_SCALE_I8_PROG; QServe's, aipc_kernels.lowbit.progressive): the two-level min
+ * form (zero_const 0, cmul 1) whose scales and mins share one set of super-block scales, supers float32
+ * [1][N/16][1][16], SB = K: w = s0 * (s1 * c + m) with the caller's promise that every level s1 * c + m is an
+ * int8 (the AMX kernel checks it and falls back where one is not). With one activation scale per token
+ * (act_group == K) every kernel accumulates the integer dot of the int8 activations with the levels over the
+ * whole K in int32 (exact, K <= AIPC_PROG_MAX_K) and rescales once per output, y = float(dot) * s0 * sx (+ bias);
+ * with per-group activation scales it runs as the two-level form with its super scales read twice.
  */
+#define AIPC_PROG_MAX_K 131072 /* K * 128 * 127 below 2^31 */
 
 /* aipc_lowbit_linear with its 20 arguments in one int64 vector, in the same order (pointers as
  * addresses, 0 for NULL; cmul and zero_const as float32 bit patterns). For ctypes: converting 19

@@ -10,7 +10,7 @@ static const lowbit_block_kernel LOWBIT_SCALAR = {block_scalar, 0, 0};
 #ifdef AIPC_X86
 static const lowbit_block_kernel LOWBIT_AVX2 = {block_avx2, 0, 0};
 static const lowbit_block_kernel LOWBIT_AVX_VNNI = {block_avxvnni, 0, 0};
-static const lowbit_block_kernel LOWBIT_AVX512 = {block_avx512, 1, 1};
+static const lowbit_block_kernel LOWBIT_AVX512 = {block_avx512, 1, 1, block_avx512_prog};
 #endif
 
 /* ---------------------------------------------------------------- the one-token activation quantizers */

@@ -93,6 +93,14 @@ typedef struct {
     const void *bias; /* [N] in out_dt, or NULL */
     void *y;          /* [M][N] */
     int out_dt;
+    /* The progressive form with one activation scale per token (aipc_lowbit_linear's AIPC_SCALE_I8_PROG; scale_dt
+     * is then AIPC_SCALE_I8, super_mins == super_scales, nsb 1): instead of the epilogue above, every kernel adds
+     * each group's s1 * dot + m * gsum (gsum = zq, the group sum of xq) to an int32 accumulator per token and
+     * output (exact), and converts once: y = float(acc) * s0 * outs[m] + bias (prog_scale). The float
+     * accumulators of the SIMD kernels carry those int32 bits until the store. */
+    int int_acc;
+    const int32_t *prog_sums; /* [M][K/G] where int_acc: the group sums of xq, shifted left by 16 where prog_dots16 (the
+                               * high half of a 16-bit pair), read as broadcasts from memory */
 } lowbit_args;
 
 /* 6-bit codes (GGUF's Q6_K) take three 64-byte units per chunk of 16 k: the low nibbles of k 0-7 and of
@@ -138,6 +146,15 @@ static inline int32_t int_zero_term(float z, float zq) { return (int32_t)(z * zq
 
 /* u of the epilogue in integers, exact (see lowbit_args). */
 static inline float group_u_int(int32_t dot, float z, float zq) { return (float)(dot - int_zero_term(z, zq)); }
+
+/* Whether the progressive form's group dots and group sums fit int16 (|dot| <= G * max code * 127, |gsum| <= G * 127),
+ * so one 16-bit multiply-add pair takes s1 * dot + m * gsum (2-bit codes: G <= 86). */
+static inline int prog_dots16(int64_t G, int bits) { return G * ((1 << bits) - 1) * 127 <= 32767; }
+
+/* The progressive form's int32 accumulator of row n of block nb as the float the store takes: float(acc) * s0. */
+static inline float prog_scale(const lowbit_args *a, int64_t nb, int n, int32_t acc) {
+    return (float)acc * a->super_scales[nb * BLOCK_N + n];
+}
 
 /* ------------------------------------------------------------------ scalar conversions */
 
@@ -206,12 +223,14 @@ typedef struct {
     lowbit_block_fn run;
     int interleaved; /* reads xt: the quads of a tile's T tokens side by side (else xq) */
     int up_converts; /* up-converts each row block once from up_min_m tokens on: needs `up` (not for 8 bits) */
+    lowbit_block_fn run_prog; /* the progressive form's (lowbit_args.int_acc) where apart from run, else NULL */
 } lowbit_block_kernel;
 void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up);
 #ifdef AIPC_X86
 void block_avxvnni(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx2(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up);
+void block_avx512_prog(const lowbit_args *a, int64_t nb, uint8_t *up);
 #endif
 /* Every row block at once, for M >= AMX_MIN_M (AMX_MIN_M_G16) and G a multiple of 32 (16) (x86/lowbit_amx.c); xq padded with zero rows to
  * Mp = whole tiles. Returns AIPC_OK or AIPC_ERR_NOMEM. */

@@ -156,6 +156,14 @@ def check_supers(plan: OperandPlan, scales: torch.Tensor, supers: Optional[torch
                 f"{out_features}]): pack the weight with aipc_kernels.lowbit.packing.pack_for_triton"
             )
         return
+    if layout == CPU_LAYOUT and plan.mins and supers.dim() == 4 and supers.shape[0] == 1:  # the progressive form
+        if supers.dtype != torch.float32 or tuple(supers.shape) != (1, *super_shape(layout, out_features, 1)):
+            raise ValueError(
+                f"lowbit_linear: supers of shape {tuple(supers.shape)} and dtype {supers.dtype}: one set of super "
+                f"scales with codebook {codebook!r} is the progressive form, float32 {[1, *super_shape(layout, out_features, 1)]} "
+                f"(one s0 a row): pack the weight with aipc_kernels.lowbit.packing.pack_for_cpu"
+            )
+        return
     nsb = supers.shape[-2] if layout == CPU_LAYOUT and supers.dim() == 4 else supers.shape[-1] if supers.dim() == 3 else 0
     SB = K // nsb if nsb and K % nsb == 0 else 0
     per = SB // group_size if SB and SB % group_size == 0 else 0

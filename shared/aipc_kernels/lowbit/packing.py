@@ -6,7 +6,8 @@ chunk holds, in bit-plane ``q``, the code of ``k = chunk*kc + 4q + kk`` (kc = 16
 operand of one VNNI dot product against four broadcast int8 activations (the paper's
 [N/16][K/kc][16][4] blocking with bit-planes instead of a LUT). Scales and zeros become
 ``[N/16][K/G][16]`` so one 32-byte load feeds a whole row block; the two-level form's super-block
-scales ``[S][N/16][K/SB][16]``. ``triton_k32`` takes the two-level form only as the progressive form
+scales ``[S][N/16][K/SB][16]``, the progressive form's one ``s0`` a row as ``[1][N/16][1][16]`` (the native
+kernels' integer accumulation, :func:`pack_cpu_supers`). ``triton_k32`` takes the two-level form only as the progressive form
 (:mod:`~aipc_kernels.lowbit.progressive`: int8 levels, one ``s0`` per row, supers ``[2, 1, N]``, the
 ``progressive`` kernel's operands); any other two-level weight is packed for it with its float32 products
 (:meth:`~aipc_kernels.lowbit.formats.LowBitWeight.single_level`).
@@ -131,8 +132,24 @@ def pack_for_cpu(w: LowBitWeight) -> PackedLowBit:
         w.group_size,
         w.out_features,
         w.in_features,
-        on_huge_pages(torch.stack([pack_cpu_groups(s) for s in w.supers])) if w.supers is not None else None,
+        on_huge_pages(pack_cpu_supers(w)) if w.supers is not None else None,
     )
+
+
+def pack_cpu_supers(w: LowBitWeight) -> torch.Tensor:
+    """A two-level weight's supers in ``cpu_vnni16``: ``[S, N/16, K/SB, 16]``; the progressive form
+    (:func:`~aipc_kernels.lowbit.progressive.row_scales`) as its one set of ``s0``, ``[1, N/16, 1, 16]``, which
+    the kernels take as the progressive form (int32 accumulation over K with per-token activations)."""
+    s0 = row_scales(w)
+    if s0 is not None:
+        return pack_cpu_groups(s0[:, None])[None]
+    return torch.stack([pack_cpu_groups(s) for s in w.supers])
+
+
+def is_cpu_progressive(p: "PackedLowBit") -> bool:
+    """Whether a ``cpu_vnni16`` weight holds the progressive form (:func:`pack_cpu_supers`: a min form with one
+    set of super scales)."""
+    return p.supers is not None and p.zeros is not None and get_codebook(p.codebook).mins and p.supers.shape[0] == 1
 
 
 # ------------------------------------------------------------------ triton_k32 (Triton kernels)
@@ -248,6 +265,8 @@ def to_canonical(p: PackedLowBit) -> LowBitWeight:
     codes = unpack_cpu_codes(p.qweight, p.bits, N)
     zeros = unpack_cpu_groups(p.zeros, N) if p.zeros is not None else None
     supers = torch.stack([unpack_cpu_groups(s, N) for s in p.supers]) if p.supers is not None else None
+    if is_cpu_progressive(p):  # s0 per row: the canonical [2, N, K/SB]
+        supers = _canonical_progressive(supers[0, :, 0], p.in_features, p.group_size)
     return LowBitWeight(pack_codes(codes, p.bits), unpack_cpu_groups(p.scales, N), zeros, p.codebook, p.group_size,
                         p.in_features, supers=supers)  # fmt: skip
 
@@ -257,8 +276,14 @@ def _canonical_supers(p: PackedLowBit) -> Optional[torch.Tensor]:
     super-block, :func:`~aipc_kernels.lowbit.progressive.super_block`), None for single-level scales."""
     if p.supers is None:
         return None
-    nsb = p.in_features // super_block(p.in_features, p.group_size)
-    return p.supers[:, 0, :, None].expand(-1, -1, nsb).contiguous()
+    return _canonical_progressive(p.supers[0, 0], p.in_features, p.group_size)
+
+
+def _canonical_progressive(s0: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
+    """The canonical supers ``[2, N, K/SB]`` of the progressive form's ``s0`` ``[N]`` (repeated per super-block,
+    :func:`~aipc_kernels.lowbit.progressive.super_block`, in both sets)."""
+    nsb = in_features // super_block(in_features, group_size)
+    return s0[None, :, None].expand(2, -1, nsb).contiguous()
 
 
 def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -284,6 +309,8 @@ def dequantize_rows(p: PackedLowBit, rows: torch.Tensor, dtype: torch.dtype = to
         scales = p.scales[blk, :, r]
         zeros = p.zeros[blk, :, r] if p.zeros is not None else None
         supers = p.supers[:, blk, :, r].transpose(0, 1) if p.supers is not None else None  # [S, M, K/SB]
+        if is_cpu_progressive(p):  # one set, one super-block a row: the mins' too
+            supers = supers.expand(2, -1, -1)
     elif p.layout == TRITON_LAYOUT:
         codes = unpack_triton_codes(p.qweight[rows], bits, K)
         scales = p.scales[:, rows].t()

@@ -24,8 +24,11 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
         (bits == 6 && zeros && G > MAX_G_6BIT_ZEROS))
         return AIPC_ERR_GROUP;
     if (act_amax && act_group != K) return AIPC_ERR_AMAX;
-    if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || scale_dt < AIPC_DT_F32 || scale_dt > AIPC_SCALE_I8) return AIPC_ERR_DTYPE;
-    if (scale_dt == AIPC_SCALE_I8) { /* the two-level form: SB / G a power of two, no stored zero points */
+    if (dt < AIPC_DT_F32 || dt > AIPC_DT_F16 || scale_dt < AIPC_DT_F32 || scale_dt > AIPC_SCALE_I8_PROG) return AIPC_ERR_DTYPE;
+    if (scale_dt == AIPC_SCALE_I8_PROG) { /* the progressive form: the min form, one super-block a row */
+        if (!supers || SB != K || !zeros || isnan(*zero_const) || *zero_const != 0.f || cmul != 1.f || K > AIPC_PROG_MAX_K)
+            return AIPC_ERR_SUPERS;
+    } else if (scale_dt == AIPC_SCALE_I8) { /* the two-level form: SB / G a power of two, no stored zero points */
         if (!supers || SB <= 0 || SB % G || K % SB || ((SB / G) & (SB / G - 1)) || (zeros && isnan(*zero_const)))
             return AIPC_ERR_SUPERS;
     } else if (supers) {
@@ -54,6 +57,7 @@ static int check_args(const void *x, int dt, int64_t M, int64_t K, const uint8_t
 static int run_blocks(const lowbit_args *a, const lowbit_block_kernel *kernel, int nthreads) {
     const int64_t M = a->M, K = a->K, nblocks = (a->N + BLOCK_N - 1) / BLOCK_N;
     const int need_up = kernel->up_converts && M >= up_min_m(a->bits);
+    const lowbit_block_fn run = a->int_acc && kernel->run_prog ? kernel->run_prog : kernel->run;
     int status = AIPC_OK;
     if (nblocks < nthreads) nthreads = (int)nblocks;
 #pragma omp parallel num_threads(nthreads)
@@ -65,7 +69,7 @@ static int run_blocks(const lowbit_args *a, const lowbit_block_kernel *kernel, i
         }
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++)
-            if (up || !need_up) kernel->run(a, nb, up);
+            if (up || !need_up) run(a, nb, up);
         free(up);
     }
     return status;
@@ -83,6 +87,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     const int64_t ng = K / G;
     const aipc_kernel_set *ks = aipc_kernels();
     /* a tile step spans 64, 32 or 16 k; with 16 (G an odd multiple of 16) the tiles win from more tokens on */
+    const int int_acc = scale_dt == AIPC_SCALE_I8_PROG && act_group == K; /* lowbit_args.int_acc */
     const int use_amx = ks->lowbit_tiles && G % 16 == 0 && M >= (G % 32 ? AMX_MIN_M_G16 : AMX_MIN_M);
     /* AMX tiles read 16 token rows: pad xq with zero rows (their outputs are never stored) */
     const int64_t Mp = use_amx ? (M + AMX_M - 1) / AMX_M * AMX_M : M;
@@ -92,12 +97,13 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * K + 63) / 64 * 64));
     /* scratch, zeroed: [Mp][K/G] each (AMX reads whole tiles of rows) sx and zq (float), gsum (int32);
      * outs [Mp] */
-    float *sx = (float *)calloc((size_t)(3 * Mp * ng + Mp), sizeof(float));
+    float *sx = (float *)calloc((size_t)((3 + int_acc) * Mp * ng + Mp), sizeof(float));
     int32_t *xt = NULL; /* the interleaved copy of xq, or NULL: the kernels read xq */
     status = AIPC_ERR_NOMEM;
     if (!xq || !sx) goto cleanup;
     float *zq = sx + Mp * ng, *outs = sx + 3 * Mp * ng;
-    int32_t *gsum = (int32_t *)(sx + 2 * Mp * ng);
+    int32_t *gsum = (int32_t *)(sx + 2 * Mp * ng), *prog_sums = int_acc ? (int32_t *)(outs + Mp) : NULL;
+    const int pairs = int_acc && prog_dots16(G, bits);
     if (Mp > M) memset(xq + M * K, 0, (size_t)((Mp - M) * K));
     if (quantize_activations(x, dt, M, K, G, act_group, act_amax, xq, sx, gsum, nthreads) != AIPC_OK) goto cleanup;
     const void *group_zeros = min_form ? NULL : zeros; /* lowbit_args.zeros: stored zero points, not mins */
@@ -107,6 +113,7 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < ng; g++) {
             zq[m * ng + g] = (float)gsum[m * ng + g] / cmul;
+            if (prog_sums) prog_sums[m * ng + g] = pairs ? (int32_t)((uint32_t)gsum[m * ng + g] << 16) : gsum[m * ng + g];
             if (int_zero_terms) gsum[m * ng + g] = -int_zero_term(zero_const, zq[m * ng + g]);
         }
         outs[m] = act_group == K ? sx[m * ng] * cmul : cmul;
@@ -125,10 +132,14 @@ AIPC_API int aipc_lowbit_linear(const void *x, int dt, int64_t M, int64_t K, con
     const int64_t nsb = supers ? K / SB : 0, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
     int gps_shift = 0;
     while (supers && (G << gps_shift) < SB) gps_shift++;
-    const lowbit_args a = {w, scales, group_zeros, min_form ? zeros : NULL, scale_dt, supers,
-                           supers && min_form ? supers + nblocks * nsb * BLOCK_N : NULL, nsb, gps_shift, bits, M, N, K,
-                           G, cmul, zero_const, xq, xt ? xt : (const int32_t *)xq, T, zq, int_zero_terms ? gsum : NULL,
-                           act_group == K ? NULL : sx, outs, bias, y, dt};
+    /* the progressive form: its mins share the scales' super-block scales; with one activation scale per token
+     * the integer accumulation (lowbit_args.int_acc) */
+    const int prog = scale_dt == AIPC_SCALE_I8_PROG;
+    const lowbit_args a = {w, scales, group_zeros, min_form ? zeros : NULL, prog ? AIPC_SCALE_I8 : scale_dt, supers,
+                           supers && min_form ? (prog ? supers : supers + nblocks * nsb * BLOCK_N) : NULL, nsb, gps_shift,
+                           bits, M, N, K, G, cmul, zero_const, xq, xt ? xt : (const int32_t *)xq, T, zq,
+                           int_zero_terms ? gsum : NULL, act_group == K ? NULL : sx, outs, bias, y, dt,
+                           int_acc, prog_sums};
     status = use_amx ? ks->lowbit_tiles(&a, xq, Mp, nthreads) : run_blocks(&a, ks->lowbit_block, nthreads);
 cleanup:
     free(xt);

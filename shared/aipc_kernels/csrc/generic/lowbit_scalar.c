@@ -13,6 +13,7 @@ void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up) {
     const int mask = (1 << a->bits) - 1;
     for (int64_t m = 0; m < a->M; m++) {
         float acc[BLOCK_N] = {0};
+        int32_t iacc[BLOCK_N] = {0}; /* int_acc */
         for (int64_t g = 0; g < ng; g++) {
             int32_t dot[BLOCK_N] = {0};
             for (int64_t c = g * a->G / kc; c < (g + 1) * a->G / kc; c++) {
@@ -26,6 +27,12 @@ void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up) {
                 }
             }
             const int64_t si = (nb * ng + g) * BLOCK_N, mg = m * ng + g;
+            if (a->int_acc) {
+                const int32_t gsum = (int32_t)a->zq[mg];
+                for (int n = 0; n < BLOCK_N; n++)
+                    iacc[n] += ((const int8_t *)a->scales)[si + n] * dot[n] + ((const int8_t *)a->mins)[si + n] * gsum;
+                continue;
+            }
             const float w = a->ws ? a->ws[mg] : 1.f;
             for (int n = 0; n < BLOCK_N; n++) {
                 const float s = group_value(a, a->scales, a->super_scales, nb, g, si, n);
@@ -34,6 +41,8 @@ void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up) {
                 acc[n] = min_term(a, nb, g, si, n, w, a->zq[mg], fmaf(s * w, u, acc[n]));
             }
         }
+        if (a->int_acc)
+            for (int n = 0; n < BLOCK_N; n++) acc[n] = prog_scale(a, nb, n, iacc[n]);
         store_block(a, m, nb * BLOCK_N, acc);
     }
 }

@@ -109,13 +109,16 @@ Tensor lowbit_linear_cpu(Tensor x, Tensor qweight, Tensor scales, std::optional<
                          std::optional<Tensor> supers) {
     const char* op = "aipc::lowbit_linear_cpu";
     Checked c = check(op, x, qweight, scales, zeros, bits, group_size, out_features, false);
-    // the two-level form: float32 [S][ceil(N/16)][K/SB][16] super-block scales, S = 2 with mins
+    // the two-level form: float32 [S][ceil(N/16)][K/SB][16] super-block scales, S = 2 with mins; one set with mins:
+    // the progressive form ([1][ceil(N/16)][1][16], AIPC_SCALE_I8_PROG)
     int64_t SB = 0;
     STD_TORCH_CHECK(supers.has_value() == (c.scale_dt == AIPC_SCALE_I8), op,
                     ": supers (float32 super-block scales) go with int8 scales (the two-level form), and only with them");
     if (supers.has_value()) {
         check_dense(*supers, op, "supers");
-        const int64_t blocks = (out_features + kBlockN - 1) / kBlockN, S = mins ? 2 : 1;
+        const bool prog = mins && supers->dim() == 4 && supers->size(0) == 1;
+        if (prog) c.scale_dt = AIPC_SCALE_I8_PROG;
+        const int64_t blocks = (out_features + kBlockN - 1) / kBlockN, S = mins && !prog ? 2 : 1;
         const int64_t per_row = supers->numel() / (S * blocks * kBlockN);
         STD_TORCH_CHECK(supers->scalar_type() == ScalarType::Float && per_row > 0 &&
                             supers->numel() == S * blocks * per_row * kBlockN && c.K % per_row == 0,

@@ -36,16 +36,20 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
                                                                                        int64_t m, int64_t nb,
                                                                                        const __m256 *acc) {
     const int64_t n0 = nb * BLOCK_N;
+    __m256 r[2] = {acc[0], acc[1]};
+    if (a->int_acc) /* int32 bits: float(acc) * s0 (prog_scale) */
+        for (int h = 0; h < 2; h++)
+            r[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_castps_si256(acc[h])), _mm256_loadu_ps(a->super_scales + n0 + 8 * h));
     if (a->N - n0 < BLOCK_N) {
         float buf[BLOCK_N];
-        _mm256_storeu_ps(buf, acc[0]);
-        _mm256_storeu_ps(buf + 8, acc[1]);
+        _mm256_storeu_ps(buf, r[0]);
+        _mm256_storeu_ps(buf + 8, r[1]);
         store_block(a, m, n0, buf);
         return;
     }
     const __m256 o = _mm256_set1_ps(a->outs[m]);
     for (int h = 0; h < 2; h++) {
-        __m256 v = _mm256_mul_ps(acc[h], o);
+        __m256 v = _mm256_mul_ps(r[h], o);
         if (a->bias) v = _mm256_add_ps(v, LOAD8_SCALES(a->bias, n0 + 8 * h, a->out_dt));
         const int64_t off = m * a->N + n0 + 8 * h;
         if (a->out_dt == AIPC_DT_F32) {

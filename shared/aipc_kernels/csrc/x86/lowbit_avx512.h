@@ -77,6 +77,36 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
     }
 }
 
+/* The progressive form's group epilogue (lowbit_args.int_acc) for MT tokens: acc holds int32 bits, += s1 * dot +
+ * m * gsum (lowbit_avx512_prog.c's tiles). */
+static inline T512 void prog_epilogue512(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
+                                         const __m512i *dot, __m512 *acc) {
+    const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
+    const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)a->scales + si)));
+    const __m512i m1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)a->mins + si)));
+    if (prog_dots16(a->G, a->bits)) { /* (dot, gsum) x (s1, m) as 16-bit pairs: one vpdpwssd */
+        const __m512i lo16 = _mm512_set1_epi32(0xffff), sm = _mm512_ternarylogic_epi32(s1, lo16, _mm512_slli_epi32(m1, 16), 0xea);
+        for (int i = 0; i < mt; i++) {
+            const __m512i gs = _mm512_set1_epi32(a->prog_sums[(m0 + i) * ng + g]); /* gsum << 16 */
+            acc[i] = _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc[i]),
+                                                             _mm512_ternarylogic_epi32(dot[i], lo16, gs, 0xea), sm));
+        }
+        return;
+    }
+    for (int i = 0; i < mt; i++) {
+        const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(s1, dot[i]),
+                                           _mm512_mullo_epi32(m1, _mm512_set1_epi32(a->prog_sums[(m0 + i) * ng + g])));
+        acc[i] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(acc[i]), t));
+    }
+}
+
+/* The progressive form's int32 accumulators (float registers holding their bits) of row block nb for MT tokens as
+ * the floats store512 takes: float(acc) * s0 (prog_scale). */
+static inline T512 void prog_to_float512(const lowbit_args *a, int64_t nb, int64_t mt, __m512 *acc) {
+    const __m512 s0 = _mm512_loadu_ps(a->super_scales + nb * BLOCK_N);
+    for (int64_t i = 0; i < mt; i++) acc[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(acc[i])), s0);
+}
+
 /* Writes 16 outputs of row block nb for MT tokens: acc * outs[m] (outs NULL: acc) + bias, in the output dtype. */
 static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64_t nb, const __m512 *acc) {
     const int64_t n0 = nb * BLOCK_N, nn = a->N - n0 < BLOCK_N ? a->N - n0 : BLOCK_N;
@@ -106,6 +136,14 @@ static inline T512 void store512(const lowbit_args *a, int64_t m0, int mt, int64
             _mm256_mask_storeu_epi16((uint16_t *)a->y + off, k, h);
         }
     }
+}
+
+/* store512 of the progressive form's tiles (at most 8 tokens): their int32 accumulators as floats first. */
+static inline T512 void prog_store512(const lowbit_args *a, int64_t m0, int mt, int64_t nb, const __m512 *acc) {
+    __m512 r[8];
+    for (int i = 0; i < mt; i++) r[i] = acc[i];
+    prog_to_float512(a, nb, mt, r);
+    store512(a, m0, mt, nb, r);
 }
 
 /* Quad q (k = 4q + kk) of a 6-bit chunk's units la, lb, hi as 16 rows x 4 k of u8 codes 0..63 (six_bit_code). */
