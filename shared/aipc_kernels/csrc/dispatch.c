@@ -8,8 +8,8 @@
 
 static const lowbit_block_kernel LOWBIT_SCALAR = {block_scalar, 0, 0};
 #ifdef AIPC_X86
-static const lowbit_block_kernel LOWBIT_AVX2 = {block_avx2, 0, 0};
-static const lowbit_block_kernel LOWBIT_AVX_VNNI = {block_avxvnni, 0, 0};
+static const lowbit_block_kernel LOWBIT_AVX2 = {block_avx2, 0, 0, block_avx2_prog};
+static const lowbit_block_kernel LOWBIT_AVX_VNNI = {block_avxvnni, 0, 0, block_avxvnni_prog};
 static const lowbit_block_kernel LOWBIT_AVX512 = {block_avx512, 1, 1, block_avx512_prog};
 #endif
 

@@ -228,7 +228,9 @@ typedef struct {
 void block_scalar(const lowbit_args *a, int64_t nb, uint8_t *up);
 #ifdef AIPC_X86
 void block_avxvnni(const lowbit_args *a, int64_t nb, uint8_t *up);
+void block_avxvnni_prog(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx2(const lowbit_args *a, int64_t nb, uint8_t *up);
+void block_avx2_prog(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx512(const lowbit_args *a, int64_t nb, uint8_t *up);
 void block_avx512_prog(const lowbit_args *a, int64_t nb, uint8_t *up);
 #endif

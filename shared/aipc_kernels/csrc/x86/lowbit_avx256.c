@@ -34,10 +34,11 @@
  * kernels); a tail block of fewer than 16 rows goes through store_block. */
 static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store_block256(const lowbit_args *a,
                                                                                        int64_t m, int64_t nb,
-                                                                                       const __m256 *acc) {
+                                                                                       const __m256 *acc,
+                                                                                       const int int_acc) {
     const int64_t n0 = nb * BLOCK_N;
     __m256 r[2] = {acc[0], acc[1]};
-    if (a->int_acc) /* int32 bits: float(acc) * s0 (prog_scale) */
+    if (int_acc) /* int32 bits: float(acc) * s0 (prog_scale) */
         for (int h = 0; h < 2; h++)
             r[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_castps_si256(acc[h])), _mm256_loadu_ps(a->super_scales + n0 + 8 * h));
     if (a->N - n0 < BLOCK_N) {
@@ -79,7 +80,34 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define DOT8(acc, w, x) DOT(acc, w, x)
 #define DOT8_LEVELS 0
 #define SUM16 0
+#define INT_ACC 0
 #include "lowbit_avx256_tile.inc"
+#undef INT_ACC
+#undef TILE_FN
+#undef CHUNK_HALF_FN
+#undef CHUNKS_FN
+#undef GROUP_HALF_FN
+#undef BLOCK_FN
+#undef TARGET
+#undef DOT
+#undef DOT8
+#undef DOT8_LEVELS
+#undef SUM16
+
+/* the progressive form's instance (lowbit_block_kernel.run_prog) */
+#define TILE_FN block_avxvnni_prog_tile
+#define CHUNK_HALF_FN chunk_half_avxvnni_prog
+#define CHUNKS_FN chunks_avxvnni_prog
+#define GROUP_HALF_FN group_half_avxvnni_prog
+#define BLOCK_FN block_avxvnni_prog
+#define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
+#define DOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#define DOT8(acc, w, x) DOT(acc, w, x)
+#define DOT8_LEVELS 0
+#define SUM16 0
+#define INT_ACC 1
+#include "lowbit_avx256_tile.inc"
+#undef INT_ACC
 #undef TILE_FN
 #undef CHUNK_HALF_FN
 #undef CHUNKS_FN
@@ -103,7 +131,34 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
                                             ones16))
 #define DOT8_LEVELS 1
 #define SUM16 1
+#define INT_ACC 0
 #include "lowbit_avx256_tile.inc"
+#undef INT_ACC
+#undef TILE_FN
+#undef CHUNK_HALF_FN
+#undef CHUNKS_FN
+#undef GROUP_HALF_FN
+#undef BLOCK_FN
+#undef TARGET
+#undef DOT8
+#undef DOT8_LEVELS
+#undef SUM16
+/* the progressive form's instance (lowbit_block_kernel.run_prog) */
+#define TILE_FN block_avx2_prog_tile
+#define CHUNK_HALF_FN chunk_half_avx2_prog
+#define CHUNKS_FN chunks_avx2_prog
+#define GROUP_HALF_FN group_half_avx2_prog
+#define BLOCK_FN block_avx2_prog
+#define TARGET __attribute__((target("avx2,f16c,fma")))
+#define DOT8(acc, w, x)                                                                                       \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, sign8)), \
+                                                                 _mm256_sign_epi8(x, _mm256_xor_si256(w, sign8))), \
+                                            ones16))
+#define DOT8_LEVELS 1
+#define SUM16 1
+#define INT_ACC 1
+#include "lowbit_avx256_tile.inc"
+#undef INT_ACC
 #undef TILE_FN
 #undef CHUNK_HALF_FN
 #undef CHUNKS_FN
