@@ -82,17 +82,6 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define SUM16 0
 #define INT_ACC 0
 #include "lowbit_avx256_tile.inc"
-#undef INT_ACC
-#undef TILE_FN
-#undef CHUNK_HALF_FN
-#undef CHUNKS_FN
-#undef GROUP_HALF_FN
-#undef BLOCK_FN
-#undef TARGET
-#undef DOT
-#undef DOT8
-#undef DOT8_LEVELS
-#undef SUM16
 
 /* the progressive form's instance (lowbit_block_kernel.run_prog) */
 #define TILE_FN block_avxvnni_prog_tile
@@ -107,17 +96,6 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define SUM16 0
 #define INT_ACC 1
 #include "lowbit_avx256_tile.inc"
-#undef INT_ACC
-#undef TILE_FN
-#undef CHUNK_HALF_FN
-#undef CHUNKS_FN
-#undef GROUP_HALF_FN
-#undef BLOCK_FN
-#undef TARGET
-#undef DOT
-#undef DOT8
-#undef DOT8_LEVELS
-#undef SUM16
 
 #define TILE_FN block_avx2_tile
 #define CHUNK_HALF_FN chunk_half_avx2
@@ -133,16 +111,6 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define SUM16 1
 #define INT_ACC 0
 #include "lowbit_avx256_tile.inc"
-#undef INT_ACC
-#undef TILE_FN
-#undef CHUNK_HALF_FN
-#undef CHUNKS_FN
-#undef GROUP_HALF_FN
-#undef BLOCK_FN
-#undef TARGET
-#undef DOT8
-#undef DOT8_LEVELS
-#undef SUM16
 /* the progressive form's instance (lowbit_block_kernel.run_prog) */
 #define TILE_FN block_avx2_prog_tile
 #define CHUNK_HALF_FN chunk_half_avx2_prog
@@ -158,14 +126,4 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 #define SUM16 1
 #define INT_ACC 1
 #include "lowbit_avx256_tile.inc"
-#undef INT_ACC
-#undef TILE_FN
-#undef CHUNK_HALF_FN
-#undef CHUNKS_FN
-#undef GROUP_HALF_FN
-#undef BLOCK_FN
-#undef TARGET
-#undef DOT8
-#undef DOT8_LEVELS
-#undef SUM16
 #endif /* AIPC_X86 */
