@@ -70,60 +70,38 @@ static inline __attribute__((target("avx2,f16c,fma"), always_inline)) void store
 }
 
 #define TILE_M 8 /* tokens per tile: 8 accumulators + the planes of one half fit the 16 ymm registers */
-#define TILE_FN block_avxvnni_tile
-#define CHUNK_HALF_FN chunk_half_avxvnni
-#define CHUNKS_FN chunks_avxvnni
-#define GROUP_HALF_FN group_half_avxvnni
+#define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
+#define DOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#define DOT8(acc, w, x) DOT(acc, w, x)
+#define DOT8_LEVELS 0
+#define SUM16 0
 #define BLOCK_FN block_avxvnni
-#define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
-#define DOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
-#define DOT8(acc, w, x) DOT(acc, w, x)
-#define DOT8_LEVELS 0
-#define SUM16 0
 #define INT_ACC 0
 #include "lowbit_avx256_tile.inc"
-
-/* the progressive form's instance (lowbit_block_kernel.run_prog) */
-#define TILE_FN block_avxvnni_prog_tile
-#define CHUNK_HALF_FN chunk_half_avxvnni_prog
-#define CHUNKS_FN chunks_avxvnni_prog
-#define GROUP_HALF_FN group_half_avxvnni_prog
-#define BLOCK_FN block_avxvnni_prog
-#define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
-#define DOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
-#define DOT8(acc, w, x) DOT(acc, w, x)
-#define DOT8_LEVELS 0
-#define SUM16 0
+#define BLOCK_FN block_avxvnni_prog /* the progressive form's instance (lowbit_block_kernel.run_prog) */
 #define INT_ACC 1
 #include "lowbit_avx256_tile.inc"
+#undef TARGET
+#undef DOT
+#undef DOT8
+#undef DOT8_LEVELS
+#undef SUM16
 
-#define TILE_FN block_avx2_tile
-#define CHUNK_HALF_FN chunk_half_avx2
-#define CHUNKS_FN chunks_avx2
-#define GROUP_HALF_FN group_half_avx2
+#define TARGET __attribute__((target("avx2,f16c,fma")))
+#define DOT8(acc, w, x)                                                                                       \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, sign8)), \
+                                                                 _mm256_sign_epi8(x, _mm256_xor_si256(w, sign8))), \
+                                            ones16))
+#define DOT8_LEVELS 1
+#define SUM16 1
 #define BLOCK_FN block_avx2
-#define TARGET __attribute__((target("avx2,f16c,fma")))
-#define DOT8(acc, w, x)                                                                                       \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, sign8)), \
-                                                                 _mm256_sign_epi8(x, _mm256_xor_si256(w, sign8))), \
-                                            ones16))
-#define DOT8_LEVELS 1
-#define SUM16 1
 #define INT_ACC 0
 #include "lowbit_avx256_tile.inc"
-/* the progressive form's instance (lowbit_block_kernel.run_prog) */
-#define TILE_FN block_avx2_prog_tile
-#define CHUNK_HALF_FN chunk_half_avx2_prog
-#define CHUNKS_FN chunks_avx2_prog
-#define GROUP_HALF_FN group_half_avx2_prog
-#define BLOCK_FN block_avx2_prog
-#define TARGET __attribute__((target("avx2,f16c,fma")))
-#define DOT8(acc, w, x)                                                                                       \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, sign8)), \
-                                                                 _mm256_sign_epi8(x, _mm256_xor_si256(w, sign8))), \
-                                            ones16))
-#define DOT8_LEVELS 1
-#define SUM16 1
+#define BLOCK_FN block_avx2_prog /* the progressive form's instance */
 #define INT_ACC 1
 #include "lowbit_avx256_tile.inc"
+#undef TARGET
+#undef DOT8
+#undef DOT8_LEVELS
+#undef SUM16
 #endif /* AIPC_X86 */
