@@ -11,7 +11,9 @@ code books, group 128: GPTQ / AWQ int4 weights, W4A8) and ``w8a8`` (the ``int8``
 per output channel: the output projection's format, W8A8), ``w4a8_vnni`` / ``w8a8_vnni`` (the same forced
 onto the AVX-512 VNNI kernels, to show what AMX adds for M >= 16), ``int2_prog`` (``_vnni``, ``_avxvnni``: the same
 forced) the progressive two-level form (``min2`` group 64, int8 levels ``s1 * c + m`` and one ``s0`` a row, random
-parts: the kernels accumulate it in int32 over the whole K) beside ``int2``; the activation-exact W4A16 kernels
+parts: the kernels accumulate it in int32 over the whole K) beside ``int2``; ``w4a8_prog`` (``_avxvnni``) the same form
+in 4-bit codes (``min4`` group 64, ``quantizer: progressive``) beside ``w4a8_asym_g64`` (``affine4`` group 64, lowbit4's
+default); the activation-exact W4A16 kernels
 (``aipc::lowbit_linear_a16``, ``e0m4`` code book, group 128) with Transformer-Lite's E0M4 dequantization
 (``w4a16_e0m4``: two bit operations) against int-to-float dequantization on the same skeleton
 (``w4a16_int``), with bf16 activations (AVX512-BF16 dot products where the CPU has them) and with float32
@@ -88,7 +90,7 @@ FLOAT_KINDS = tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 GENERAL_OP = {"int2_general": "int2", "w4a8_general": "w4a8"}
 OURS = ("int2", "int2_general", "int2_g128", "int2_vnni", "int2_avxvnni", "int1", "w4a8", "w4a8_general",
         "w4a8_asym", "w4a8_g32", "w8a8", "w6a8", "w8a8_g32", "w4a8_vnni", "w8a8_vnni", "int2_prog", "int2_prog_vnni",
-        "int2_prog_avxvnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
+        "int2_prog_avxvnni", "w4a8_asym_g64", "w4a8_asym_g64_avxvnni", "w4a8_prog", "w4a8_prog_avxvnni") + tuple(A16_CONFIGS) + tuple(DENSE_CONFIGS)
 # ours: code book, group size, forced ISA (None: the best this CPU has)
 OUR_CONFIGS = {
     "int2": ("affine", 64, None),
@@ -108,8 +110,12 @@ OUR_CONFIGS = {
     "int2_prog": ("min2", 64, None),
     "int2_prog_vnni": ("min2", 64, "avx512_vnni"),
     "int2_prog_avxvnni": ("min2", 64, "avx_vnni"),
+    "w4a8_asym_g64": ("affine4", 64, None),  # lowbit4's default on the fly
+    "w4a8_asym_g64_avxvnni": ("affine4", 64, "avx_vnni"),
+    "w4a8_prog": ("min4", 64, None),  # lowbit4 with quantizer: progressive, codebook: min4
+    "w4a8_prog_avxvnni": ("min4", 64, "avx_vnni"),
 }
-PROG_KINDS = ("int2_prog", "int2_prog_vnni", "int2_prog_avxvnni")  # quantized by quantize_progressive
+PROG_KINDS = ("int2_prog", "int2_prog_vnni", "int2_prog_avxvnni", "w4a8_prog", "w4a8_prog_avxvnni")  # quantized by quantize_progressive
 OUR_CONFIGS.update({general: OUR_CONFIGS[kind] for general, kind in GENERAL_OP.items()})
 # our W*A8 kinds on the run's own ISA (its int8 dot product bounds them at M > 1), and the W4A16 kinds with
 # int dequantization (on AVX2 / AVX-VNNI its mask-convert-FMA mix bounds them at M=1)

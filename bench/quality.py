@@ -51,12 +51,14 @@ bf16 linears and with the plugins' default linears; ``gguf`` (real models): the 
 published) and lowbit4 int4 / affine4 / e0m4 and lowbit2 affine g64 re-quantized from them, each with
 A8 per token and per group (32 for the file's own: llama.cpp's, the GGUF serving default; 64, the
 weight group, for the re-quantized ones), float and int8 output projection; ``progressive``: the progressive
-two-level form (``aipc_kernels.lowbit.progressive``, the GPU prefill kernels' form) at 2 and 4 bits beside
-today's float16 group scales of the same bits, A8 per token. ``--smoke``: a tiny model, a few steps, a few
+two-level form (``aipc_kernels.lowbit.progressive``, the GPU prefill kernels' form and ``quantizer: progressive``)
+at 2 and 4 bits beside today's float16 group scales of the same bits (4 bits in groups of 128, and of 64: lowbit4's),
+A8 per token. ``--weights`` keeps the rows whose weight label matches a pattern. ``--smoke``: a tiny model, a few steps, a few
 files (seconds on a CPU; checks the script, measures nothing).
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA starts)
@@ -334,10 +336,19 @@ GGUF_WEIGHTS = (None, WFmt("int4", 64, "optimized"), WFmt("affine4", 64, "optimi
 #: the ``progressive`` section: the progressive two-level form (a float scale per channel, int8 levels per group)
 #: beside the single-level formats of the same bits (float16 group scales, optimized quantizer)
 PROGRESSIVE_WEIGHTS = (WFmt("affine", 64, "optimized"), WFmt("min2", 64, "progressive"), WFmt("int4", 128, "optimized"),
-                       WFmt("affine4", 128, "optimized"), WFmt("min4", 128, "progressive"))
+                       WFmt("affine4", 128, "optimized"), WFmt("min4", 128, "progressive"),
+                       WFmt("affine4", 64, "optimized"), WFmt("min4", 64, "progressive"))  # g64: lowbit4's group
 
 
-def rows_for(sections: list[str]) -> list[Row]:
+def rows_for(sections: list[str], weights: Optional[list[str]] = None) -> list[Row]:
+    """The rows of ``sections`` (the reference first); ``weights``: only those whose weight label (e.g. ``min4 g64
+    progressive``) matches one of these fnmatch patterns, the reference kept."""
+    rows = _section_rows(sections)
+    return rows if not weights else [r for r in rows if r.section == "reference" or (
+        r.weights is not None and any(fnmatch.fnmatch(r.weights.label, p) for p in weights))]  # fmt: skip
+
+
+def _section_rows(sections: list[str]) -> list[Row]:
     rows: list[Row] = [Row("reference", None, "A16", "bf16")]
     if "weights" in sections:
         rows += [Row("weights", WFmt(cb, g, q), "A16", "bf16") for cb in CODEBOOKS for g in GROUPS for q in QUANTIZERS]
@@ -704,6 +715,9 @@ def main() -> None:
     ap.add_argument("--model", default="trained", type=lambda s: s.split(","),
                     help="'trained' (the proxy trained here, the default) or a comma list of registry models "
                          "(smollm2-135m-instruct, gemma3-270m): real trained models, results named 'quality'")
+    ap.add_argument("--weights", type=lambda s: s.split(","), default=None,
+                    help="only the rows whose weights match one of these comma-separated patterns, e.g. "
+                         "'min4 g64*,affine4 g64*' (the reference row always runs)")
     ap.add_argument("--windows", type=int, default=4, help="real models: windows per text")
     ap.add_argument("--context", type=int, default=512, help="real models: tokens per window")
     ap.add_argument("--eval-batch", type=int, default=2, help="real models: windows per forward pass")
@@ -765,7 +779,7 @@ def run(args) -> None:
 
     ev = Evaluator(model, hx, hy, r.eval_batch, dev)
     t_eval = time.perf_counter()
-    rows, skipped = evaluate(ev, rows_for(args.rows), lambda: time.perf_counter() - start > args.deadline_s)
+    rows, skipped = evaluate(ev, rows_for(args.rows, args.weights), lambda: time.perf_counter() - start > args.deadline_s)
     recipe.update(eval_seconds=round(time.perf_counter() - t_eval, 1), quantize_seconds=round(ev.quant_seconds, 1),
                   total_seconds=round(time.perf_counter() - start, 1))
     report(args, info, recipe, rows, skipped)
@@ -820,7 +834,7 @@ def run_real(args) -> None:
         model, tok, bos = qr.load(name)
         xs, ys, spans, texts = qr.eval_windows(tok, bos, args.context, args.windows)
         ev = Evaluator(model.to(dev), xs, ys, args.eval_batch, dev, spans=spans)
-        rows, miss = evaluate(ev, rows_for(args.rows), lambda: time.perf_counter() - start > args.deadline_s)
+        rows, miss = evaluate(ev, rows_for(args.rows, args.weights), lambda: time.perf_counter() - start > args.deadline_s)
         ref = rows[0]
         for r in rows:
             r.update(model=name, _ref=ref)

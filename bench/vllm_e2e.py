@@ -72,6 +72,10 @@ VARIANTS = {
                                  "quant_method": "lowbit4", "codebook": "e0m4", "group_size": 128, "quantizer": "rtn",
                                  "activations": "float"}})),
     "lowbit2": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} ({AUTO_HEAD}, the default)", model="lowbit2", llm={}),
+    "lowbit4_affine4": dict(label=f"affine4 g{LOWBIT_GROUP} checkpoint (lowbit4's on-the-fly default, RTN; {AUTO_HEAD})",
+                            model="affine4", llm={}),
+    "lowbit4_progressive": dict(label=f"min4 g{LOWBIT_GROUP} checkpoint, quantizer progressive (int8 levels per group, "
+                                      f"int32 over K; {AUTO_HEAD})", model="progressive4", llm={}),
     "lowbit2_general_op": dict(label=f"lowbit2 affine g{LOWBIT_GROUP} ({AUTO_HEAD}) through the general op "
                                     "(AIPC_PLANNED_OPS=0: operands checked in Python per call)", model="lowbit2", llm={},
                                env=dict(AIPC_PLANNED_OPS="0")),
@@ -124,7 +128,10 @@ NOTES = """Notes:
   vLLM's own packing helpers), loaded by vLLM's GPTQ method, which picks its CPU WNA16 kernel
   (`_C::cpu_gemm_wna16`): what vLLM-CPU users pick today; nothing below 4 bits exists in vLLM-CPU.
   lowbit4_gptq: the same checkpoint served with `--quantization lowbit4` (its int4 codes and fp16 scales
-  re-laid out exactly, W4A8 kernels, the output projection as `lm_head: auto` chooses).
+  re-laid out exactly, W4A8 kernels, the output projection as `lm_head: auto` chooses). lowbit4_affine4 /
+  lowbit4_progressive: the converter's affine4 g64 (RTN) and `--quantizer progressive --codebook min4` g64
+  checkpoints of the same weights (the progressive form: int8 levels per group, one float16 scale a row, which
+  the CPU kernels accumulate in int32 over the whole K).
 - The output projection is quantized at load by default as `lm_head: auto` chooses (int6 in groups of 32
   where the kernels run with AVX2 / AVX-VNNI, int8 per output channel with AVX-512 / AMX; the rows' labels
   say which): at 1B the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much
@@ -163,9 +170,21 @@ def write_gptq_int4(src: Path, out: Path, group: int = GPTQ_GROUP) -> Path:
     return out
 
 
+#: the converter's checkpoints of the bf16 model a row may serve: model key -> convert_checkpoint's options (random
+#: weights: speed only, so rtn where the quantizer does not change the kernels; the 2-bit opt-in; real models'
+#: quality is bench/results/quality/quality.md). ``progressive`` is its own form (the kernels' integer path)
+CONVERTED = {
+    "lowbit2": dict(codebook="affine", quantizer="rtn", allow_2bit_ptq=True),
+    "affine4": dict(codebook="affine4", quantizer="rtn"),
+    "progressive4": dict(codebook="min4", quantizer="progressive"),
+}
+
+
 def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
-    """bf16 model (random, real geometry) and those of its lowbit2 and GPTQ int4 conversions that
-    ``models`` names, cached."""
+    """bf16 model (random, real geometry) and those of its converted (:data:`CONVERTED`) and GPTQ int4
+    checkpoints that ``models`` names, cached."""
+    import shutil
+
     from aipc_kernels.tools.tiny_model import PRESETS, build_tiny_model
 
     sys.path.insert(0, str(ROOT / "plugins"))
@@ -174,18 +193,18 @@ def checkpoints(preset: str, models: set[str]) -> dict[str, Path]:
     bf16 = build_tiny_model(**PRESETS[preset])
     root = cache_dir() / bf16.name
     paths = {"bf16": bf16}
-    lowbit = root / f"lowbit2-affine-g{LOWBIT_GROUP}-rtn"
-    if "lowbit2" in models and not (lowbit / "config.json").exists():
-        # rtn: the decode speed does not depend on the quantizer; the optimised one takes ~40 min at 1B on 1 core
-        tmp = lowbit.with_name(lowbit.name + ".tmp")
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        # random weights: speed only (the 2-bit opt-in; real models' quality is bench/results/quality/quality.md)
-        convert_checkpoint(bf16, tmp, "affine", LOWBIT_GROUP, quantizer="rtn", allow_2bit_ptq=True)
-        tmp.rename(lowbit)
-    if "lowbit2" in models:
-        paths["lowbit2"] = lowbit
+    for model, kw in CONVERTED.items():
+        if model not in models:
+            continue
+        out = root / f"lowbit2-{kw['codebook']}-g{LOWBIT_GROUP}-{kw['quantizer']}"
+        if not (out / "config.json").exists():
+            # rtn: the decode speed does not depend on the quantizer; the optimised one takes ~40 min at 1B on 1
+            # core, the progressive one as long
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            convert_checkpoint(bf16, tmp, group_size=LOWBIT_GROUP, **kw)
+            tmp.rename(out)
+        paths[model] = out
     gptq = root / f"gptq-int4-g{GPTQ_GROUP}-sym"
     if "gptq" in models:
         if not (gptq / "config.json").exists():

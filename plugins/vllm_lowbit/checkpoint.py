@@ -29,7 +29,7 @@ from aipc_kernels.lowbit.formats import FORMAT_NAME, SCALE_DTYPES, LowBitWeight,
 from aipc_kernels.core.hf_checkpoint import INDEX_NAME, HFCheckpoint, read_config
 from aipc_kernels.lowbit.modules import DEFAULT_SKIP
 from aipc_kernels.lowbit.quality_gate import ErrorReport, needs_opt_in, ptq_refusal, relative_error
-from aipc_kernels.lowbit.quantizers import quantize_rows
+from aipc_kernels.lowbit.progressive import quantize_layer
 
 from .grid_linears import GridLinears
 from .options import API_NAMING, LowBit2Options, quantization_config_dict
@@ -160,7 +160,8 @@ def convert_checkpoint(
 ) -> Path:
     """Writes the ``lowbit2`` checkpoint of ``model_dir`` to ``out_dir`` and returns ``out_dir``.
 
-    Unquantized checkpoints are quantized with ``quantizer`` (``optimized`` or ``rtn``); a BitNet
+    Unquantized checkpoints are quantized with ``quantizer`` (``optimized`` or ``rtn``; ``progressive`` with
+    ``codebook`` min2 / min4: the progressive two-level form, each layer's ``super_block`` in ``layer_formats``); a BitNet
     b1.58 checkpoint (packed ``bitlinear`` or ``autobitlinear``, or bf16 masters) is imported into
     the ``ternary`` code book (``codebook`` must then be ``ternary``): codes exact, each tensor's
     scale rounded once to ``scale_dtype``; any other ``quantization_config`` is refused.
@@ -207,7 +208,10 @@ def convert_checkpoint(
         if needs_opt_in(codebook) and not allow_2bit_ptq:
             raise ValueError(ptq_refusal(prefix, codebook, CONVERTER, OPT_IN_HINT))
         w = _quantize(prefix, t, codebook, group_size, quantizer, scale_dtype)
-        if group_size != -1 and w.group_size != group_size:
+        if w.supers is not None:  # the progressive form: int8 group scales, its row scales per super-block
+            fallbacks[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype="int8",
+                                     super_block=w.super_block)  # fmt: skip
+        elif group_size != -1 and w.group_size != group_size:
             fallbacks[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype=scale_dtype)
         errors.add(prefix, relative_error(t, w))
         return w
@@ -219,6 +223,7 @@ def convert_checkpoint(
         n_quant, worst = _write_checkpoint(part, checkpoint, config, linears, bitnet, codebook, group_size,
                                            quantizer, scale_dtype, kept, act_group, progress, grids, verify, fallbacks)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
+    fallbacks = {p: f for p, f in fallbacks.items() if f["group_size"] != group_size}
     if fallbacks:
         groups = sorted({v["group_size"] for v in fallbacks.values()})
         log(f"group_size={group_size} does not divide the in_features of {len(fallbacks)} linears (e.g. "
@@ -237,7 +242,7 @@ def _quantize(prefix: str, t: torch.Tensor, codebook: str, group_size: int, quan
     falls back, :func:`~aipc_kernels.lowbit.formats.fitting_group_size`); errors name the tensor."""
     try:
         group = fitting_group_size(group_size, t.shape[1])
-        return quantize_rows(t, codebook, group, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
+        return quantize_layer(t, codebook, group, quantizer, SCALE_DTYPES[scale_dtype], name=prefix)
     except ValueError as e:
         raise ValueError(f"cannot quantize {prefix}.weight: {e}; or pass it in modules_to_not_convert") from None
 

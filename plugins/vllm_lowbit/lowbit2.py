@@ -52,7 +52,7 @@ from aipc_kernels.checkpoints.grid_detect import GridWeight, detect_grid, recove
 from aipc_kernels.core.config_schema import to_dict
 from aipc_kernels.lowbit.formats import LowBitWeight, get_codebook
 from aipc_kernels.lowbit.quality_gate import OPT_IN_KEY, SAFE_REL_ERROR, ErrorReport, needs_opt_in, ptq_refusal, relative_error
-from aipc_kernels.lowbit.quantizers import quantize_rows
+from aipc_kernels.lowbit.progressive import quantize_layer
 
 from . import PLUGIN_NAME
 from .layers import (LowBitConfig, LowBitOnlineLinearMethod, apply_lowbit, check_partition, checkpoint_rows,
@@ -136,7 +136,7 @@ class LowBit2Config(LowBitConfig):
         For a checkpoint converted by ``python -m vllm_lowbit.quantize`` the override instead updates
         the checkpoint's own config.json entry: it may set ``act_group`` and ``lm_head``, and a
         value that differs from what the tensors were written with (:data:`~vllm_lowbit.options.
-        CHECKPOINT_KEYS`: code book, group size, scale dtype, modules kept unquantized,
+        CHECKPOINT_KEYS`: code book, group size, quantizer, scale dtype, modules kept unquantized,
         ``prequantized``) is refused, naming the key. ``prequantized: true`` for a checkpoint that was
         not converted is refused too."""
         stored = _checkpoint_quantization_config(model_name, revision)
@@ -234,6 +234,12 @@ class LowBit2LinearMethod(LinearMethodBase):
         o, bits = self.options, self.cb.bits
         K, N = input_size_per_partition, sum(output_partition_sizes)
         G = check_partition(self.config, layer, K)
+        if o.super_block is not None and K % o.super_block:
+            raise ValueError(
+                f"{self.config.get_name()}: layer {layer.prefix!r} stores its super-block scales over {o.super_block} "
+                f"inputs, which this rank's K={K} (in_features / tensor_parallel_size) does not hold whole; serve it "
+                f"with a tensor_parallel_size that keeps K a multiple of {o.super_block} (e.g. 1)"
+            )  # fmt: skip
         weight_loader = extra_weight_attrs["weight_loader"]
         layer.lowbit_loaded = set()
         layer.lowbit_k_partition = K
@@ -473,7 +479,7 @@ class LowBit2OnlineLinearMethod(LowBitOnlineLinearMethod):
         else:
             if needs_opt_in(o.codebook) and not o.allow_2bit_ptq:
                 raise ValueError(ptq_refusal(layer.prefix, o.codebook, cfg.get_name(), _opt_in_hint(cfg)))
-            w = quantize_rows(weight.detach(), o.codebook, G, o.quantizer, o.torch_scale_dtype, name=layer.prefix)
+            w = quantize_layer(weight.detach(), o.codebook, G, o.quantizer, o.torch_scale_dtype, name=layer.prefix)
             error = relative_error(weight, w)
         install_packed(layer, w, o.act_group, o.activations)
         cfg.grid_report.add(layer.prefix, grid, cfg, error)

@@ -19,7 +19,9 @@ import torch
 
 from aipc_kernels.lowbit.formats import CODEBOOKS, FILE_GROUP_SIZES, FORMAT_NAME, FORMAT_VERSION, GROUP_SIZES, SCALE_DTYPES
 from aipc_kernels.lowbit.output_projection import DEFAULT_HEAD_FORMAT, HEAD_CHOICES
-from aipc_kernels.lowbit.quantizers import QUANTIZERS
+from aipc_kernels.lowbit.progressive import CODEBOOKS as PROGRESSIVE_CODEBOOKS
+from aipc_kernels.lowbit.progressive import LAYER_QUANTIZERS
+from aipc_kernels.lowbit.progressive import QUANTIZER as PROGRESSIVE
 
 #: errors about a quantization_config (config.json, --hf-overrides, quantization_config_file)
 CONFIG_NAMING = Naming(f"{FORMAT_NAME} quantization_config", "json")
@@ -28,6 +30,10 @@ CLI_NAMING = Naming("python -m vllm_lowbit.quantize", "cli")
 #: the code books a config may name: the min form (min2 / min4 / min8) holds GGUF's blocks, which
 #: vllm_lowbit.gguf serves from the file as they are
 CONFIG_CODEBOOKS = tuple(sorted(name for name, cb in CODEBOOKS.items() if not cb.mins))
+#: what quantizing float weights may give: :data:`CONFIG_CODEBOOKS`, and with ``quantizer: progressive`` the
+#: progressive two-level form's min2 / min4 (:mod:`aipc_kernels.lowbit.progressive`: a float16 scale per row,
+#: int8 group scales and mins; stored per layer as the two-level form, ``layer_formats`` with ``super_block``)
+QUANTIZE_CODEBOOKS = tuple(sorted(CONFIG_CODEBOOKS + PROGRESSIVE_CODEBOOKS))
 #: what a checkpoint converted from a GGUF file (``source: gguf``, written by
 #: :mod:`vllm_lowbit.gguf_convert`) may also store: the min form, GGUF's K-quant sub-blocks of 16 and their
 #: float32 scales. Never offered for quantizing float weights (the converter's options and on-the-fly
@@ -53,25 +59,28 @@ API_NAMING = Naming("convert_checkpoint", "python")
 
 
 def _check_two_level(scale_dtype: str, super_block: Optional[int], naming: Naming) -> None:
-    """The two-level form (a GGUF conversion's K-quants): ``scale_dtype`` int8 exactly when ``super_block`` is given."""
+    """The two-level form (a GGUF conversion's K-quants, the progressive form): ``scale_dtype`` int8 exactly
+    when ``super_block`` is given."""
     if super_block is not None and scale_dtype != "int8":
         raise naming.error(
             "super_block", super_block,
-            f"needs {naming.ref('scale_dtype')}=int8 (the two-level form of a GGUF conversion's K-quants), not "
-            f"{scale_dtype!r}; drop super_block, or convert the GGUF file again",
+            f"needs {naming.ref('scale_dtype')}=int8 (the two-level form: a GGUF conversion's K-quants, or the "
+            f"progressive form), not {scale_dtype!r}; drop super_block, or convert the model again",
         )  # fmt: skip
     if scale_dtype == "int8" and super_block is None:
-        raise naming.error("scale_dtype", scale_dtype, f"(the two-level form) needs {naming.ref('super_block')}"
-                           f"={SUPER_BLOCKS[0]}; convert the GGUF file again")  # fmt: skip
+        raise naming.error("scale_dtype", scale_dtype, f"(the two-level form) needs {naming.ref('super_block')} "
+                           f"(inputs per super-block scale, e.g. {SUPER_BLOCKS[0]}); convert the model again")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class LowBit2Options:
     """How weights are quantized: the options the converter and the server share."""
 
-    codebook: str = option("affine", choices=CONFIG_CODEBOOKS)
+    codebook: str = option("affine", choices=QUANTIZE_CODEBOOKS)
     group_size: int = option(64, choices=GROUP_SIZES + (-1,), note="-1: one group per row")
-    quantizer: str = option("optimized", choices=QUANTIZERS)
+    #: ``progressive``: the progressive two-level form (codebook min2 / min4), whose int8 levels the CPU
+    #: kernels accumulate in int32 over the whole K (prefill, AMX above all) and the GPU's ``progressive`` kernel
+    quantizer: str = option("optimized", choices=LAYER_QUANTIZERS)
     scale_dtype: str = option("float16", choices=tuple(SCALE_DTYPES))
     act_group: int = option(0, ge=0, example=64)
     modules_to_not_convert: list[str] = option([], example=["lm_head"])
@@ -83,7 +92,28 @@ class LowBit2Options:
     allow_2bit_ptq: bool = option(False)
 
     def check(self, naming: Naming) -> None:
-        """``act_group``: 0 (one int8 activation scale per token) or a multiple of ``group_size``."""
+        """``act_group``: 0 (one int8 activation scale per token) or a multiple of ``group_size``; the
+        progressive form's code books with its quantizer only, and its float16 scales."""
+        progressive_codebook = self.codebook in PROGRESSIVE_CODEBOOKS
+        if self.quantizer == PROGRESSIVE and not progressive_codebook:
+            raise naming.error(
+                "quantizer", self.quantizer,
+                f"gives the progressive two-level form, {naming.ref('codebook')} {' or '.join(PROGRESSIVE_CODEBOOKS)} "
+                f"(2- / 4-bit codes, an integer scale and min per group, a float16 scale per row); {self.codebook!r} "
+                f"is not one: give codebook {PROGRESSIVE_CODEBOOKS[-1]!r}, or another quantizer",
+            )  # fmt: skip
+        if progressive_codebook and self.quantizer != PROGRESSIVE:
+            raise naming.error(
+                "codebook", self.codebook,
+                f"is the progressive two-level form's code book: it needs {naming.ref('quantizer')}={PROGRESSIVE!r} "
+                f"(the quantizer {self.quantizer!r} fits float group scales: use affine / affine4 with it)",
+            )  # fmt: skip
+        if self.quantizer == PROGRESSIVE and self.scale_dtype != "float16":
+            raise naming.error(
+                "scale_dtype", self.scale_dtype,
+                f"does not apply with {naming.ref('quantizer')}={PROGRESSIVE!r}: its row scales hold float16 values and "
+                f"its group scales and mins are int8; drop scale_dtype (float16)",
+            )  # fmt: skip
         if self.act_group and self.group_size != -1 and self.act_group % self.group_size:
             raise naming.error(
                 "act_group", self.act_group,
@@ -99,6 +129,19 @@ class LayerFormat:
     codebook: str = option(None, choices=CONFIG_CODEBOOKS)
     group_size: int = option(None, choices=GROUP_SIZES + (-1,), note="-1: one group per row")
     scale_dtype: str = option(None, choices=tuple(SCALE_DTYPES))
+
+
+@dataclass(frozen=True)
+class ProgressiveLayerFormat(LayerFormat):
+    """A ``layer_formats`` entry of a checkpoint quantized with ``quantizer: progressive``: also the form's
+    min2 / min4 codes with int8 group scales and the row scale repeated per ``super_block`` inputs (the
+    canonical two-level form, :func:`aipc_kernels.lowbit.progressive.super_block`; a fallback group or a
+    grid layer keeps :class:`LayerFormat`'s keys)."""
+
+    codebook: str = option(None, choices=QUANTIZE_CODEBOOKS)
+    scale_dtype: str = option(None, choices=tuple(SCALE_DTYPES) + ("int8",))
+    #: the two-level form (``scale_dtype: int8``): inputs per row-scale entry (tensor ``supers``)
+    super_block: Optional[int] = option(None, ge=1, example=2048)
 
 
 @dataclass(frozen=True)
@@ -186,6 +229,12 @@ class QuantizationConfigOptions(LowBit2Options):
                 f"needs a 4-bit {naming.ref('codebook')} ({four}); {self.codebook!r} has "
                 f"{CODEBOOKS[self.codebook].bits}-bit codes: use activations int8",
             )  # fmt: skip
+        if self.activations == "float" and self.quantizer == PROGRESSIVE:
+            raise naming.error(
+                "activations", self.activations,
+                f"runs float activations; {naming.ref('quantizer')}={PROGRESSIVE!r} gives int8 levels that the W·A8 "
+                f"kernels accumulate in int32: use activations int8, or an affine4 code book",
+            )  # fmt: skip
         if self.activations == "float" and self.act_group:
             raise naming.error(
                 "act_group", self.act_group,
@@ -198,7 +247,8 @@ class QuantizationConfigOptions(LowBit2Options):
             )  # fmt: skip
         for layer, fmt in self.layer_formats.items():
             inner = Naming(f"{naming.key('layer_formats')}[{layer!r}]", naming.style)
-            parse(GGUFLayerFormat if gguf else LayerFormat, fmt, inner)
+            parse(GGUFLayerFormat if gguf else ProgressiveLayerFormat if self.quantizer == PROGRESSIVE else LayerFormat,
+                  fmt, inner)  # fmt: skip
             missing = [k for k in field_names(LayerFormat) if k not in fmt]
             if missing:
                 raise naming.error("layer_formats", {layer: fmt}, f"lacks {missing}: each layer needs "
@@ -242,7 +292,7 @@ class GGUFQuantizationConfigOptions(QuantizationConfigOptions):
 _ENTRY_KEYS = ("codebook", "group_size", "quantizer", "scale_dtype", "act_group", "modules_to_not_convert", "prequantized",
                "source", "layer_formats", "super_block")  # fmt: skip
 #: keys fixed by the tensors of a converted checkpoint (an override may not change them)
-CHECKPOINT_KEYS = ("quant_method", "format_version", "codebook", "group_size", "scale_dtype",
+CHECKPOINT_KEYS = ("quant_method", "format_version", "codebook", "group_size", "quantizer", "scale_dtype",
                    "modules_to_not_convert", "prequantized", "source", "layer_formats", "super_block")  # fmt: skip
 
 
@@ -301,6 +351,6 @@ def quantization_config_dict(
 
 __all__ = [
     "CHECKPOINT_CODEBOOKS", "CHECKPOINT_GROUP_SIZES", "CHECKPOINT_KEYS", "CHECKPOINT_SCALE_DTYPES", "ConverterOptions",
-    "GGUF_SOURCE", "GGUFLayerFormat", "STORED", "STORED_EMBEDDING", "STORED_HEAD", "SUPER_BLOCKS", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
+    "GGUF_SOURCE", "GGUFLayerFormat", "ProgressiveLayerFormat", "QUANTIZE_CODEBOOKS", "STORED", "STORED_EMBEDDING", "STORED_HEAD", "SUPER_BLOCKS", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
     "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

@@ -3,6 +3,7 @@ without flags.
 
     python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --codebook affine4 --group-size 64
     python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --allow-2bit-ptq   # 2-bit after training: see --help
+    python -m vllm_lowbit.quantize MODEL_DIR OUT_DIR --quantizer progressive --codebook min4   # int8 levels per group
     python -m vllm_lowbit.quantize BITNET_DIR OUT_DIR --codebook ternary --verify   # BitNet b1.58 import
     python -m vllm_lowbit.quantize PARETOQ_DIR OUT_DIR   # weights on a 1/1.58/2-bit grid: written exactly
     python -m vllm_lowbit.quantize X.gguf OUT_DIR --verify   # a llama.cpp GGUF file, its blocks re-laid out exactly
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=64, choices=choices_of(ConverterOptions, "group_size"),
                     help="weights per scale along K (-1: one group per row)")
     ap.add_argument("--quantizer", default="optimized", choices=choices_of(ConverterOptions, "quantizer"),
-                    help="optimized: least-squares scale/zero fit (default); rtn: min-max round to nearest")
+                    help="optimized: least-squares scale/zero fit (default); rtn: min-max round to nearest; "
+                         "progressive: the progressive two-level form with --codebook min4 (or min2): a float16 scale "
+                         "per row, int8 levels per group, which the CPU kernels accumulate in int32 (faster prefill)")
     ap.add_argument("--scale-dtype", default="float16", choices=choices_of(ConverterOptions, "scale_dtype"))
     ap.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="NAME",
                     help="name fragments of linear layers to keep unquantized (lm_head and embeddings always are)")

@@ -38,7 +38,7 @@ def test_quality_smoke_writes_every_row(tmp_path):
     heads = {(r["weights"], r["head"]) for r in rows if r["section"] == "head"}
     assert {("bf16", "bf16"), ("bf16", "int8"), ("bf16", "int6"), ("bf16", "lowbit affine g64 optimized"),
             ("affine g64 optimized", "int8"), ("int4 g128 optimized", "int6")} <= heads  # fmt: skip
-    assert len(rows) == 1 + 28 + 13 + 5
+    assert len(rows) == 1 + 28 + 13 + 7
     prog = {r["weights"]: r for r in rows if r["section"] == "progressive"}
     assert {"min2 g64 progressive", "min4 g128 progressive", "affine g64 optimized"} <= set(prog)
     assert all(r["act"] == "A8 token" and r["ref_err"] < 1e-5 for r in prog.values())  # two-level weights, same math

@@ -91,6 +91,25 @@ def test_quantizer_gives_the_form(codebook, N, K, group):
     assert err <= (1.1 if codebook == "min2" else 2.0) * flt  # the integer grid's cost over a float fit, bounded
 
 
+def test_quantize_layer_in_blocks_equals_the_whole(monkeypatch):
+    """``quantize_layer(..., "progressive")`` (the plugins' entry: vLLM on the fly, the converter) quantizes a block
+    of rows at a time: the same weight as the whole matrix at once (row scales, supers and all); a scale dtype
+    other than float16 is refused, naming it."""
+    from aipc_kernels.lowbit import quantizers
+
+    w = torch.randn(45, 320, generator=torch.Generator().manual_seed(3)).bfloat16()  # K = 5 groups: SB 64
+    whole = progressive.quantize_progressive(w.float(), "min4", 64)
+    monkeypatch.setattr(quantizers, "QUANT_ROW_BLOCK", 16)  # blocks of 16, 16 and 13 rows
+    rows = progressive.quantize_layer(w, "min4", 64, "progressive", torch.float16, name="w")
+    for a, b in zip((rows.qweight, rows.scales, rows.zeros, rows.supers), (whole.qweight, whole.scales, whole.zeros, whole.supers)):
+        assert torch.equal(a, b)
+    assert progressive.row_scales(rows) is not None and rows.super_block == 64 and rows.name == "w"
+    with pytest.raises(ValueError, match=r"scale_dtype=torch.bfloat16: the progressive quantizer stores float16"):
+        progressive.quantize_layer(w, "min4", 64, "progressive", torch.bfloat16)
+    with pytest.raises(ValueError, match=r"method='gptq' is unknown; use one of \('rtn', 'optimized', 'progressive'\)"):
+        progressive.quantize_layer(w, "min4", 64, "gptq", torch.float16)
+
+
 def test_row_scales_refuses_weights_outside_the_form():
     _, q = _weight(8, 256, "min2", 64, seed=1)
     bad = q.scales.clone()

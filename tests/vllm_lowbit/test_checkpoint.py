@@ -196,24 +196,75 @@ def test_bitnet_import_is_lossless(bitnet_dir, bitnet_lowbit2):
     assert qcfg["codebook"] == "ternary" and qcfg["source"] == "bitnet"
 
 
-def test_bitnet_import_served_by_vllm(bitnet_lowbit2, llama_dir):
-    """vLLM loads the imported ternary checkpoint without flags; its greedy tokens equal transformers
-    with LowBitLinear on the imported weights (the same op), both float32."""
+def _lowbit_reference_tokens(float_dir: Path, weights: dict) -> list[list[int]]:
+    """The greedy tokens of :func:`_generate_script`'s prompts from transformers (float32) with LowBitLinear on
+    ``weights`` (the op vLLM's layers call) in place of the float model's linears."""
     from transformers import AutoModelForCausalLM
 
     from aipc_kernels.lowbit.modules import LowBitLinear
 
-    got = _tokens(run_vllm_script(_generate_script(bitnet_lowbit2)))
-    weights, _ = load_lowbit(str(bitnet_lowbit2 / "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
     for name, w in weights.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, LowBitLinear(w))
     with torch.inference_mode():
-        ref = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)[0, len(p):].tolist()
-               for p in ([1, 45, 541, 84], [1, 298, 272, 452, 282])]  # fmt: skip
-    assert got == ref
+        return [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, len(p):].tolist()
+                for p in ([1, 45, 541, 84], [1, 298, 272, 452, 282])]  # fmt: skip
+
+
+def test_bitnet_import_served_by_vllm(bitnet_lowbit2, llama_dir):
+    """vLLM loads the imported ternary checkpoint without flags; its greedy tokens equal transformers
+    with LowBitLinear on the imported weights (the same op), both float32."""
+    got = _tokens(run_vllm_script(_generate_script(bitnet_lowbit2)))
+    weights, _ = load_lowbit(str(bitnet_lowbit2 / "model.safetensors"))
+    assert got == _lowbit_reference_tokens(llama_dir, weights)
+
+
+# ---------------------------------------------------------------------- the progressive form (issue 41)
+
+
+@pytest.fixture(scope="module")
+def llama_progressive(llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("llama-progressive") / "model"
+    res = subprocess.run([sys.executable, "-m", "vllm_lowbit.quantize", str(llama_dir), str(out), "--quantizer",
+                          "progressive", "--codebook", "min4", "--group-size", "64", "--threads", "1", "--no-progress"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_progressive_checkpoint_and_on_the_fly(llama_dir, llama_progressive):
+    """``--quantizer progressive --codebook min4``: every linear is ``quantize_progressive`` of the float weight
+    bit for bit, stored as the two-level form with its super block in ``layer_formats`` (one row scale a row, so
+    the CPU layout takes the integer path); vLLM serves the checkpoint without flags, and lowbit4 on the fly with
+    ``quantizer: progressive`` in ``--hf-overrides`` gives the same tokens, equal to transformers with LowBitLinear
+    on the checkpoint's weights (float32)."""
+    from aipc_kernels.lowbit.packing import is_cpu_progressive, pack_for_cpu
+    from aipc_kernels.lowbit.progressive import quantize_progressive, row_scales
+
+    src = load_file(str(llama_dir / "model.safetensors"))
+    weights, _ = load_lowbit(str(llama_progressive / "model.safetensors"))
+    qcfg = json.loads((llama_progressive / "config.json").read_text())["quantization_config"]
+    assert (qcfg["quantizer"], qcfg["codebook"]) == ("progressive", "min4") and len(weights) == 2 * 7
+    for name, w in weights.items():
+        ref = quantize_progressive(src[f"{name}.weight"].float(), "min4", 64)
+        assert all(torch.equal(a, b) for a, b in zip((w.qweight, w.scales, w.zeros, w.supers),
+                                                     (ref.qweight, ref.scales, ref.zeros, ref.supers)))  # fmt: skip
+        assert qcfg["layer_formats"][name] == {"codebook": "min4", "group_size": 64, "scale_dtype": "int8",
+                                               "super_block": w.super_block}  # fmt: skip
+        assert row_scales(w) is not None and is_cpu_progressive(pack_for_cpu(w))
+    stored = _tokens(run_vllm_script(_generate_script(llama_progressive)))
+    override = {"quantization_config": {"quant_method": "lowbit4", "quantizer": "progressive", "codebook": "min4"}}
+    on_the_fly = _tokens(run_vllm_script(_generate_script(llama_dir, quantization="lowbit4", hf_overrides=override)))
+    assert stored == on_the_fly == _lowbit_reference_tokens(llama_dir, weights)
+
+
+def test_progressive_checkpoint_keeps_its_quantizer(llama_progressive):
+    """The quantizer fixes a converted checkpoint's layer formats: an override naming another is refused at load."""
+    _expect_load_error(llama_progressive, r"quantization_config.quantizer='optimized' conflicts with the converted "
+                                          r"checkpoint, whose tensors were written with quantizer='progressive'",
+                       hf_overrides={"quantization_config": {"quant_method": "lowbit2", "quantizer": "optimized"}})  # fmt: skip
 
 
 # ---------------------------------------------------------------------- checkpoints that must fail at load

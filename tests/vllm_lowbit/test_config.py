@@ -75,12 +75,29 @@ def test_checkpoint_selects_lowbit2_without_flag(config_cls):
     ({"source": "gptq"}, "source='gptq' is not supported"),
     ({"quant_method": "gptq"}, "quant_method='gptq' is not supported; use one of \"lowbit2\""),
     # the two-level form: a GGUF conversion's K-quants only, scale_dtype int8 with super_block
-    ({"super_block": 256}, "super_block=256 needs scale_dtype=int8 (the two-level form of a GGUF conversion's "
-                           "K-quants), not 'float16'; drop super_block, or convert the GGUF file again"),
+    ({"super_block": 256}, "super_block=256 needs scale_dtype=int8 (the two-level form: a GGUF conversion's "
+                           "K-quants, or the progressive form), not 'float16'; drop super_block, or convert the model again"),
     ({"super_block": 128}, "super_block=128 is not supported; use one of null, 256"),
     ({"source": "gguf", "prequantized": True, "layer_formats": {"m.o_proj": {
         "codebook": "min4", "group_size": 32, "scale_dtype": "int8"}}},
-     "layer_formats['m.o_proj'].scale_dtype='int8' (the two-level form) needs super_block=256"),
+     "layer_formats['m.o_proj'].scale_dtype='int8' (the two-level form) needs super_block (inputs per super-block "
+     "scale, e.g. 256)"),
+    # the progressive form (issue 41): its code books with its quantizer only, float16 row scales, int8 activations
+    ({"quantizer": "progressive"}, "quantizer='progressive' gives the progressive two-level form, codebook min2 or "
+                                   "min4 (2- / 4-bit codes, an integer scale and min per group, a float16 scale per "
+                                   "row); 'affine' is not one: give codebook 'min4', or another quantizer"),
+    ({"codebook": "min4"}, "codebook='min4' is the progressive two-level form's code book: it needs "
+                           "quantizer='progressive' (the quantizer 'optimized' fits float group scales"),
+    ({"codebook": "min2", "quantizer": "progressive", "scale_dtype": "bfloat16"},
+     "scale_dtype='bfloat16' does not apply with quantizer='progressive': its row scales hold float16 values"),
+    ({"codebook": "min4", "quantizer": "progressive", "activations": "float"},
+     "activations='float' runs float activations; quantizer='progressive' gives int8 levels"),
+    ({"codebook": "min8", "quantizer": "progressive"}, "codebook='min8' is not supported"),
+    ({"codebook": "min4", "quantizer": "progressive", "prequantized": True, "layer_formats": {"m.o_proj": {
+        "codebook": "min4", "group_size": 64, "scale_dtype": "int8", "super_block": 0}}},
+     "layer_formats['m.o_proj'].super_block=0 must be an integer >= 1"),
+    ({"layer_formats": {"m.o_proj": {"codebook": "min4", "group_size": 64, "scale_dtype": "int8", "super_block": 2048}}},
+     "layer_formats['m.o_proj'] has unknown keys ['super_block']"),  # without quantizer progressive: one level
     # a GGUF conversion's stored token embedding / output projection: lm_head 'stored' exactly then
     ({"lm_head": "stored"}, "lm_head='stored' is not supported; use one of \"auto\""),
     ({"source": "gguf", "prequantized": True, "lm_head": "stored"},
@@ -275,3 +292,22 @@ def test_lowbit4_errors_name_its_own_quantization_config(config_cls):
     w4a16 = lowbit4.from_config({"quant_method": "lowbit4", "codebook": "e0m4", "activations": "float"})
     o = w4a16.options
     assert (o.codebook, o.group_size, o.activations) == ("e0m4", 64, "float")  # lowbit4's group
+
+
+def test_super_block_split_by_tensor_parallel_is_refused(config_cls):
+    """A stored two-level layer (here the progressive form's, its row scale over all 512 inputs) whose
+    tensor-parallel slice would cut a super-block is refused before anything loads, naming the layer and the fix."""
+    import torch
+
+    from vllm_lowbit.lowbit2 import LowBit2LinearMethod
+
+    fmt = {"codebook": "min4", "group_size": 64, "scale_dtype": "int8", "super_block": 512}
+    c = config_cls.from_config({"quant_method": "lowbit2", "codebook": "min4", "quantizer": "progressive",
+                                "prequantized": True, "layer_formats": {"m.down_proj": fmt}})  # fmt: skip
+    method = LowBit2LinearMethod(c.for_layer("m.down_proj"))
+    assert (method.options.codebook, method.options.super_block) == ("min4", 512)
+    layer = torch.nn.Module()
+    layer.prefix, layer.input_size = "m.down_proj", 512
+    with pytest.raises(ValueError, match=r"layer 'm.down_proj' stores its super-block scales over 512 inputs, which "
+                                         r"this rank's K=256 .* a multiple of 512 \(e.g. 1\)"):  # fmt: skip
+        method.create_weights(layer, 256, [64], 512, 64, torch.float32, weight_loader=None)

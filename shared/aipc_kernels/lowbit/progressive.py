@@ -27,10 +27,14 @@ from typing import Optional
 import torch
 
 from aipc_kernels.lowbit.formats import LowBitWeight, get_codebook, pack_codes, resolve_group_size
-from aipc_kernels.lowbit.quantizers import check_weight, quantize_optimized
+from aipc_kernels.lowbit import quantizers
+from aipc_kernels.lowbit.quantizers import QUANTIZERS, check_weight, quantize_optimized
 
 CODEBOOKS = ("min2", "min4")  # the code books of the form (2- and 4-bit codes, a min per group)
 INT8_MIN, INT8_MAX = -128, 127
+QUANTIZER = "progressive"  # the plugins' name of :func:`quantize_progressive` (``quantizer: progressive``)
+#: every quantizer :func:`quantize_layer` takes: the float-scale ones and this form's
+LAYER_QUANTIZERS = QUANTIZERS + (QUANTIZER,)
 
 
 def max_sub_scale(codebook: str) -> int:
@@ -135,3 +139,24 @@ def quantize_progressive(w: torch.Tensor, codebook: str = "min2", group_size: in
                 best_s, best_m = torch.where(better, s1, best_s), torch.where(better, mc, best_m)
     codes, _ = _fit(ug, best_s, best_m, top)
     return from_parts(codes.reshape(N, K), best_s[..., 0], best_m[..., 0], s0, codebook, G, name=name)
+
+
+def quantize_layer(w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype,
+                   name: str = "weight") -> LowBitWeight:  # fmt: skip
+    """A layer's weight ``w [N, K]`` quantized with ``method`` (one of :data:`LAYER_QUANTIZERS`; the plugins'
+    entry): the float-scale quantizers by :func:`~aipc_kernels.lowbit.quantizers.quantize_rows`, this form by
+    :func:`quantize_progressive` a block of ``QUANT_ROW_BLOCK`` rows at a time (its row scales and groups lie
+    within a row: the same weight as the whole matrix at once). ``scale_dtype`` must then be float16 (``s0``
+    holds float16 values, ``s1`` and the mins int8)."""
+    if method in QUANTIZERS:
+        return quantizers.quantize_rows(w, codebook, group_size, method, scale_dtype, name=name)
+    if method != QUANTIZER:
+        raise ValueError(f"method={method!r} is unknown; use one of {LAYER_QUANTIZERS}")
+    if scale_dtype != torch.float16:
+        raise ValueError(f"scale_dtype={scale_dtype}: the {QUANTIZER} quantizer stores float16 row scales and int8 "
+                         f"group scales; use float16")  # fmt: skip
+    step = quantizers.QUANT_ROW_BLOCK
+    parts = [quantize_progressive(w[i : i + step].float(), codebook, group_size) for i in range(0, w.shape[0], step)]
+    return LowBitWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                        torch.cat([p.zeros for p in parts]), codebook, parts[0].group_size, w.shape[1], name=name,
+                        supers=torch.cat([p.supers for p in parts], 1))  # fmt: skip
