@@ -202,17 +202,18 @@ def convert_checkpoint(
     if bitnet is None and not detect_grid and needs_opt_in(codebook) and not allow_2bit_ptq:
         raise ValueError(ptq_refusal(sorted(linears)[0] if linears else "(every linear)", codebook, CONVERTER, OPT_IN_HINT))
     checkpoint = HFCheckpoint(src)
-    errors, fallbacks = ErrorReport(), {}
+    errors = ErrorReport()
+    layer_formats: dict[str, dict[str, Any]] = {}  # each layer stored in a form other than the config's
 
     def quantize(prefix: str, t: torch.Tensor) -> LowBitWeight:
         if needs_opt_in(codebook) and not allow_2bit_ptq:
             raise ValueError(ptq_refusal(prefix, codebook, CONVERTER, OPT_IN_HINT))
         w = _quantize(prefix, t, codebook, group_size, quantizer, scale_dtype)
         if w.supers is not None:  # the progressive form: int8 group scales, its row scales per super-block
-            fallbacks[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype="int8",
-                                     super_block=w.super_block)  # fmt: skip
+            layer_formats[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype="int8",
+                                         super_block=w.super_block)  # fmt: skip
         elif group_size != -1 and w.group_size != group_size:
-            fallbacks[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype=scale_dtype)
+            layer_formats[prefix] = dict(codebook=codebook, group_size=w.group_size, scale_dtype=scale_dtype)
         errors.add(prefix, relative_error(t, w))
         return w
 
@@ -221,13 +222,13 @@ def convert_checkpoint(
 
     with atomic_output_dir(out, what=f"{FORMAT_NAME} checkpoint", redo="convert again", param="out_dir") as part:
         n_quant, worst = _write_checkpoint(part, checkpoint, config, linears, bitnet, codebook, group_size,
-                                           quantizer, scale_dtype, kept, act_group, progress, grids, verify, fallbacks)
+                                           quantizer, scale_dtype, kept, act_group, progress, grids, verify, layer_formats)
     log(f"wrote {n_quant} {FORMAT_NAME} linears ({codebook}, group {group_size}) to {out}")
-    fallbacks = {p: f for p, f in fallbacks.items() if f["group_size"] != group_size}
-    if fallbacks:
-        groups = sorted({v["group_size"] for v in fallbacks.values()})
-        log(f"group_size={group_size} does not divide the in_features of {len(fallbacks)} linears (e.g. "
-            f"{next(iter(fallbacks))}): they use group_size {groups} (quantization_config.layer_formats)")
+    group_fallbacks = {p: f for p, f in layer_formats.items() if f["group_size"] != group_size}
+    if group_fallbacks:
+        groups = sorted({v["group_size"] for v in group_fallbacks.values()})
+        log(f"group_size={group_size} does not divide the in_features of {len(group_fallbacks)} linears (e.g. "
+            f"{next(iter(group_fallbacks))}): they use group_size {groups} (quantization_config.layer_formats)")
     if errors.line(CONVERTER):
         log(errors.line(CONVERTER))
     if grids.summary():
@@ -251,7 +252,7 @@ def _write_checkpoint(
     out: Path, checkpoint: HFCheckpoint, config: dict[str, Any], linears: set[str],
     bitnet: Optional[bf.BitNetQuantization], codebook: str, group_size: int, quantizer: str, scale_dtype: str,
     modules_to_not_convert: list[str], act_group: int, progress: bool, grids: GridLinears, verify: bool,
-    fallbacks: dict[str, dict[str, Any]],
+    layer_formats: dict[str, dict[str, Any]],
 ) -> tuple[int, Optional[tuple[float, str]]]:
     """Writes the checkpoint into the staging directory ``out``, config.json last (a directory
     without it is never taken for a model); returns the number of quantized linears and, with
@@ -310,7 +311,7 @@ def _write_checkpoint(
     config["quantization_config"] = quantization_config_dict(
         codebook, group_size, quantizer, scale_dtype, act_group,
         modules_to_not_convert=modules_to_not_convert, source=None if bitnet is None else bf.QUANT_METHOD,
-        layer_formats={**fallbacks, **grids.layer_formats},
+        layer_formats={**layer_formats, **grids.layer_formats},
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return n_quant, worst

@@ -144,10 +144,10 @@ def quantize_progressive(w: torch.Tensor, codebook: str = "min2", group_size: in
 def quantize_layer(w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype,
                    name: str = "weight") -> LowBitWeight:  # fmt: skip
     """A layer's weight ``w [N, K]`` quantized with ``method`` (one of :data:`LAYER_QUANTIZERS`; the plugins'
-    entry): the float-scale quantizers by :func:`~aipc_kernels.lowbit.quantizers.quantize_rows`, this form by
-    :func:`quantize_progressive` a block of ``QUANT_ROW_BLOCK`` rows at a time (its row scales and groups lie
-    within a row: the same weight as the whole matrix at once). ``scale_dtype`` must then be float16 (``s0``
-    holds float16 values, ``s1`` and the mins int8)."""
+    entry): :func:`~aipc_kernels.lowbit.quantizers.quantize_rows` a block of ``QUANT_ROW_BLOCK`` rows at a time, with
+    :func:`quantize_progressive` for this form (its row scales and groups lie within a row: the same weight as the
+    whole matrix at once). ``scale_dtype`` must then be float16 (``s0`` holds float16 values, ``s1`` and the mins
+    int8)."""
     if method in QUANTIZERS:
         return quantizers.quantize_rows(w, codebook, group_size, method, scale_dtype, name=name)
     if method != QUANTIZER:
@@ -155,8 +155,5 @@ def quantize_layer(w: torch.Tensor, codebook: str, group_size: int, method: str,
     if scale_dtype != torch.float16:
         raise ValueError(f"scale_dtype={scale_dtype}: the {QUANTIZER} quantizer stores float16 row scales and int8 "
                          f"group scales; use float16")  # fmt: skip
-    step = quantizers.QUANT_ROW_BLOCK
-    parts = [quantize_progressive(w[i : i + step].float(), codebook, group_size) for i in range(0, w.shape[0], step)]
-    return LowBitWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                        torch.cat([p.zeros for p in parts]), codebook, parts[0].group_size, w.shape[1], name=name,
-                        supers=torch.cat([p.supers for p in parts], 1))  # fmt: skip
+    return quantizers.quantize_rows(w, codebook, group_size, method, scale_dtype, name=name,
+                                    quantize_block=lambda rows: quantize_progressive(rows, codebook, group_size))  # fmt: skip

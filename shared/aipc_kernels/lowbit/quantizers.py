@@ -14,7 +14,8 @@ All are vectorised torch over every group at once; computation in float32.
 """
 from __future__ import annotations
 
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 
@@ -177,18 +178,21 @@ def quantize_weight(
 
 
 def quantize_rows(
-    w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype, name: str = "weight"
+    w: torch.Tensor, codebook: str, group_size: int, method: str, scale_dtype: torch.dtype, name: str = "weight",
+    quantize_block: Optional[Callable[[torch.Tensor], LowBitWeight]] = None,
 ) -> LowBitWeight:
-    """Quantizes ``w[N, K]`` with the quantizer ``method``, ``QUANT_ROW_BLOCK`` rows at a time.
-    Every group lies within one row, so the result equals quantizing the whole matrix at once."""
-    parts = [
-        quantize_weight(w[i : i + QUANT_ROW_BLOCK].float(), codebook, group_size, method=method, scale_dtype=scale_dtype)
-        for i in range(0, w.shape[0], QUANT_ROW_BLOCK)
-    ]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    """Quantizes ``w[N, K]`` with the quantizer ``method``, ``QUANT_ROW_BLOCK`` rows at a time; or with
+    ``quantize_block`` (float32 rows -> their weight, e.g. the progressive form's quantizer) in its place.
+    Every group and row scale lies within one row, so the result equals quantizing the whole matrix at once."""
+    if quantize_block is None:
+        quantize_block = partial(quantize_weight, codebook=codebook, group_size=group_size, method=method,
+                                 scale_dtype=scale_dtype)  # fmt: skip
+    parts = [quantize_block(w[i : i + QUANT_ROW_BLOCK].float()) for i in range(0, w.shape[0], QUANT_ROW_BLOCK)]
+    cat = lambda ts, dim=0: None if ts[0] is None else torch.cat(ts, dim)  # noqa: E731
     return LowBitWeight(
         cat([p.qweight for p in parts]), cat([p.scales for p in parts]), cat([p.zeros for p in parts]),
         codebook, parts[0].group_size, w.shape[1], name=name,
+        supers=cat([p.supers for p in parts], 1),  # [S, N, K/SB]: rows are dim 1
     )  # fmt: skip
 
 
