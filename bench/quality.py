@@ -700,8 +700,8 @@ def conclusions(rows: list[dict]) -> list[str]:
             verdict = ("justified: alone it costs under 1% perplexity and under 5% of the KL that the default 2-bit "
                        "linears cost, for half the head's bytes" if share < 0.05 and abs(i8["dppl"]) < 1.0 else
                        "not clearly justified: its cost is not small next to the default 2-bit linears'")
-            out.append(f"The int8 output projection (the default with AVX-512 / AMX kernels; `lm_head: auto` picks "
-                       f"int6 with AVX2 / AVX-VNNI) is {verdict} (int8 head alone: KL {kl_str(i8['kl'])}, "
+            out.append(f"The int8 output projection (the default with AMX kernels; `lm_head: auto` picks "
+                       f"int6 without AMX) is {verdict} (int8 head alone: KL {kl_str(i8['kl'])}, "
                        f"{share:.2%} of the default linears' {kl_str(b16d['kl'])}, ppl {dppl_str(i8)}; on top of the "
                        f"default linears: ppl {i8d['ppl'] - b16d['ppl']:+.3f}, KL {i8d['kl'] - b16d['kl']:+.1e}).")
     return out

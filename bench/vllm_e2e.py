@@ -133,7 +133,7 @@ NOTES = """Notes:
   checkpoints of the same weights (the progressive form: int8 levels per group, one float16 scale a row, which
   the CPU kernels accumulate in int32 over the whole K).
 - The output projection is quantized at load by default as `lm_head: auto` chooses (int6 in groups of 32
-  where the kernels run with AVX2 / AVX-VNNI, int8 per output channel with AVX-512 / AMX; the rows' labels
+  where the kernels run without AMX, int8 per output channel with AMX; the rows' labels
   say which): at 1B the tied 128256 x 2048 output projection is 525 MB in bf16, read at every step, as much
   as all the lowbit2 linears; `lm_head: int8` / `int6` pin a format (the `_int8_head` / `_int6_head` rows), `lm_head: float` keeps it bf16, `lm_head: lowbit` makes it 2-bit like the linears
   (quality cost of a 2-bit output projection not measured here).

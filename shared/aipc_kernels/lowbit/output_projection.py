@@ -37,8 +37,9 @@ HEAD_FORMATS = ("int8", "int6", "lowbit", "float")
 DEFAULT_HEAD_FORMAT = "auto"
 #: what ``lm_head`` accepts: ``auto`` or a format
 HEAD_CHOICES = (DEFAULT_HEAD_FORMAT,) + HEAD_FORMATS
-#: the kernels' instruction sets on which ``auto`` is ``int6`` (below AVX-512: measured faster there)
-INT6_HEAD_ISAS = ("avx2", "avx_vnni")
+#: the kernels' instruction sets on which ``auto`` is ``int6``: every x86 one without AMX (measured faster with AVX2,
+#: AVX-VNNI and Zen 4's AVX-512 VNNI; docs/vllm_lowbit.md, Options, says where it was not)
+INT6_HEAD_ISAS = ("avx2", "avx_vnni", "avx512_vnni")
 INT6_GROUP = 32  # the int6 head's group (or the largest supported below it that divides the hidden size)
 
 
@@ -54,8 +55,8 @@ def int8_scale_dtype(weight: torch.Tensor, group_size: int = -1, top: float = 12
 
 
 def auto_head_format(on_cpu: bool = True) -> str:
-    """What ``lm_head: auto`` is here: ``int6`` on a CPU whose kernels run with AVX2 or AVX-VNNI
-    (:data:`INT6_HEAD_ISAS`; ``AIPC_ISA`` counts), else ``int8`` (AVX-512, AMX, portable C, GPUs)."""
+    """What ``lm_head: auto`` is here: ``int6`` on a CPU whose kernels run with AVX2, AVX-VNNI or
+    AVX-512 VNNI (:data:`INT6_HEAD_ISAS`; ``AIPC_ISA`` counts), else ``int8`` (AMX, portable C, GPUs)."""
     if not on_cpu:
         return "int8"
     from aipc_kernels.core import native
