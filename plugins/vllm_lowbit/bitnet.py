@@ -20,8 +20,9 @@ CPU kernel's layout. ``modules_to_not_convert`` layers stay float, as in transfo
 bitnet`` on an unquantized checkpoint ternarizes it with the online rule.
 
 The output projection, which BitNet keeps in bf16, is quantized at load as lowbit2's is (``lm_head: auto``, the
-default: int6 in groups of 32 where the CPU kernels run without AMX, int8 per output channel with AMX; :mod:`aipc_kernels.lowbit.output_projection`: half its bytes per token or less, activations int8
-per token like the ternary linears'); ``"lm_head"`` in the ``quantization_config`` (a key of this plugin, e.g.
+default: int6 in groups of 32 where the CPU kernels run without AMX, int8 per output channel with AMX;
+:mod:`aipc_kernels.lowbit.output_projection`: half its bytes per token or less, activations int8 per token like the
+ternary linears'); ``"lm_head"`` in the ``quantization_config`` (a key of this plugin, e.g.
 through ``--hf-overrides``) pins ``int8`` or ``int6``, or keeps it as published (``float``).
 
 Tensor parallelism: a row-parallel layer (``o_proj``, ``down_proj``) gets each rank's slice of the

@@ -88,8 +88,8 @@ def test_int8_head_logits_close_to_float(M):
     assert rel(y6) < 0.03 and rel(y6) * 4 < rel(y2), (rel(y6), rel(y2))  # int6 g32: between int8 and 2 bits
 
 
-#: ``lm_head: auto`` per instruction set of the kernels: int6 without AMX (measured faster there but on a Zen 5), int8 with
-#: AMX (not measured) and in portable C
+#: ``lm_head: auto`` per instruction set of the kernels: int6 without AMX (measured faster there, but on a Zen 5),
+#: int8 with AMX (not measured) and in portable C
 AUTO_HEAD = {"scalar": "int8", "avx2": "int6", "avx_vnni": "int6", "avx512_vnni": "int6", "amx_int8": "int8"}
 
 
