@@ -20,6 +20,9 @@ measured twice, on the same threads (``--threads``; default: every core):
   --parallel STREAMS`` (continuous batching, its default) answering the same requests on
   ``/completion``.
 
+With ``--step-profile`` each vLLM row also says where a decode step of ``--streams`` sequences and of one goes
+(in its own process, no HTTP; the torch profiler's self CPU time per step, the low-bit op apart per weight).
+
 Prefix caching is off on both sides. The bound: the run's read bandwidth on the same threads / the
 bytes a decode step reads (vLLM: the loaded linears + output projection as re-laid out; llama.cpp: the
 GGUF's); for S streams, S times that (weights read once per step for all streams). Targets (issue 38):
@@ -68,7 +71,48 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ---------------------------------------------------------------------- vLLM, in process (own process)
 
 
-def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int) -> dict:
+def step_profile(llm: Any, streams: int, tokens: int) -> dict:
+    """Where a decode step of ``streams`` sequences goes, in this process (no HTTP): the step's time,
+    (T(``tokens``) - T(1)) / (``tokens`` - 1) for ``streams`` distinct 32-token prompts at once, and the torch
+    profiler's self CPU time per step of each op over the same difference, the planned low-bit op apart for each
+    weight (``aipc::lowbit_linear_cpu N x K``, N the packed rows)."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=prompt_ids(SHORT_PROMPT, 10 + i)) for i in range(streams)]
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    def self_us(n: int) -> dict[str, list[float]]:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+            run(n)
+        out: dict[str, list[float]] = {}
+        for e in p.key_averages(group_by_input_shape=True):
+            key = e.key
+            if key.startswith("aipc::lowbit_linear") and len(e.input_shapes) > 1 and e.input_shapes[1]:
+                key = f"{key} {e.input_shapes[1][0] * 16} x {e.input_shapes[0][-1]}"
+            t = out.setdefault(key, [0.0, 0])
+            t[0] += e.self_cpu_time_total
+            t[1] += e.count
+        return out
+
+    run(4)
+    step_s = statistics.median((run(tokens) - run(1)) / (tokens - 1) for _ in range(3))
+    one, full = self_us(1), self_us(tokens)
+    steps = tokens - 1
+    ops = {k: dict(self_ms=(v[0] - one.get(k, [0.0, 0])[0]) / steps / 1e3, calls=(v[1] - one.get(k, [0.0, 0])[1]) / steps)
+           for k, v in full.items()}  # fmt: skip
+    ops = {k: v for k, v in ops.items() if v["self_ms"] > 0}
+    return dict(streams=streams, tokens=tokens, step_ms=step_s * 1e3, ops=ops,
+                self_ms=sum(v["self_ms"] for v in ops.values()))  # fmt: skip
+
+
+def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profile_streams: int = 0,
+                stream_tokens: int = 64) -> dict:
     """Decode and first-token times of ``LLM(gguf)`` and the bytes its model holds."""
     import torch
     from vllm import LLM, SamplingParams
@@ -97,9 +141,12 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int) -> dic
         t1, tn = timed(1, short), timed(1 + new_tokens, short)
         rates.append(new_tokens / (tn - t1))
         ttft.append(timed(1, long_))
-    return dict(model=str(gguf), load_s=load_s, weight_bytes=wbytes, threads=threads, read_bw_gbs=bw,
-                decode_tok_s_all=rates, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
-                ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
+    res = dict(model=str(gguf), load_s=load_s, weight_bytes=wbytes, threads=threads, read_bw_gbs=bw,
+               decode_tok_s_all=rates, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
+               ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
+    if profile_streams:
+        res["step_profile"] = [step_profile(llm, s, stream_tokens) for s in (profile_streams, 1)]
+    return res
 
 
 def step_bytes(w: dict) -> int:
@@ -275,9 +322,32 @@ def report(rows: list[dict], meta: dict) -> str:
         if r.get("streams_error"):
             d += f"; streams failed: {r['streams_error']}"
         lines.append(d)
+    for r in rows:
+        if r.get("step_profile"):
+            lines += step_profile_section(r)
     if meta["skipped"]:
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items())]
     return "\n".join(lines)
+
+
+def step_profile_section(r: dict) -> list[str]:
+    """The table of ``r``'s step profiles (:func:`step_profile`): ops by self time per step of the most streams."""
+    many, one = r["step_profile"]
+    s = many["streams"]
+    lines = ["", f"## Where a decode step goes: {r['label']}, {s} sequences against 1 (in process, no HTTP; torch "
+             f"profiler self CPU time per step over {many['tokens'] - 1} steps)", "",
+             f"Step: {many['step_ms']:.1f} ms for {s} sequences ({s * 1e3 / many['step_ms']:.1f} tok/s), "
+             f"{one['step_ms']:.1f} ms for 1; self time of the ops {many['self_ms']:.1f} / {one['self_ms']:.1f} ms.", "",
+             f"| op | ms per step, {s} sequences | share | ms per step, 1 | x (of 1) | calls per step |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    top = sorted(many["ops"].items(), key=lambda kv: -kv[1]["self_ms"])[:16]
+    for op, v in top:
+        ms, o = v["self_ms"], one["ops"].get(op, {}).get("self_ms")
+        lines.append(f"| `{op}` | {ms:.2f} | {ms / many['step_ms']:.0%} | {'' if o is None else f'{o:.2f}'} | "
+                     f"{'' if not o else f'{ms / o:.2f}'} | {v['calls']:.0f} |")  # fmt: skip
+    lowbit = sum(v["self_ms"] for k, v in many["ops"].items() if k.startswith("aipc::lowbit_linear"))
+    lines.append(f"\nThe low-bit op in all: {lowbit:.1f} ms of the {s}-sequence step ({lowbit / many['step_ms']:.0%}).")
+    return lines
 
 
 def main() -> None:
@@ -290,6 +360,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="every row's threads (default: all cores)")
     ap.add_argument("--no-streams", action="store_true", help="skip the concurrent-streams measurement")
+    ap.add_argument("--step-profile", action="store_true",
+                    help="vLLM rows: where a decode step of --streams sequences and of one goes, in process (torch "
+                         "profiler, the low-bit op per weight)")
     llamacpp.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -297,7 +370,8 @@ def main() -> None:
         ap.error(f"--long-prompt {args.long_prompt}: at most {MAX_LEN - 2} (the served max_model_len is {MAX_LEN})")
 
     if args.worker:
-        res = vllm_worker(Path(args.worker), args.new_tokens, args.reps, args.long_prompt)
+        res = vllm_worker(Path(args.worker), args.new_tokens, args.reps, args.long_prompt,
+                          args.streams if args.step_profile else 0, args.stream_tokens)
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
 
@@ -324,7 +398,9 @@ def main() -> None:
             print(f"[{name}] {gguf} ...", flush=True)
             if side == "vllm":
                 cmd = [sys.executable, __file__, "--worker", str(gguf), "--new-tokens", str(args.new_tokens),
-                       "--reps", str(args.reps), "--long-prompt", str(args.long_prompt)]  # fmt: skip
+                       "--reps", str(args.reps), "--long-prompt", str(args.long_prompt), "--streams",
+                       str(args.streams), "--stream-tokens", str(args.stream_tokens)]  # fmt: skip
+                cmd += ["--step-profile"] if args.step_profile else []
                 env = dict(os.environ, **VLLM_ENV, OMP_NUM_THREADS=str(args.threads))
                 row, reason = run_worker(name, cmd, env)
                 if row is None:
