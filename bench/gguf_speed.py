@@ -80,6 +80,8 @@ def step_profile(llm: Any, streams: int, tokens: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from aipc_kernels.lowbit.packing import BLOCK_N
+
     prompts = [TokensPrompt(prompt_token_ids=prompt_ids(SHORT_PROMPT, 10 + i)) for i in range(streams)]
 
     def run(n: int) -> float:
@@ -94,7 +96,7 @@ def step_profile(llm: Any, streams: int, tokens: int) -> dict:
         for e in p.key_averages(group_by_input_shape=True):
             key = e.key
             if key.startswith("aipc::lowbit_linear") and len(e.input_shapes) > 1 and e.input_shapes[1]:
-                key = f"{key} {e.input_shapes[1][0] * 16} x {e.input_shapes[0][-1]}"
+                key = f"{key} {e.input_shapes[1][0] * BLOCK_N} x {e.input_shapes[0][-1]}"
             t = out.setdefault(key, [0.0, 0])
             t[0] += e.self_cpu_time_total
             t[1] += e.count
@@ -102,11 +104,12 @@ def step_profile(llm: Any, streams: int, tokens: int) -> dict:
 
     run(4)
     step_s = statistics.median((run(tokens) - run(1)) / (tokens - 1) for _ in range(3))
-    one, full = self_us(1), self_us(tokens)
-    steps = tokens - 1
-    ops = {k: dict(self_ms=(v[0] - one.get(k, [0.0, 0])[0]) / steps / 1e3, calls=(v[1] - one.get(k, [0.0, 0])[1]) / steps)
-           for k, v in full.items()}  # fmt: skip
-    ops = {k: v for k, v in ops.items() if v["self_ms"] > 0}
+    one, full = self_us(1), self_us(tokens)  # the prompt's step and the first token, then the decode steps too
+    steps, ops = tokens - 1, {}
+    for k, (us, calls) in full.items():
+        us_one, calls_one = one.get(k, (0.0, 0))
+        if us > us_one:
+            ops[k] = dict(self_ms=(us - us_one) / steps / 1e3, calls=(calls - calls_one) / steps)
     return dict(streams=streams, tokens=tokens, step_ms=step_s * 1e3, ops=ops,
                 self_ms=sum(v["self_ms"] for v in ops.values()))  # fmt: skip
 
@@ -366,6 +369,8 @@ def main() -> None:
     llamacpp.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.step_profile and args.stream_tokens < 2:
+        ap.error(f"--step-profile times decode steps: --stream-tokens {args.stream_tokens} must be at least 2")
     if args.long_prompt + 2 > MAX_LEN:
         ap.error(f"--long-prompt {args.long_prompt}: at most {MAX_LEN - 2} (the served max_model_len is {MAX_LEN})")
 
