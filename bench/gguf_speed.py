@@ -71,23 +71,31 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ---------------------------------------------------------------------- vLLM, in process (own process)
 
 
+def timed_generate(llm: Any, prompts: list[list[int]], n: int) -> float:
+    """Seconds ``llm`` takes to generate ``n`` greedy tokens (EOS ignored) after each of ``prompts``, all at once."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                       SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert all(len(o.outputs[0].token_ids) == n for o in out)
+    return time.perf_counter() - t
+
+
 def step_profile(llm: Any, streams: int, tokens: int) -> dict:
     """Where a decode step of ``streams`` sequences goes, in this process (no HTTP): the step's time,
     (T(``tokens``) - T(1)) / (``tokens`` - 1) for ``streams`` distinct 32-token prompts at once, and the torch
     profiler's self CPU time per step of each op over the same difference, the planned low-bit op apart for each
     weight (``aipc::lowbit_linear_cpu N x K``, N the packed rows)."""
     from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from aipc_kernels.lowbit.packing import BLOCK_N
 
-    prompts = [TokensPrompt(prompt_token_ids=prompt_ids(SHORT_PROMPT, 10 + i)) for i in range(streams)]
+    prompts = [prompt_ids(SHORT_PROMPT, 10 + i) for i in range(streams)]
 
     def run(n: int) -> float:
-        t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
+        return timed_generate(llm, prompts, n)
 
     def self_us(n: int) -> dict[str, list[float]]:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
@@ -118,8 +126,7 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
                 stream_tokens: int = 64) -> dict:
     """Decode and first-token times of ``LLM(gguf)`` and the bytes its model holds."""
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from vllm_e2e import _weight_bytes  # bench/ on sys.path
 
@@ -129,11 +136,7 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
     wbytes = llm.apply_model(_weight_bytes)[0]
 
     def timed(n: int, prompt: list[int]) -> float:
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)  # fmt: skip
-        assert len(out[0].outputs[0].token_ids) == n
-        return time.perf_counter() - t
+        return timed_generate(llm, [prompt], n)
 
     short, long_ = prompt_ids(SHORT_PROMPT, 0), prompt_ids(long_prompt, 1)
     timed(4, short), timed(1, long_)  # warm-up (compiles the decode and prefill graphs)
