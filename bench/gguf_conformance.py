@@ -12,10 +12,10 @@ Per model (``--model``, keys of ``aipc_kernels.core.registry_models.MODELS``):
   same positions (llama.cpp's own figure and ours), and top-1 agreement with llama.cpp's logits (a
   position whose llama.cpp top two are within its 16-bit step is counted apart as a tie), also over the
   positions where llama.cpp's top two are at least ``CLEAR_MARGIN`` nats apart.
-* **The reference against itself.** llama.cpp runs twice: as users run it (its defaults: a float16 K/V cache,
-  flash attention where it chooses) and with float32 attention (``FULL_PRECISION``: a float32 K/V cache, no
-  flash attention). Their top-1 agreement with each other is how far the reference itself moves under a
-  change of its attention's precision, the floor any other implementation's agreement is read against.
+* **The reference against itself.** llama.cpp runs twice (``REFERENCES``): as users run it (its defaults:
+  a float16 K/V cache, flash attention where it chooses) and with float32 attention (a float32 K/V cache,
+  no flash attention). Their top-1 agreement with each other is how far the reference itself moves under
+  a change of its attention's precision, the floor any other implementation's agreement is read against.
 * **Chat.** The chat template's prompt for "What is the capital of France?" (the tokenizer from the
   file; a file without a chat template: "The capital of France is" as a completion), 16 greedy tokens from vLLM and from ``llama-server`` (``/completion`` with the prompt's token
   ids): equal prefix, and the top-two margin of vLLM's log-probabilities where they first differ.
