@@ -94,23 +94,17 @@ def act_scales(x_ptr, offs_m, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_KX: tl.con
 
 
 @triton.jit
-def grouped_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """``(pid_m, pid_n)`` of output tile ``pid`` of an [M, N] result in grouped order (GROUP_M row blocks
-    share their weight columns in L2)."""
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile ``pid`` of an [M, N] result in grouped order (GROUP_M row blocks share their weight
+    columns in L2): ``(offs_m, offs_n, m_mask, n_mask, rm, rn)``, ``rm`` / ``rn`` the offsets clamped into
+    range (unmasked loads; the results past M / N are dropped at the store)."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n
     first_m = (pid // width) * GROUP_M
     gsz = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % width) % gsz, (pid % width) // gsz
-
-
-@triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Output tile ``pid`` of an [M, N] result in grouped order (GROUP_M row blocks share their weight
-    columns in L2): ``(offs_m, offs_n, m_mask, n_mask, rm, rn)``, ``rm`` / ``rn`` the offsets clamped into
-    range (unmasked loads; the results past M / N are dropped at the store)."""
-    pid_m, pid_n = grouped_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m = first_m + (pid % width) % gsz
+    pid_n = (pid % width) // gsz
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M

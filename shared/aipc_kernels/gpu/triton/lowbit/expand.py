@@ -10,10 +10,7 @@ reads the 2- or 4-bit codes once and writes 1 byte a weight (8B gate/up: 59 MB);
 time hides it, a long prompt. Same values as the fused ``progressive`` kernel: each output is the same
 exact int32 sum, one float conversion and two products.
 
-Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8);
-``TMA`` (default 0): 1 loads both operands' tiles through tensor descriptors (Hopper's bulk tensor copy,
-rows past M zero-filled by the copy) instead of per-thread pointer loads; ``PERSIST`` (with ``TMA``, default
-0): 1 launches one program per multiprocessor, each looping over output tiles in grouped order.
+Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8).
 """
 from __future__ import annotations
 
@@ -25,9 +22,7 @@ import triton.language as tl
 
 from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from aipc_kernels.gpu.triton.lowbit.common import grouped_ids, grouped_tile, path, sm_count
+from aipc_kernels.gpu.triton.lowbit.common import grouped_tile, path
 from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED
 from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales, levels_asm, plane_levels
 
@@ -36,12 +31,8 @@ FORMS = ("progressive",)  # a kernel of the progressive two-level form (registry
 FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (64, 128, 128, 4, 4),
           (128, 128, 128, 4, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 4), (128, 128, 256, 8, 3)]  # fmt: skip
-_TMA_TILES = [(128, 128, 128, 8, 4, 0), (128, 256, 128, 8, 3, 0), (128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1),
-              (128, 128, 128, 4, 4, 1), (256, 128, 128, 8, 3, 1), (64, 128, 128, 4, 4, 0), (128, 128, 256, 8, 3, 1)]  # fmt: skip
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
-         for bm, bn, bk, nw, ns in _TILES] + [
-         {"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "TMA": 1,
-          "PERSIST": pe} for bm, bn, bk, nw, ns, pe in _TMA_TILES]  # fmt: skip
+         for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
 MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case of the H200 probes)
 
@@ -93,33 +84,6 @@ def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, HA
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _int8_gemm_tma_kernel(a_desc, b_desc, sx_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
-    """``_int8_gemm_kernel`` with both operands' tiles loaded through tensor descriptors (``a_desc``: xq
-    ``[M, Kp]``, ``b_desc``: w8 ``[N, Kp]``); each program takes output tiles pid, pid + programs, ... (one
-    tile each when the grid has one program per tile)."""
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        pid_m, pid_n = grouped_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for k in range(0, Kp, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k])
-            b = b_desc.load([pid_n * BLOCK_N, k])
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        rm = tl.where(m_mask, offs_m, 0)
-        rn = tl.where(n_mask, offs_n, 0)
-        out = acc.to(tl.float32) * tl.load(sx_ptr + rm)[:, None] * tl.load(s0_ptr + rn)[None, :]
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
 def space(M: int) -> list[dict]:
     """The configs the tuner times for ``M`` tokens (prompts only)."""
     return SPACE if path(M) == "gemm" else []
@@ -157,16 +121,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
     w8 = expand_levels(weight)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if cfg.get("TMA", 0):
-        grid = min(tiles, sm_count(x2.device)) if cfg.get("PERSIST", 0) else tiles
-        _int8_gemm_tma_kernel[(grid,)](
-            TensorDescriptor.from_tensor(xq, [bm, bk]), TensorDescriptor.from_tensor(w8, [bn, bk]), sx, weight.supers,
-            weight.supers if bias is None else bias, y, M, N, Kp, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-        return
-    _int8_gemm_kernel[(tiles,)](
+    _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
         xq, sx, w8, weight.supers, weight.supers if bias is None else bias, y, M, N, Kp, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
