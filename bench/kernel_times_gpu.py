@@ -2,15 +2,18 @@
 ``bench/gemv_gpu.py`` times its rows (CUDA-graph replay over weight copies >= 4x L2, so the weights
 stream from HBM as in a forward pass), beside the read-only floor of the same bytes:
 
-    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--vary L2P=0,1] [--out bench/results/gpu] [--name N]
+    python bench/kernel_times_gpu.py [--m 1,16] [--shapes '8B*'] [--sweep] [--vary L2P=0,1] [--form int2] [--out bench/results/gpu] [--name N]
 
-Rows per shape and M (int2 code book, group 64, fp16 scales, bf16 activations, ``bench/gemv_gpu.py``'s
-weights):
+Rows per shape and M (``--form int2``: int2 code book, group 64, fp16 scales; ``w2a8_prog``: the progressive
+two-level form, ``min2`` group 64; bf16 activations, ``bench/gemv_gpu.py``'s weights):
 - ``op``: the op with the config it selects (shipped or tuned), programmatic dependent launch (PDL) as
   that config says;
 - ``op_nopdl``: the same config with PDL off (the two kernels serialised);
 - ``act``: the activation pass alone (M = 1: the packed pre-pass; M > 1: the row pass);
-- ``kernel``: the GEMV/GEMM alone, on activation codes computed once before the graph (PDL off);
+- ``kernel``: the GEMV/GEMM alone, on activation codes computed once before the graph (PDL off; for
+  ``expand``, its weight expansion and int8 GEMM);
+- ``expand``: ``expand``'s weight expansion alone (the int8 levels written), where the selected config is
+  ``expand``'s;
 - ``kernel_l2``: the same on one weight copy replayed, L2-warm: what the op's tuner times;
 - ``read``: ``bench/gemv_gpu.py``'s ``read`` row (the fastest read-only kernel over the same bytes).
 ``--sweep``: ``kernel`` and ``kernel_l2`` for every config the tuner times at this M (its kernels'
@@ -28,14 +31,15 @@ import time
 import torch
 
 import gemv_gpu as gb  # bench/ is on sys.path when run as a script
-from aipc_kernels.gpu.triton.lowbit import group, stream
+from aipc_kernels.gpu.triton.lowbit import expand, group, progressive, stream
 from aipc_kernels.gpu.triton.lowbit import linear as tlin
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_row_packed, quantize_rows
 from aipc_kernels.gpu.triton.lowbit.tuning import candidates, select_config
 from harness import BenchParser, bench_lock, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES
 
-PARTS = ("op", "op_nopdl", "act", "kernel", "kernel_l2", "read")
+PARTS = ("op", "op_nopdl", "act", "expand", "kernel", "kernel_l2", "read")
+FORMS = {"int2": None, "w2a8_prog": "ours_w2a8_prog"}  # --form: gemv_gpu's progressive row of that form, or int2
 NOT_LAUNCH = ("us", "by_kernel", "timed")  # a shipped config's record of its timing, not a launch field
 
 
@@ -47,26 +51,30 @@ class _FixedActivations:
         self.rows = quantize_rows(x2, Kp, sums=False)
 
     def __enter__(self):
-        self.saved = (stream.quantize_row_packed, group.quantize_rows)
+        self.saved = (stream.quantize_row_packed, group.quantize_rows, progressive.quantize_rows, expand.quantize_rows)
         stream.quantize_row_packed = lambda *a, **k: self.one
-        group.quantize_rows = lambda *a, **k: self.rows
+        group.quantize_rows = progressive.quantize_rows = expand.quantize_rows = lambda *a, **k: self.rows
 
     def __exit__(self, *exc):
-        stream.quantize_row_packed, group.quantize_rows = self.saved
+        stream.quantize_row_packed, group.quantize_rows, progressive.quantize_rows, expand.quantize_rows = self.saved
 
 
 def _us(calls: list) -> float:
     return gb.time_rotating(calls) * 1e6
 
 
-def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool, vary: tuple[str, list[int]] | None = None) -> dict:
+def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool, vary: tuple[str, list[int]] | None = None,
+            form: str = "int2") -> dict:
     """The ``parts`` of one shape at one M (the selected config with each ``vary`` value, the sweep's five
     fastest by each timing)."""
     N, K = SHAPES[sname]
     W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     state: dict = {}
-    calls, _, copies = gb.row_ours(W, x, l2, state)
+    if FORMS[form]:
+        calls, _, copies = gb.row_ours_progressive(W, x, l2, state, FORMS[form])
+    else:
+        calls, _, copies = gb.row_ours(W, x, l2, state)
     ws = [f.__defaults__[0] for f in calls]  # row_ours' weight copies
     Kp = ws[0].qweight.shape[1] * 4
     y = torch.empty(M, N, device="cuda", dtype=x.dtype)
@@ -84,6 +92,8 @@ def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool, vary: tu
     if "act" in parts:
         act = (lambda: quantize_row_packed(x, Kp, False)) if M == 1 else (lambda: quantize_rows(x, Kp, sums=False))
         e["act"] = _us([act for _ in ws])
+    if "expand" in parts and cfg["KERNEL"] == expand.NAME:
+        e["expand"] = _us([lambda w=w: expand.expand_levels(w) for w in ws])
     variants = [dict(cfg, **{vary[0]: v}) for v in vary[1]] if vary else []
     e["variants"] = [dict(config={k: v for k, v in c.items() if k not in NOT_LAUNCH}, op=_us([lambda w=w, c=c: run(c, w) for w in ws]))
                      for c in variants]
@@ -134,6 +144,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--shapes", default="8B*", help="comma list of shapes, names or patterns such as '8B*'")
     ap.add_argument("--sweep", action="store_true", help="time every config of the M's kernels, rotating and L2-warm")
+    ap.add_argument("--form", default="int2", choices=list(FORMS), help="the weights' form (see above)")
     ap.add_argument("--vary", default="", help="KEY=V1,V2: the selected (and every swept) config with each value of an integer field")
     args = ap.parse_args()
     vary = None
@@ -153,13 +164,13 @@ def main() -> int:
         for sname in shapes:
             for M in Ms:
                 t0 = time.time()
-                e = measure(sname, M, l2, args.rows, args.sweep, vary)
+                e = measure(sname, M, l2, args.rows, args.sweep, vary, args.form)
                 results.append(e)
                 print(f"[parts] {sname} M={M}: " + " ".join(f"{p} {_f(e, p)}" for p in args.rows) + f" ({time.time() - t0:.0f} s)", flush=True)
         md = ["us per call, each part a CUDA-graph replay over weight copies >= 4x L2 (median of 5 replays); "
               "x_read = part / read. op = the selected config as the bench runs it; kernel = the GEMV/GEMM alone.", "",
-              "| shape | M | config | op | op_nopdl | act | kernel | kernel_l2 | read | op x_read | kernel x_read |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| shape | M | config | op | op_nopdl | act | expand | kernel | kernel_l2 | read | op x_read | kernel x_read |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in results:
             md.append(f"| {e['shape']} | {e['M']} | {_cfg(e['config'])} | " + " | ".join(_f(e, p) for p in PARTS)
                       + f" | {_ratio(e, 'op')} | {_ratio(e, 'kernel')} |")
@@ -178,7 +189,7 @@ def main() -> int:
                 for by in ("rotating", "l2"):
                     for r in e[f"sweep_{by}"]:
                         md.append(f"| {e['shape']} | {e['M']} | {by} | {r['us']:.2f} | {r['us_l2']:.2f} | {_cfg(r['config'])} |")
-        write_results(args.out, args.name, "Where the op's time goes at small M (aipc::lowbit_linear, Triton)", info, results, "\n".join(md))
+        write_results(args.out, args.name, f"Where the op's time goes (aipc::lowbit_linear, Triton; weights {args.form})", info, results, "\n".join(md))
     return 0
 
 
