@@ -28,7 +28,6 @@ GEMM_CAT = dict(GEMM, KCAT=1, WA=0)  # a chunk's planes joined: one dot of K = 1
 GEMV = {"KERNEL": "progressive", "BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2, "SPLIT_K": 3}
 PRE = {"SPRE": 1}  # each chunk's group scales and mins loaded a chunk ahead
 EXPAND = {"KERNEL": "expand", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
-EXPAND_WIDE = dict(EXPAND, EXPAND_ROWS=64, EXPAND_CHUNKS=2, EXPAND_WARPS=8)  # the expansion by wider programs
 # today's kernels on the form (int8 group scales and mins like 16-bit ones, times the row's s0)
 STREAM = {"KERNEL": "stream", "XPACK": 1, "PDL": 1, "BLOCK_N": 8, "BLOCK_C": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
 STREAM_RB = dict(STREAM, RB=3, SPLIT_K=1)
@@ -159,7 +158,6 @@ CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tile
     (17, 48, 512, "min4", -1, GEMM), (40, 65, 576, "min2", 64, GEMM), (33, 32, 1024, "min2", 32, dict(GEMM, SPLIT_K=2)),
     (64, 50, 320, "min4", 64, None), (40, 65, 576, "min2", 64, GEMM_B), (17, 48, 512, "min4", -1, GEMM_B),
     (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
-    (40, 65, 576, "min2", 64, EXPAND_WIDE), (20, 33, 320, "min4", 32, EXPAND_WIDE),  # 5 chunks of 2: the last half past K
     (33, 40, 512, "min2", 32, dict(GEMM_CAT, WA=1, SPLIT_K=2)),
     (40, 65, 576, "min2", -1, GEMM_CAT),  # a group (the whole row) that neither divides the chunk nor is a multiple
     (40, 65, 576, "min2", 64, dict(GEMM_CAT, **PRE)), (33, 32, 1024, "min2", 32, dict(GEMM_CAT, SPLIT_K=2, **PRE)),
@@ -211,10 +209,8 @@ def test_expanded_levels_are_the_weight_over_s0():
         _, q = _weight(19, K, codebook, 64, seed=K)
         with interpreter_scope():
             w8 = expand_levels(packing.pack_for_triton(q).to(DEVICE)).cpu()
-            wide = expand_levels(packing.pack_for_triton(q).to(DEVICE), rows=64, chunks=3, warps=8).cpu()
         want = (q.dequantize(torch.float64) / progressive.row_scales(q).double()[:, None]).to(torch.int8)
         assert torch.equal(w8[:, :K], want)
-        assert torch.equal(wide, w8)  # wider programs (a last one past the chunks), padding included
 
 
 def test_rows_do_not_depend_on_the_batch():

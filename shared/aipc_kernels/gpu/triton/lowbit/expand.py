@@ -10,9 +10,7 @@ reads the 2- or 4-bit codes once and writes 1 byte a weight (8B gate/up: 59 MB);
 time hides it, a long prompt. Same values as the fused ``progressive`` kernel: each output is the same
 exact int32 sum, one float conversion and two products.
 
-Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8); the
-expansion's ``EXPAND_ROWS`` (weight rows per program, default :data:`EXPAND_ROWS`), ``EXPAND_CHUNKS`` (chunks per
-program, default 1) and ``EXPAND_WARPS`` (default 4).
+Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8).
 """
 from __future__ import annotations
 
@@ -40,28 +38,26 @@ MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case o
 
 
 @triton.jit
-def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, NCH, BITS: tl.constexpr, G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, HW_ASM: tl.constexpr, ASM0: tl.constexpr,
-                   ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr):  # fmt: skip
-    """Program (n, b): rows [n * BLOCK_N, +BLOCK_N) of chunks [b * CHUNKS, +CHUNKS) (of NCH):
-    ``w8[row, c * KC + 32 q + j]`` = the int8 level of bit-plane q of chunk c's byte j (past K, in the padded
-    chunk: the last group's ``m``, against zero activations)."""
+def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HW_ASM: tl.constexpr, ASM0: tl.constexpr, ASM1: tl.constexpr,
+                   ASM2: tl.constexpr, ASM3: tl.constexpr):  # fmt: skip
+    """Program (n, c): rows [n * BLOCK_N, +BLOCK_N) of chunk c: ``w8[row, c * KC + 32 q + j]`` = the int8
+    level of bit-plane q of byte j (past K, in the padded chunk: the last group's ``m``, against zero
+    activations)."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     pid_n = tl.program_id(0)
+    c = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rn = tl.where(n_mask, offs_n, 0)
     j = tl.arange(0, 32)
-    for cc in tl.static_range(CHUNKS):
-        c = tl.program_id(1) * CHUNKS + cc
-        mask = n_mask[:, None] & (c + j[None, :] * 0 < NCH)  # rows in range, chunk in range
-        wb = tl.load(w_ptr + rn[:, None].to(tl.int64) * KB + c * 32 + j[None, :], mask=mask, other=0)
-        out = w8_ptr + rn[:, None].to(tl.int64) * Kp + c * KC + j[None, :]
-        for q in tl.static_range(P):
-            s1, m = group_scales(s_ptr, m_ptr, rn, c, q, N, NG, BITS, G)
-            lv = plane_levels(wb, s1, m, q, BITS, BLOCK_N, HW_ASM, ASM0, ASM1, ASM2, ASM3)
-            tl.store(out + q * 32, lv, mask=mask)
+    wb = tl.load(w_ptr + rn[:, None].to(tl.int64) * KB + c * 32 + j[None, :])
+    out = w8_ptr + rn[:, None].to(tl.int64) * Kp + c * KC + j[None, :]
+    for q in tl.static_range(P):
+        s1, m = group_scales(s_ptr, m_ptr, rn, c, q, N, NG, BITS, G)
+        lv = plane_levels(wb, s1, m, q, BITS, BLOCK_N, HW_ASM, ASM0, ASM1, ASM2, ASM3)
+        tl.store(out + q * 32, lv, mask=n_mask[:, None])
 
 
 @triton.jit
@@ -98,18 +94,16 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return dict(SPACE[0])
 
 
-def expand_levels(weight: PackedLowBit, rows: int = EXPAND_ROWS, chunks: int = 1, warps: int = 4) -> torch.Tensor:
-    """The weight's int8 levels ``[N, Kp]`` (K-contiguous; the padded k past K hold the last group's ``m``), by
-    programs of ``rows`` weight rows x ``chunks`` chunks, ``warps`` warps each."""
+def expand_levels(weight: PackedLowBit) -> torch.Tensor:
+    """The weight's int8 levels ``[N, Kp]`` (K-contiguous; the padded k past K hold the last group's ``m``)."""
     N, bits = weight.out_features, weight.bits
     Kp = weight.qweight.shape[1] * (8 // bits)
     w8 = torch.empty(N, Kp, dtype=torch.int8, device=weight.qweight.device)
     hw = weight.qweight.device.type == "cuda" and not INTERPRETED
     asm = {f"ASM{q}": levels_asm(bits, q) if hw and q < 8 // bits else "" for q in range(4)}
-    nch = Kp // triton_chunk(bits)
-    _expand_kernel[(triton.cdiv(N, rows), triton.cdiv(nch, chunks))](
-        weight.qweight, weight.scales, weight.zeros, w8, N, weight.qweight.shape[1], Kp, weight.scales.shape[0], nch,
-        BITS=bits, G=weight.group_size, BLOCK_N=rows, CHUNKS=chunks, HW_ASM=hw, num_warps=warps, **asm,
+    _expand_kernel[(triton.cdiv(N, EXPAND_ROWS), Kp // triton_chunk(bits))](
+        weight.qweight, weight.scales, weight.zeros, w8, N, weight.qweight.shape[1], Kp, weight.scales.shape[0],
+        BITS=bits, G=weight.group_size, BLOCK_N=EXPAND_ROWS, HW_ASM=hw, num_warps=4, **asm,
     )  # fmt: skip
     return w8
 
@@ -125,7 +119,7 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     if Kp % bk:
         raise ValueError(f"{NAME}: BLOCK_K={bk} does not divide the padded K={Kp}; use 64")
     xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
-    w8 = expand_levels(weight, cfg.get("EXPAND_ROWS", EXPAND_ROWS), cfg.get("EXPAND_CHUNKS", 1), cfg.get("EXPAND_WARPS", 4))
+    w8 = expand_levels(weight)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
         xq, sx, w8, weight.supers, weight.supers if bias is None else bias, y, M, N, Kp, HAS_BIAS=bias is not None,
