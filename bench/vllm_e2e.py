@@ -223,9 +223,13 @@ def _weight_bytes(model) -> dict[str, int]:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     seen, out = set(), {"linear": 0, "lm_head": 0, "embedding": 0, "total": 0, "opaque_linear": 0}
-    for mod in model.modules():
+    kinds: dict[str, Optional[str]] = {}
+    for name, mod in model.named_modules():
         kind = ("linear" if isinstance(mod, LinearBase) else "lm_head" if isinstance(mod, ParallelLMHead)
                 else "embedding" if isinstance(mod, VocabParallelEmbedding) else None)  # fmt: skip
+        if kind is None and ".lowbit_segments." in name:  # a segment of a merged GGUF layer: its layer's kind
+            kind = kinds.get(name.split(".lowbit_segments.")[0])
+        kinds[name] = kind
         w = getattr(mod, "weight", None)
         if kind == "linear" and isinstance(w, torch.Tensor) and w.numel() == 0:
             # vLLM-CPU moved an unquantized weight into a oneDNN/SGL handle: count its logical bytes

@@ -19,9 +19,12 @@ vLLM 0.32 has no GGUF code. Three of its extension points, and one small patch:
   order. :class:`GGUFLinearMethod` receives each layer's blocks (raw ``qweight`` + ``qweight_type``, or a
   float ``weight``; merged q/k/v and gate/up as shards, or whole as Phi-3 stores them) and at
   ``process_weights_after_loading`` re-lays them out (:func:`aipc_kernels.checkpoints.gguf.relayout`),
-  concatenates the shards along N when they share code book and group (a merged layer of mixed types is
-  refused, naming the layer and the types) and installs them exactly as the lowbit2 / lowbit4 methods do
-  (:func:`vllm_lowbit.layers.install_packed`, :func:`~vllm_lowbit.layers.apply_lowbit`).
+  concatenates the shards along N when they share code book and group and installs them exactly as the
+  lowbit2 / lowbit4 methods do (:func:`vllm_lowbit.layers.install_packed`,
+  :func:`~vllm_lowbit.layers.apply_lowbit`); shards of different forms (Q4_K_M's Q4_K q / k beside a Q6_K v)
+  become segments of the layer, each in its own form and op call (:func:`vllm_lowbit.layers.install_segments`),
+  none widened to a common one (a merged layer of float and quantized tensors is refused, naming the layer and
+  the types).
   Float layers (F32 / F16 / BF16) run vLLM's own unquantized path. :class:`GGUFEmbeddingMethod` holds the
   token embedding packed once: the lookup dequantizes only the rows it reads
   (:func:`aipc_kernels.lowbit.packing.dequantize_rows`, the file's exact values) and a tied output projection
@@ -51,8 +54,8 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from aipc_kernels.lowbit.formats import LowBitWeight
 
 from . import gguf_source
-from .layers import (PluginQuantizationConfig, apply_lowbit, checkpoint_rows, checkpoint_tensor_name, install_packed,
-                     layer_shards, packed_embedding)  # fmt: skip
+from .layers import (PluginQuantizationConfig, apply_lowbit, apply_segments, checkpoint_rows, checkpoint_tensor_name,
+                     install_packed, install_segments, layer_shards, packed_embedding)  # fmt: skip
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -232,7 +235,9 @@ def _check_rows(layer: torch.nn.Module, config: GGUFCPUConfig, shard, t: torch.T
 
 
 def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: torch.dtype):
-    """The layer's whole weight from its shards: a :class:`LowBitWeight` (quantized) or a float tensor."""
+    """The layer's whole weight from its shards: a float tensor, or a list of :class:`LowBitWeight` over
+    consecutive output rows, one per run of shards of one stored form
+    (:func:`~aipc_kernels.checkpoints.gguf.form_runs`: one weight unless the shards' forms differ)."""
     from aipc_kernels.checkpoints.gguf import relayout
 
     parts = layer.gguf_parts
@@ -257,25 +262,22 @@ def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: t
         w = relayout(part["data"], part["type"], (part["data"].shape[0], K), name)
         weights.append(w)
         formats.add((w.codebook, w.group_size))  # e.g. three Q4_K: min4 g32, one layer
-    if len(formats) > 1 and ("float",) not in formats:  # e.g. Q4_K_M's Q4_K q / k and Q6_K v: one exact form
-        from aipc_kernels.checkpoints.gguf import common_form
-
-        weights = common_form(weights)
-        formats = {(w.codebook, w.group_size) for w in weights}
-    if len(formats) > 1:  # float and quantized: open_gguf refuses such files before loading; the layer's own check
+    if len(formats) > 1 and ("float",) in formats:  # open_gguf refuses such files before loading; the layer's own check
         import gguf  # the gguf package (absolute import), for the type names
 
         types = [("float", None) if parts[s]["float"] else (None, gguf.GGMLQuantizationType(parts[s]["type"]))
                  for s in order]  # fmt: skip
         desc = ", ".join(f"{config.tensor_name(layer, s)}: {f or t.name}" for s, (f, t) in zip(order, types))
-        raise ValueError(f"{GGUF_CPU}: layer {layer.prefix!r} merges GGUF tensors of different formats ({desc}); one "
-                         f"vLLM layer runs one format, and float with quantized is not served yet")  # fmt: skip
+        raise ValueError(f"{GGUF_CPU}: layer {layer.prefix!r} merges GGUF tensors of different formats ({desc}); "
+                         f"float with quantized parts in one layer is not served yet")  # fmt: skip
     del layer.gguf_parts
     if all(isinstance(w, torch.Tensor) for w in weights):
         return torch.cat([w.to(params_dtype) for w in weights]) if len(weights) > 1 else weights[0].to(params_dtype)
-    from aipc_kernels.checkpoints.gguf import cat_rows
+    from aipc_kernels.checkpoints.gguf import cat_rows, form_runs
 
-    return cat_rows(weights, layer.prefix)
+    runs = form_runs(weights)  # e.g. Q4_K_M's Q4_K q / k, then its Q6_K v: two segments, each in its own form
+    return [cat_rows([weights[i] for i in run], layer.prefix if len(runs) == 1 else f"{layer.prefix}[{j}]")
+            for j, run in enumerate(runs)]  # fmt: skip
 
 
 def _pad_rows(w: LowBitWeight, n: int) -> LowBitWeight:
@@ -347,11 +349,16 @@ class _GGUFMethod:
             layer.register_parameter("weight", torch.nn.Parameter(self.float_weight(layer, w), requires_grad=False))
             self.float_method.process_weights_after_loading(layer)
             return
-        install_packed(layer, self.packed_weight(layer, w), self.config.layer_act_group(w))
+        if len(w) > 1:  # parts of different stored forms: one op call each, no part widened
+            install_segments(layer, w, [self.config.layer_act_group(part) for part in w])
+            return
+        install_packed(layer, self.packed_weight(layer, w[0]), self.config.layer_act_group(w[0]))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if layer.gguf_float:
             return self.float_method.apply(layer, x, bias)
+        if hasattr(layer, "lowbit_segments"):
+            return apply_segments(layer, x, bias)
         return apply_lowbit(layer, x, bias)
 
 

@@ -91,16 +91,16 @@ def merge_refusal(path, layer: str, parts: list[tuple[str, Any]]) -> ValueError:
         return f"{t.name} -> {layout[0]}" + (f" g{layout[1]}" if len(layout) > 1 else "")
 
     desc = ", ".join(f"{n}: {fmt(t)}" for n, t in parts)
-    return ValueError(f"GGUF file {str(path)!r}: {layer} merges float and quantized tensors ({desc}); one vLLM "
-                      f"layer runs one format, so this mix is not served yet: re-quantize the file with "
+    return ValueError(f"GGUF file {str(path)!r}: {layer} merges float and quantized tensors ({desc}); float with "
+                      f"quantized parts in one layer is not served yet: re-quantize the file with "
                       f"one type for them (llama-quantize --pure, or --tensor-type), or serve it with llama.cpp")  # fmt: skip
 
 
 def check_merges(ck) -> None:
     """Refuses, before loading, the blocks whose q / k / v or gate / up tensors (:data:`MERGED`) would
     become one vLLM layer of float and quantized tensors. Quantized types merge: of one code book and
-    group as they are, of different ones as min8 (:func:`aipc_kernels.checkpoints.gguf.as_min8`, exact;
-    Q4_K_M's Q4_K q / k with a Q6_K v, a Q5_0 with a Q8_0)."""
+    group as they are, of different ones as segments, each in its own form (Q4_K_M's Q4_K q / k beside its
+    Q6_K v: :func:`aipc_kernels.checkpoints.gguf.form_runs`)."""
     names = set(ck.tensor_names())
     for b in range(int(ck.field(f"{ck.architecture}.block_count", 0) or 0)):
         for group in MERGED:

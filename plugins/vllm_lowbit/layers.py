@@ -136,6 +136,41 @@ def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, acti
     layer._already_called_process_weights_after_loading = True
 
 
+class PackedSegment(torch.nn.Module):
+    """Output rows ``[start, stop)`` of a merged layer whose parts have different stored forms (a GGUF
+    Q4_K_M layer's Q4_K q / k beside its Q6_K v): its own packed weight (:func:`install_packed`), run by its
+    own op call (:func:`apply_segments`)."""
+
+    def __init__(self, start: int, stop: int, input_size: int):
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.input_size_per_partition = input_size
+
+
+def install_segments(layer: torch.nn.Module, weights: list[LowBitWeight], act_groups: list[int]) -> None:
+    """Installs ``weights`` (consecutive output rows of ``layer``, each with its op's ``act_group``) as
+    ``layer.lowbit_segments``, each part in its own stored form, so no part is widened to a common one."""
+    for name in ("weight", "qweight", "scales", "zeros", "supers"):
+        if name in layer._parameters:
+            delattr(layer, name)
+    segments, start = [], 0
+    for w, act_group in zip(weights, act_groups):
+        segment = PackedSegment(start, start + w.out_features, w.in_features)
+        install_packed(segment, w, act_group)
+        segments.append(segment)
+        start += w.out_features
+    layer.lowbit_segments = torch.nn.ModuleList(segments)
+    layer.lowbit_out_features = start
+    layer._already_called_process_weights_after_loading = True
+
+
+def apply_segments(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ W^T + bias`` for a layer :func:`install_segments` installed: one :func:`apply_lowbit` call per
+    segment, the outputs side by side."""
+    return torch.cat([apply_lowbit(s, x, None if bias is None else bias[s.start : s.stop])
+                      for s in layer.lowbit_segments], dim=-1)  # fmt: skip
+
+
 def installed_weight(layer: torch.nn.Module) -> PackedLowBit:
     """The packed weight :func:`install_packed` put on ``layer`` (a linear layer or an embedding), over the
     layer's tensors as they are now."""

@@ -50,7 +50,7 @@ BUILDER_VERSION = 1
 GEOMETRY = dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512)
 
 #: GGUF tensor (the part after ``blk.N.``, or the whole name) -> its type; anything 2-D not named is Q8_0,
-#: 1-D tensors (norms, biases) stay F32. Merged layers mix code books (q / k Q4_0 with v Q8_0: one min8 layer).
+#: 1-D tensors (norms, biases) stay F32. Merged layers mix code books (q / k Q4_0 with v Q8_0: two segments of one layer).
 PLANS: dict[str, dict[str, Any]] = {
     # Llama-3.x / SmolLM2 style: tied embeddings
     "llama": dict(arch="llama", tie=True, types={
@@ -60,9 +60,10 @@ PLANS: dict[str, dict[str, Any]] = {
     "mistral": dict(arch="mistral", tie=False, types={
         "attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "Q5_1", "attn_output": "Q8_0",
         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0", "token_embd": "F16", "output": "Q8_0"}),
-    # Qwen2.5 style: q / k / v biases, tied embeddings
+    # Qwen2.5 style: q / k / v biases, tied embeddings; q Q4_1 beside k / v Q8_0: two segments, each with its
+    # slice of the bias
     "qwen2": dict(arch="qwen2", tie=True, types={
-        "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_1",
+        "attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_1",
         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}),
     # Qwen3: q / k RMSNorms; untied; head_dim 64, not Qwen3Config's default 128 (transformers' GGUF config
     # reader does not read qwen3.attention.key_length: a reader of the file must)

@@ -639,3 +639,23 @@ def test_common_form_of_a_merged_layer_is_exact(types):
     for before, after in zip(parts, common):
         a, b = after.dequantize(), before.dequantize()
         assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("types,runs", [
+    ((T.Q4_K, T.Q4_K, T.Q6_K), [[0, 1], [2]]), ((T.Q5_0, T.Q5_0, T.Q8_0), [[0, 1], [2]]),
+    ((T.Q6_K, T.Q4_K, T.Q4_K), [[0], [1, 2]]), ((T.Q4_K, T.Q6_K, T.Q4_K), [[0], [1], [2]]),
+    ((T.Q4_0, T.Q4_0, T.Q4_0), [[0, 1, 2]]), ((T.Q4_1, T.Q4_K), [[0, 1]])],
+                         ids=lambda v: "+".join(t.name for t in v) if isinstance(v[0], T) else str(v))  # fmt: skip
+def test_form_runs_split_a_merged_layer_by_stored_form(types, runs):
+    """A merged layer's parts in runs of one stored form (code book and group; Q4_1 and Q4_K are both min4 g32):
+    each run stacks exactly without widening a code, and the runs side by side are the parts in row order."""
+    rng = np.random.default_rng(6)
+    parts = [gf.relayout(_random_blocks(t, (7, 256), rng), t, (7, 256), f"w{i}") for i, t in enumerate(types)]
+    assert gf.form_runs(parts) == runs
+    stacked = [gf.cat_rows([parts[i] for i in run], "layer") for run in runs]
+    for run, w in zip(runs, stacked):
+        assert (w.codebook, w.group_size) == (parts[run[0]].codebook, parts[run[0]].group_size)
+        assert w.bits == parts[run[0]].bits
+    a = torch.cat([w.dequantize() for w in stacked])
+    b = torch.cat([w.dequantize() for w in parts])
+    assert torch.equal(a, b) and torch.equal(a.isnan(), b.isnan())

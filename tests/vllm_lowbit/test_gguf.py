@@ -90,20 +90,22 @@ def inspect(model):
     merged = {{"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}}
     layers, worst, checked = {{}}, 0.0, 0
     for name, m in model.named_modules():
-        if not hasattr(m, "lowbit_codebook"):
+        segments = list(getattr(m, "lowbit_segments", []))  # parts of different forms: one packed weight each
+        if not hasattr(m, "lowbit_codebook") and not segments or ".lowbit_segments." in name:
             continue
-        p = installed_weight(m)
         parent, _, leaf = name.rpartition(".")
         parts = [f"{{parent}}.{{x}}.weight" for x in merged.get(leaf, [leaf])]
         expect = torch.cat([ref[n].detach() for n in parts])
         if hasattr(m, "embedding_dim"):  # the lookup's rows
-            got = dequantize_rows(p, torch.arange(expect.shape[0]))
+            got = dequantize_rows(installed_weight(m), torch.arange(expect.shape[0]))
         else:
-            got = to_canonical(p).dequantize()
+            got = torch.cat([to_canonical(installed_weight(s)).dequantize() for s in segments or [m]])
         worst = max(worst, float((got - expect).abs().max()))
         checked += 1
-        layers[name] = [type(m.quant_method).__name__, m.lowbit_codebook, m.lowbit_group_size, m.lowbit_act_group,
-                        m.lowbit_cpu_call is not None]
+        for i, s in enumerate(segments or [m]):
+            layers[name + (f"[{{i}}]" if segments else "")] = [type(m.quant_method).__name__, s.lowbit_codebook,
+                                                             s.lowbit_group_size, s.lowbit_act_group,
+                                                             s.lowbit_cpu_call is not None]
     norms = [(n, p) for n, p in model.named_parameters() if "norm" in n]
     norm_diff = max(float((p.detach() - ref[n].detach()).abs().max()) for n, p in norms)
     return {{"layers": layers, "checked": checked, "max_abs_diff": worst, "norms": len(norms),
@@ -290,8 +292,9 @@ def test_agreement_with_transformers_float_model(engine, hf_float, prompts, toke
 
 def test_gemma3_q4_k_m(gemma3, gguf_cache):
     """Gemma-3-270M Q4_K_M: K-quants (Q4_K, Q6_K: two-level scales, Q6_K's 6-bit codes in groups of 16), q/k
-    (Q5_0) and v (Q8_0) merged as one int8 layer, Gemma's norm offset, sliding-window layers and the file's BOS. Weights and
-    norms equal transformers' dequantization exactly; tokens by teacher forcing against its float model."""
+    (Q5_0) and v (Q8_0) in one layer as two segments (int5 and int8, each its own op call), Gemma's norm
+    offset, sliding-window layers and the file's BOS. Weights and norms equal transformers' dequantization
+    exactly; tokens by teacher forcing against its float model."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name, add_bos_token=True)
@@ -302,7 +305,8 @@ def test_gemma3_q4_k_m(gemma3, gguf_cache):
     info = out["info"]
     assert info["max_abs_diff"] == 0.0 and info["norm_max_abs_diff"] == 0.0 and info["checked"] == 18 * 4 + 1
     formats = {tuple(v[1:3]) for n, v in info["layers"].items() if n != "model.embed_tokens"}
-    assert {("int8", 32), ("min4", 32), ("int6", 16)} <= formats, formats  # Q5_0/Q8_0 merged, Q4_K, Q6_K
+    assert {("int5", 32), ("int8", 32), ("min4", 32), ("int6", 16)} <= formats, formats  # Q5_0 / Q8_0, Q4_K, Q6_K
+    assert any(n.endswith("qkv_proj[1]") for n in info["layers"]), "q/k (Q5_0) and v (Q8_0): two segments"
     assert info["lm_head_is_embed_tokens"] is True
     agree, worst, n = agreement(_hf_float(gemma3), gprompts, out["tokens"])
     print(f"[gguf] Gemma-3-270M Q4_K_M vs transformers' float model: teacher-forced agreement {agree:.1%} of {n}, "
@@ -349,7 +353,7 @@ def test_bad_files_are_refused_at_load_naming_the_file(tmp_path, gguf_cache, smo
     unsupported = _write_tiny_gguf(tmp_path / "tiny-llama-iq.gguf", "llama",
                                    {"blk.0.attn_norm.weight": norm, "blk.0.attn_q.weight": (raw, iq)})  # fmt: skip
     # q / k Q4_1 and v F32: one vLLM qkv_proj of float and quantized tensors (quantized types of different
-    # code books merge as min8, exactly: tests/kernels/test_gguf_format.py::test_as_min8_is_exact)
+    # code books are segments of one layer, each exact: test_gemma3_q4_k_m, test_gguf_architectures.py)
     q41 = np.random.default_rng(1).integers(0, 256, (64, 8 * 20), dtype=np.uint8)
     f32 = (np.random.default_rng(2).standard_normal((64, 256)) * 0.02).astype(np.float32)
     mixed = _write_tiny_gguf(tmp_path / "tiny-llama-mixed.gguf", "llama",
@@ -421,9 +425,9 @@ def test_vllm_serve_gguf(smollm2, gguf_cache, tmp_path, request):
 
 def test_two_level_parts_merge_and_pad_exactly():
     """A merged layer of K-quant parts (Q4_K q / k with a Q6_K v: one ``min8`` weight, two-level where every
-    part is a K-quant) and a K-quant output projection padded to vLLM's vocabulary rows: the served values are
-    each part's ``gguf.quants.dequantize``, the padding rows 0, and the lookup rows read from the packed layout
-    equal them (a Q6_K token embedding tied to the output projection, as llama.cpp's Q4_K_M files hold it)."""
+    part is a K-quant, as the converter stores it; serving the file runs it as two segments) and a K-quant
+    output projection padded to vLLM's vocabulary rows: the stored values are each part's
+    ``gguf.quants.dequantize``, the padding rows 0, and the lookup rows read from the packed layout equal them (a Q6_K token embedding tied to the output projection, as llama.cpp's Q4_K_M files hold it)."""
     import gguf
     import numpy as np
     from aipc_kernels.checkpoints import gguf as gf

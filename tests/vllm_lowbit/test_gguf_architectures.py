@@ -93,19 +93,25 @@ def inspect(model):
         ref["lm_head.weight"] = hf.lm_head.weight.detach()
     layers, worst, lowbit = {{}}, 0.0, set()
     for name, m in model.named_modules():
-        if not hasattr(m, "lowbit_codebook"):
+        segments = list(getattr(m, "lowbit_segments", []))  # parts of different forms: one packed weight each
+        if not hasattr(m, "lowbit_codebook") and not segments or ".lowbit_segments." in name:
             continue
         lowbit.add(name)
-        p = installed_weight(m)
         parent, _, leaf = name.rpartition(".")
         expect = hf_params(parent, leaf, "weight", ref)
-        got = dequantize_rows(p, torch.arange(expect.shape[0])) if hasattr(m, "embedding_dim") else to_canonical(p).dequantize()
+        if hasattr(m, "embedding_dim"):
+            got = dequantize_rows(installed_weight(m), torch.arange(expect.shape[0]))
+        else:
+            got = torch.cat([to_canonical(installed_weight(s)).dequantize() for s in segments or [m]])
         worst = max(worst, float((got - expect).abs().max()))
-        layers[name] = [m.lowbit_codebook, m.lowbit_group_size, m.lowbit_act_group]
+        parts = segments or [m]  # segments: "int4+int8", and the group / act_group where they agree (else a string)
+        layers[name] = ["+".join(s.lowbit_codebook for s in parts)] + [
+            vals.pop() if len(vals) == 1 else "+".join(map(str, sorted(vals)))
+            for vals in ({{s.lowbit_group_size for s in parts}}, {{s.lowbit_act_group for s in parts}})]
     floats, fworst = [], 0.0
     for n, p in model.named_parameters():
         parent, _, kind = n.rpartition(".")
-        if parent in lowbit and kind != "bias":  # the packed tensors, compared above
+        if parent in lowbit and kind != "bias" or ".lowbit_segments." in n:  # the packed tensors, compared above
             continue
         grand, _, leaf = parent.rpartition(".")
         expect = hf_params(grand, leaf, kind, ref)
@@ -202,7 +208,7 @@ def test_served_by_the_plugin_with_the_right_model(served, gguf_cache):
 
 
 def test_weights_equal_transformers_dequantization_exactly(served):
-    """Every packed layer (merged ones too: min8 of Q4_0 q / k and Q8_0 v, Phi-3's fused tensors) and every
+    """Every packed layer (merged ones too: Q4_0 q / k and Q8_0 v as two segments, Phi-3's fused tensors) and every
     float parameter (norms, Qwen2's biases, Qwen3's q / k norms, Mistral's F16 embedding) read back from
     vLLM's model equal transformers' dequantization of the same file bit for bit."""
     info = served["info"]

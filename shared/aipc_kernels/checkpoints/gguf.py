@@ -436,6 +436,20 @@ def common_form(ws: list[LowBitWeight]) -> list[LowBitWeight]:
     return ws
 
 
+def form_runs(ws: list[LowBitWeight]) -> list[list[int]]:
+    """The indices of ``ws`` (one merged layer's re-laid-out parts, in row order) in runs of consecutive parts
+    of one stored form (code book and group size): each run stacks with :func:`cat_rows` without widening a
+    code (Q4_K_M's Q4_K q / k: one run, its Q6_K v: another), where :func:`common_form` makes every part of a
+    mixed layer ``min8`` or ``int8``."""
+    runs: list[list[int]] = []
+    for i, w in enumerate(ws):
+        if runs and (ws[runs[-1][0]].codebook, ws[runs[-1][0]].group_size) == (w.codebook, w.group_size):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
 def cat_rows(ws: list[LowBitWeight], name: str = "weight") -> LowBitWeight:
     """Weights of one merged layer (vLLM's q / k / v or gate / up shards) stacked along N, in their common
     stored form (:func:`common_form`: scales of different dtypes, e.g. a Q4_1 part's fp16 and a Q4_K part's
@@ -584,6 +598,6 @@ class GGUFCheckpoint:
 
 
 __all__ = [
-    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "common_form", "llama_unpermute",
-    "permute_rows", "relayout", "unsupported_type_error",
+    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "cat_rows", "common_form",
+    "form_runs", "llama_unpermute", "permute_rows", "relayout", "unsupported_type_error",
 ]  # fmt: skip
