@@ -227,8 +227,8 @@ def _weight_bytes(model) -> dict[str, int]:
     for name, mod in model.named_modules():
         kind = ("linear" if isinstance(mod, LinearBase) else "lm_head" if isinstance(mod, ParallelLMHead)
                 else "embedding" if isinstance(mod, VocabParallelEmbedding) else None)  # fmt: skip
-        if kind is None and ".lowbit_segments." in name:  # a segment of a merged GGUF layer: its layer's kind
-            kind = kinds.get(name.split(".lowbit_segments.")[0])
+        if kind is None and name:  # a submodule of a layer (a merged GGUF layer's segments): its layer's kind
+            kind = kinds.get(name.rpartition(".")[0])
         kinds[name] = kind
         w = getattr(mod, "weight", None)
         if kind == "linear" and isinstance(w, torch.Tensor) and w.numel() == 0:

@@ -111,15 +111,20 @@ def whole_row_amax(x: torch.Tensor) -> torch.Tensor:
     return get_tp_group().all_gather(local, dim=-1).amax(dim=-1)
 
 
+def _drop_weight_parameters(layer: torch.nn.Module) -> None:
+    """Removes the weight parameters a packed install replaces (the float ``weight``, a checkpoint's own)."""
+    for name in ("weight", "qweight", "scales", "zeros", "supers"):
+        if name in layer._parameters:
+            delattr(layer, name)
+
+
 def install_packed(layer: torch.nn.Module, w: LowBitWeight, act_group: int, activations: str = "int8") -> None:
     """Replaces the layer's weight parameters by ``w`` packed for the layer's device (once);
     ``activations``: ``float`` runs a 4-bit weight on the activation-exact W4A16 op (other widths stay
     W*A8)."""
     device = w.qweight.device
     packed = pack_for_device(w, device)
-    for name in ("weight", "qweight", "scales", "zeros", "supers"):
-        if name in layer._parameters:
-            delattr(layer, name)
+    _drop_weight_parameters(layer)
     for name, t in (("qweight", packed.qweight), ("scales", packed.scales), ("zeros", packed.zeros),
                     ("supers", packed.supers)):  # fmt: skip
         layer.register_parameter(name, None if t is None else torch.nn.Parameter(t, requires_grad=False))
@@ -150,9 +155,7 @@ class PackedSegment(torch.nn.Module):
 def install_segments(layer: torch.nn.Module, weights: list[LowBitWeight], act_groups: list[int]) -> None:
     """Installs ``weights`` (consecutive output rows of ``layer``, each with its op's ``act_group``) as
     ``layer.lowbit_segments``, each part in its own stored form, so no part is widened to a common one."""
-    for name in ("weight", "qweight", "scales", "zeros", "supers"):
-        if name in layer._parameters:
-            delattr(layer, name)
+    _drop_weight_parameters(layer)
     segments, start = [], 0
     for w, act_group in zip(weights, act_groups):
         segment = PackedSegment(start, start + w.out_features, w.in_features)

@@ -427,7 +427,8 @@ def test_two_level_parts_merge_and_pad_exactly():
     """A merged layer of K-quant parts (Q4_K q / k with a Q6_K v: one ``min8`` weight, two-level where every
     part is a K-quant, as the converter stores it; serving the file runs it as two segments) and a K-quant
     output projection padded to vLLM's vocabulary rows: the stored values are each part's
-    ``gguf.quants.dequantize``, the padding rows 0, and the lookup rows read from the packed layout equal them (a Q6_K token embedding tied to the output projection, as llama.cpp's Q4_K_M files hold it)."""
+    ``gguf.quants.dequantize``, the padding rows 0, and the lookup rows read from the packed layout equal them
+    (a Q6_K token embedding tied to the output projection, as llama.cpp's Q4_K_M files hold it)."""
     import gguf
     import numpy as np
     from aipc_kernels.checkpoints import gguf as gf
