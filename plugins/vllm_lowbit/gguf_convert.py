@@ -13,9 +13,10 @@ format. What is written:
   g32 fp16, Q8_0 as ``int8`` g32, the K-quants with groups of 16 or 32 and their two levels of scales, as
   serving the file holds them (int8 sub-block scales and mins, and ``X.supers``: float32 ``d`` / ``-dmin``
   per super-block of 256; ``scale_dtype: int8`` with ``super_block: 256``), ...; the
-  linears vLLM merges (q / k / v, gate / up) given one form as serving does (different code books: all
-  ``min8`` with float32 scales, :func:`~aipc_kernels.checkpoints.gguf.as_min8`; fp16 with float32 scales: float32),
-  exact either way. ``quantization_config`` (``source: gguf``, ``prequantized: true``) records the most
+  linears vLLM merges (q / k / v, gate / up) in runs of one code book and group
+  (:func:`~aipc_kernels.checkpoints.gguf.form_runs`), each run in one form (fp16 with float32 scales: float32),
+  as serving does: a Q4_K_M file's Q4_K q / k and its Q6_K v keep their own forms, served as two segments
+  (:class:`vllm_lowbit.lowbit2.LowBit2SegmentedLinearMethod`), exact either way. ``quantization_config`` (``source: gguf``, ``prequantized: true``) records the most
   common form as ``codebook`` / ``group_size`` / ``scale_dtype`` (/ ``super_block``) and every other linear's in
   ``layer_formats``; the min form, groups of 16, float32 scales and the two-level form are accepted in such
   checkpoints only;
@@ -98,7 +99,7 @@ def convert_gguf(
     file's blocks and raises (writing nothing) unless the largest difference is 0."""
     from transformers import AutoConfig
 
-    from aipc_kernels.checkpoints.gguf import common_form, relayout
+    from aipc_kernels.checkpoints.gguf import common_form, form_runs, relayout
 
     from . import gguf_source
 
@@ -155,10 +156,13 @@ def convert_gguf(
             held[base] = w
             group = _siblings(base, linears)
             if all(s in held for s in group):
-                # K-quants keep their two levels (int8 sub-block scales and mins, float32 supers) as served
-                for s, one in zip(group, common_form([held.pop(s) for s in group])):
-                    writer.add_lowbit(s, one)
-                    forms[s] = _form(one)
+                # as served: runs of parts of one code book and group in one form (K-quants keep their two
+                # levels: int8 sub-block scales and mins, float32 supers), each run its own segment
+                parts = [held.pop(s) for s in group]
+                for run in form_runs(parts):
+                    for i, one in zip(run, common_form([parts[i] for i in run])):
+                        writer.add_lowbit(group[i], one)
+                        forms[group[i]] = _form(one)
         if bar is not None:
             bar.close()
         if held:

@@ -152,14 +152,16 @@ class PackedSegment(torch.nn.Module):
         self.input_size_per_partition = input_size
 
 
-def install_segments(layer: torch.nn.Module, weights: list[LowBitWeight], act_groups: list[int]) -> None:
-    """Installs ``weights`` (consecutive output rows of ``layer``, each with its op's ``act_group``) as
-    ``layer.lowbit_segments``, each part in its own stored form, so no part is widened to a common one."""
+def install_segments(layer: torch.nn.Module, weights: list[LowBitWeight], act_groups: list[int],
+                     activations: Optional[list[str]] = None) -> None:  # fmt: skip
+    """Installs ``weights`` (consecutive output rows of ``layer``, each with its op's ``act_group`` and
+    ``activations``, as :func:`install_packed` takes them; default int8) as ``layer.lowbit_segments``, each
+    part in its own stored form, so no part is widened to a common one."""
     _drop_weight_parameters(layer)
     segments, start = [], 0
-    for w, act_group in zip(weights, act_groups):
+    for w, act_group, acts in zip(weights, act_groups, activations or ["int8"] * len(weights)):
         segment = PackedSegment(start, start + w.out_features, w.in_features)
-        install_packed(segment, w, act_group)
+        install_packed(segment, w, act_group, acts)
         segments.append(segment)
         start += w.out_features
     layer.lowbit_segments = torch.nn.ModuleList(segments)

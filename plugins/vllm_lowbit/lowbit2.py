@@ -55,8 +55,9 @@ from aipc_kernels.lowbit.quality_gate import OPT_IN_KEY, SAFE_REL_ERROR, ErrorRe
 from aipc_kernels.lowbit.progressive import quantize_layer
 
 from . import PLUGIN_NAME
-from .layers import (LowBitConfig, LowBitOnlineLinearMethod, apply_lowbit, check_partition, checkpoint_rows,
-                     checkpoint_tensor_name, effective_group_size, install_packed, layer_shards, packed_embedding)  # fmt: skip
+from .layers import (LowBitConfig, LowBitOnlineLinearMethod, apply_lowbit, apply_segments, check_partition,
+                     checkpoint_rows, checkpoint_tensor_name, effective_group_size, install_packed, install_segments,
+                     layer_shards, packed_embedding)  # fmt: skip
 from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, GGUF_SOURCE, STORED, STORED_EMBEDDING, STORED_HEAD,
                       QuantizationConfigOptions, parse_quantization_config)  # fmt: skip
 
@@ -183,17 +184,34 @@ class LowBit2Config(LowBitConfig):
 
     def linear_method(self, prefix: str) -> QuantizeMethodBase:
         if self.options.prequantized:
+            parts = self.part_configs(prefix)
+            if parts is not None:
+                return LowBit2SegmentedLinearMethod(self, parts)
             return LowBit2LinearMethod(self.for_layer(prefix))
         self.grid_report.expect(prefix)
         return LowBit2OnlineLinearMethod(self)
 
-    def for_layer(self, prefix: str) -> "LowBit2Config":
-        """This config with the ``layer_formats`` entry of layer ``prefix`` (of every checkpoint
-        layer merged into it: q/k/v, gate/up) as its options' code book, group size, scale dtype and super
-        block."""
+    def _part_names(self, prefix: str) -> list[str]:
+        """The checkpoint layers vLLM loads as its layer ``prefix`` (q/k/v, gate/up; else ``prefix`` itself)."""
         parent, _, last = prefix.rpartition(".")
         parts = self.packed_modules_mapping.get(last) or [last]
-        return self._with_format([f"{parent}.{p}" if parent else p for p in parts], prefix)
+        return [f"{parent}.{p}" if parent else p for p in parts]
+
+    def for_layer(self, prefix: str) -> "LowBit2Config":
+        """This config with the ``layer_formats`` entry of layer ``prefix`` (of every checkpoint
+        layer merged into it: q/k/v, gate/up, which must agree: else :meth:`part_configs`) as its options'
+        code book, group size, scale dtype and super block."""
+        return self._with_format(self._part_names(prefix), prefix)
+
+    def part_configs(self, prefix: str) -> Optional[list["LowBit2Config"]]:
+        """One config per checkpoint layer merged into vLLM's layer ``prefix`` where their ``layer_formats``
+        entries differ (a GGUF Q4_K_M conversion's Q4_K q / k beside its Q6_K v), in merge order; None where
+        they agree (:meth:`for_layer`)."""
+        names = self._part_names(prefix)
+        formats = [self.options.layer_formats.get(n) for n in names]
+        if all(f == formats[0] for f in formats):
+            return None
+        return [self._with_format([n], prefix) for n in names]
 
     def _with_format(self, names: list[str], prefix: str) -> "LowBit2Config":
         """This config with the ``layer_formats`` entry of the checkpoint layers ``names`` (loaded as vLLM's
@@ -203,8 +221,8 @@ class LowBit2Config(LowBitConfig):
         if any(f != formats[0] for f in formats):
             raise ValueError(
                 f"{CONFIG_NAMING.key('layer_formats')} gives the layers {names}, which vLLM loads as one merged "
-                f"layer {prefix!r}, different formats {formats}; convert the model again with python -m "
-                f"vllm_lowbit.quantize (it gives merged layers one format)"
+                f"layer {prefix!r}, different formats {formats}; LowBit2Config.part_configs gives one config "
+                f"per part"
             )
         if formats[0] is None and o.source != GGUF_SOURCE:
             return self
@@ -322,30 +340,42 @@ class LowBit2LinearMethod(LinearMethodBase):
 
         return lowbit2_weight_loader
 
-    def _check_loaded(self, layer: torch.nn.Module) -> LowBitWeight:
-        """The layer's canonical weight, after checking every tensor arrived and holds valid codes."""
-        pnames = (["qweight", "scales"] + (["zeros"] if self.cb.per_group_tensor else [])
-                  + (["supers"] if self.options.super_block is not None else []))
-        missing = [self._checkpoint_name(layer, p, s) for p in pnames for s in layer_shards(layer) if (p, s) not in layer.lowbit_loaded]
+    def _pnames(self) -> list[str]:
+        """The checkpoint tensors of one layer in this method's form."""
+        return (["qweight", "scales"] + (["zeros"] if self.cb.per_group_tensor else [])
+                + (["supers"] if self.options.super_block is not None else []))  # fmt: skip
+
+    def _missing(self, layer: torch.nn.Module, missing: list[str]) -> None:
+        """Raises naming the first of the checkpoint tensors ``missing``, if any."""
         if missing:
             raise ValueError(
                 f"lowbit2 checkpoint is missing tensor {missing[0]}"
                 + (f" (and {len(missing) - 1} more of layer {layer.prefix})" if len(missing) > 1 else "")
-                + f"; codebook={self.options.codebook} needs {', '.join(pnames)} for every quantized linear"
+                + f"; codebook={self.options.codebook} needs {', '.join(self._pnames())} for every quantized linear"
             )
-        K = layer.lowbit_k_partition
-        G = effective_group_size(self.config, layer, K)
+
+    def _check_loaded(self, layer: torch.nn.Module) -> LowBitWeight:
+        """The layer's canonical weight, after checking every tensor arrived and holds valid codes."""
+        self._missing(layer, [self._checkpoint_name(layer, p, s) for p in self._pnames() for s in layer_shards(layer)
+                              if (p, s) not in layer.lowbit_loaded])  # fmt: skip
         zeros = layer.zeros.data if self.cb.per_group_tensor else None
         supers = None if layer.supers is None else layer.supers.data
-        w = LowBitWeight(layer.qweight.data, layer.scales.data, zeros, self.options.codebook, G, K, name=layer.prefix,
-                         supers=supers)  # fmt: skip
+        return self._canonical(layer, None, layer.qweight.data, layer.scales.data, zeros, supers)
+
+    def _canonical(self, layer: torch.nn.Module, shard, qweight: torch.Tensor, scales: torch.Tensor,
+                   zeros: Optional[torch.Tensor], supers: Optional[torch.Tensor]) -> LowBitWeight:  # fmt: skip
+        """The canonical weight of ``layer`` (``shard``: of that part only) over these loaded tensors, after
+        checking that its scales are finite and its codes valid (errors name the checkpoint tensor)."""
+        K = layer.lowbit_k_partition
+        G = effective_group_size(self.config, layer, K)
+        name = layer.prefix if shard is None else f"{layer.prefix} shard {shard!r}"
+        w = LowBitWeight(qweight, scales, zeros, self.options.codebook, G, K, name=name, supers=supers)
         for pname, t in (("scales", w.scales), ("zeros", w.zeros), ("supers", w.supers)):  # int8 (two-level): finite
             if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
-                name = self._checkpoint_name(layer, pname, None)
-                raise ValueError(f"lowbit2 checkpoint tensor {name} holds NaN or Inf")
+                raise ValueError(f"lowbit2 checkpoint tensor {self._checkpoint_name(layer, pname, shard)} holds NaN or Inf")
         if self.cb.max_code < (1 << self.cb.bits) - 1 and (w.codes() > self.cb.max_code).any():
             raise ValueError(
-                f"lowbit2 checkpoint tensor {self._checkpoint_name(layer, 'qweight', None)} holds codes above "
+                f"lowbit2 checkpoint tensor {self._checkpoint_name(layer, 'qweight', shard)} holds codes above "
                 f"{self.cb.max_code}, invalid for codebook={self.options.codebook}"
             )
         return w
@@ -359,6 +389,81 @@ class LowBit2LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_lowbit(layer, x, bias)
+
+
+class LowBit2SegmentedLinearMethod(LinearMethodBase):
+    """A merged layer (q/k/v, gate/up) of a converted checkpoint whose parts ``layer_formats`` stores in
+    different forms (a GGUF Q4_K_M conversion's Q4_K q / k beside its Q6_K v, as the file has them): each part's
+    tensors are checked against its own form as they arrive (:class:`LowBit2LinearMethod`'s checks, one
+    method per part) and kept; after loading, runs of consecutive parts of one form
+    (:func:`~aipc_kernels.checkpoints.gguf.form_runs`) become segments, each with its own op call
+    (:func:`~vllm_lowbit.layers.install_segments`), as serving the GGUF file holds the layer."""
+
+    def __init__(self, config: LowBit2Config, parts: list[LowBit2Config]):
+        self.config = config
+        self.parts = [LowBit2LinearMethod(p) for p in parts]
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:  # fmt: skip
+        if getattr(layer, "tp_size", 1) != 1:
+            raise ValueError(f"lowbit2: layer {layer.prefix!r} merges parts stored in different forms "
+                             f"(quantization_config.layer_formats), served with tensor_parallel_size=1 for now")  # fmt: skip
+        shards = layer_shards(layer)
+        if len(shards) != len(self.parts):
+            raise ValueError(f"lowbit2: layer {layer.prefix!r} loads {len(shards)} shards {shards}, but "
+                             f"quantization_config.layer_formats gives {len(self.parts)} parts")  # fmt: skip
+        for part in self.parts:
+            check_partition(part.config, layer, input_size_per_partition)
+        layer.lowbit_k_partition = input_size_per_partition
+        layer.lowbit_parts = {s: {} for s in shards}  # shard -> checkpoint tensor name -> tensor, as they arrive
+        methods = dict(zip(shards, self.parts))
+
+        def loader(pname: str) -> Callable:
+            def lowbit2_part_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
+                if loaded_shard_id not in methods:
+                    raise ValueError(f"lowbit2: layer {layer.prefix!r} merges parts of different forms and takes "
+                                     f"its tensors per shard {shards}, not {loaded_shard_id!r}")  # fmt: skip
+                part = methods[loaded_shard_id]
+                name = part._checkpoint_name(layer, pname, loaded_shard_id)
+                if pname not in part._pnames():
+                    raise ValueError(f"lowbit2 checkpoint has tensor {name}, which codebook={part.options.codebook} "
+                                     f"(quantization_config.layer_formats) does not have")  # fmt: skip
+                shape, dtype = part._expected(layer, pname, loaded_shard_id)
+                if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
+                    raise ValueError(
+                        f"lowbit2 checkpoint tensor {name} is {tuple(loaded_weight.shape)} {loaded_weight.dtype}, "
+                        f"expected {shape} {dtype} (its quantization_config.layer_formats entry: "
+                        f"codebook={part.options.codebook}, group_size={part.options.group_size}, "
+                        f"scale_dtype={part.options.scale_dtype}, in_features={layer.input_size})"
+                    )  # fmt: skip
+                layer.lowbit_parts[loaded_shard_id][pname] = loaded_weight
+
+            return lowbit2_part_loader
+
+        for pname in ("qweight", "scales", "zeros", "supers"):  # any part's tensors: placeholders, filled per part
+            p = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+            p.weight_loader = loader(pname)
+            layer.register_parameter(pname, p)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        from aipc_kernels.checkpoints.gguf import cat_rows, form_runs
+
+        weights = []
+        for shard, part in zip(layer_shards(layer), self.parts):
+            got = layer.lowbit_parts[shard]
+            part._missing(layer, [part._checkpoint_name(layer, p, shard) for p in part._pnames() if p not in got])
+            weights.append(part._canonical(layer, shard, got["qweight"], got["scales"], got.get("zeros"),
+                                           got.get("supers")))  # fmt: skip
+        del layer.lowbit_parts
+        runs = form_runs(weights)
+        install_segments(layer, [cat_rows([weights[i] for i in run], f"{layer.prefix}[{j}]") for j, run in enumerate(runs)],
+                         [self.parts[run[0]].options.act_group for run in runs],
+                         [self.parts[run[0]].options.activations for run in runs])  # fmt: skip
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return apply_segments(layer, x, bias)
 
 
 class LowBit2EmbeddingMethod(LowBit2LinearMethod):

@@ -126,8 +126,8 @@ def test_bad_config_names_the_key(config_cls, cfg, message):
 
 def test_detect_grid_and_layer_formats(config_cls):
     """detect_grid defaults to true and round-trips when off; a converted checkpoint's layer_formats
-    gives a layer (and the merged layer of its q/k/v or gate/up shards) its own format, and refuses
-    shards of one merged layer with different formats, naming them."""
+    gives a layer (and the merged layer of its q/k/v or gate/up shards) its own format, or one format per
+    shard where they differ (served as segments), in merge order."""
     import torch
 
     assert config_cls().options.detect_grid is True
@@ -146,6 +146,13 @@ def test_detect_grid_and_layer_formats(config_cls):
     c = config_cls.from_config({"quant_method": "lowbit2", "prequantized": True,
                                 "layer_formats": {n: fmt for n in names[:2]}})  # fmt: skip
     c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    parts = c.part_configs("model.layers.0.self_attn.qkv_proj")
+    assert [(p.options.codebook, p.options.group_size) for p in parts] == [("ternary", -1)] * 2 + [("affine", 64)]
+    assert c.part_configs("model.layers.0.self_attn.o_proj") is None
+    method = c.linear_method("model.layers.0.self_attn.qkv_proj")
+    assert type(method).__name__ == "LowBit2SegmentedLinearMethod"
+    assert [m.options.codebook for m in method.parts] == ["ternary", "ternary", "affine"]
+    assert type(c.linear_method("model.layers.0.self_attn.o_proj")).__name__ == "LowBit2LinearMethod"
     with pytest.raises(ValueError, match=r"layer_formats gives the layers .*k_proj.*v_proj.*one merged layer "
                                          r"'model.layers.0.self_attn.qkv_proj'"):  # fmt: skip
         c.for_layer("model.layers.0.self_attn.qkv_proj")

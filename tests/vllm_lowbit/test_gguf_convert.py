@@ -99,11 +99,10 @@ def probe(m):
     qkv = block.self_attn.qkv_proj
     two_level = [lin.supers is not None for lin in (block.self_attn.o_proj, block.mlp.down_proj)]
     emb = m.model.embed_tokens
-    parts = list(getattr(qkv, "lowbit_segments", [])) or [qkv]  # a served GGUF's q/k/v of mixed types: segments
+    parts = list(getattr(qkv, "lowbit_segments", [])) or [qkv]  # q/k/v of mixed types: segments
     return [type(qkv.quant_method).__name__, type(emb.quant_method).__name__,
-            "+".join(p.lowbit_codebook for p in parts), max(p.lowbit_group_size for p in parts),
-            max(p.lowbit_act_group for p in parts), two_level,
-            [m.lm_head is emb] + packed(emb)[1:], packed(m.lm_head)]
+            [[p.lowbit_codebook, p.lowbit_group_size, p.lowbit_act_group, getattr(p, "start", 0)] for p in parts],
+            two_level, [m.lm_head is emb] + packed(emb)[1:], packed(m.lm_head)]
 
 if __name__ == "__main__":
     ours = run({out!r}, probe)
@@ -122,13 +121,15 @@ def test_verify_is_exact_on_k_quants(converted_gemma3):
     assert (qc["codebook"], qc["group_size"], qc["scale_dtype"]) == ("int5", 32, "float16")  # Q5_0: the most
     assert (qc["lm_head"], qc["layer_formats"]["model.embed_tokens"]) == ("stored", EMBEDDING_FORM)
     forms = {(f["codebook"], f["group_size"], f["scale_dtype"], f.get("super_block")) for f in qc["layer_formats"].values()}
-    # q / k (Q5_0) with v (Q8_0) merged as int8; Q4_K and Q6_K (6-bit codes) with their two levels of scales
+    # q / k Q5_0 (int5, the config's form) and v Q8_0 (int8) each in its own form, as served (segments); Q4_K
+    # and Q6_K (6-bit codes) with their two levels of scales
     assert forms == {("int8", 32, "float16", None), ("min4", 32, "int8", 256), ("int6", 16, "int8", 256)}, forms
 
 
 def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
     """LLM(OUT) on the lowbit2 checkpoint path gives LLM(X.gguf)'s greedy tokens and logprobs, with the first
-    layer's qkv on the same code book, group and activation group, its o and down projections in the same
+    layer's qkv in the same segments (one per run of q / k / v parts of one stored form), each on the same code
+    book, group and activation group, its o and down projections in the same
     number of scale levels (``supers``: the two-level form), and the token embedding packed in the file's
     form, the tied output projection being that layer (one tensor)."""
     from transformers import AutoTokenizer
@@ -141,11 +142,10 @@ def served_against_gguf(out: Path, gguf: Path, cache: Path) -> list:
     assert res.returncode == 0 and lines, res.stderr[-5000:]
     r = json.loads(lines[-1][len("RESULT="):])
     (ours, our_layer), (ref, ref_layer) = r["ours"], r["ref"]
-    assert our_layer[0] == "LowBit2LinearMethod" and ref_layer[0] == "GGUFLinearMethod", (our_layer, ref_layer)
+    ours_method = "LowBit2SegmentedLinearMethod" if len(ref_layer[2]) > 1 else "LowBit2LinearMethod"
+    assert our_layer[0] == ours_method and ref_layer[0] == "GGUFLinearMethod", (our_layer, ref_layer)
     head_ours, head_ref = our_layer.pop(), ref_layer.pop()  # the output projection: its method and form
     assert head_ours[1:] == head_ref[1:], (head_ours, head_ref)
-    if "+" in ref_layer[2]:  # the file's q/k/v of mixed types: served as segments, converted to their common form
-        ref_layer[2] = our_layer[2]
     assert ref_layer[2:] == our_layer[2:], (our_layer, ref_layer)
     diff = max(abs(a - b) for (_, la), (_, lb) in zip(ours, ref) for a, b in zip(la, lb))
     print(f"\n[gguf-convert] {gguf.name}: LLM(OUT) vs LLM(X.gguf): tokens "
@@ -162,13 +162,38 @@ PACKED_EMBEDDING = [True, "int8", 32, 32, ["qweight", "scales"]]
 
 def test_served_checkpoint_matches_serving_the_gguf(converted, smollm2, gguf_cache):
     layer = served_against_gguf(converted[0], smollm2, gguf_cache)
-    assert layer[1:-1] == ["LowBit2EmbeddingMethod", "min4", 32, 32, [False, False], PACKED_EMBEDDING], layer
+    assert layer[1:-1] == ["LowBit2EmbeddingMethod", [["min4", 32, 32, 0]], [False, False], PACKED_EMBEDDING], layer
 
 
 def test_served_k_quant_checkpoint_matches_serving_the_gguf(converted_gemma3, gemma3, gguf_cache):
-    # q/k Q5_0, v Q8_0; the first layer's o and down (K 1024 and 2048: K-quants) two-level, as the file is served
+    # q/k Q5_0 (1024 + 256 rows), v Q8_0: two segments, each in the file's form; the first layer's o and down
+    # (K 1024 and 2048: K-quants) two-level, as the file is served
     layer = served_against_gguf(converted_gemma3[0], gemma3, gguf_cache)
-    assert layer[1:-1] == ["LowBit2EmbeddingMethod", "int8", 32, 32, [True, True], PACKED_EMBEDDING], layer
+    qkv = [["int5", 32, 32, 0], ["int8", 32, 32, 1280]]
+    assert layer[1:-1] == ["LowBit2EmbeddingMethod", qkv, [True, True], PACKED_EMBEDDING], layer
+
+
+def test_segmented_part_of_wrong_shape_names_the_tensor(converted_gemma3, tmp_path):
+    """A merged layer whose parts are stored in different forms checks each part's tensors against its own
+    ``layer_formats`` entry as they load: the Q8_0 v's scales cut by one group are refused, naming the tensor and
+    the form it must have."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = shutil.copytree(converted_gemma3[0], tmp_path / "m")
+    name = "model.layers.0.self_attn.v_proj.scales"
+    path = next(f for f in sorted(out.glob("*.safetensors")) if name in load_file(str(f)))
+    tensors = load_file(str(path))
+    good = tuple(tensors[name].shape)
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    code = "from vllm import LLM\nLLM({!r}, dtype='bfloat16', max_model_len=128, enforce_eager=True)\n".format(str(out))
+    res = run_vllm_script(code, timeout=600)
+    cut = (good[0], good[1] - 1)
+    needle = (f"lowbit2 checkpoint tensor {name} is {cut} torch.float16, expected {good} torch.float16 (its "
+              f"quantization_config.layer_formats entry: codebook=int8, group_size=32")
+    assert res.returncode != 0 and needle in res.stderr, res.stderr[-3000:]
 
 
 #: untied output projections (tests/helpers/gguf_fixtures.py): Qwen3's Q8_0 embedding and Q4_0 head, both
