@@ -186,7 +186,7 @@ class LowBit2Config(LowBitConfig):
         if self.options.prequantized:
             parts = self.part_configs(prefix)
             if parts is not None:
-                return LowBit2SegmentedLinearMethod(self, parts)
+                return LowBit2SegmentedLinearMethod(parts)
             return LowBit2LinearMethod(self.for_layer(prefix))
         self.grid_report.expect(prefix)
         return LowBit2OnlineLinearMethod(self)
@@ -315,22 +315,26 @@ class LowBit2LinearMethod(LinearMethodBase):
         groups = 1 if self.options.group_size == -1 else K // self.options.group_size
         return (rows, groups), self.options.torch_scale_dtype
 
+    def _check_arrived(self, layer: torch.nn.Module, pname: str, shard, t: torch.Tensor) -> None:
+        """Raises unless the checkpoint tensor ``pname`` of ``shard`` has this form's shape and dtype."""
+        name = self._checkpoint_name(layer, pname, shard)
+        shape, dtype = self._expected(layer, pname, shard)
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"lowbit2 checkpoint tensor {name} has shape {tuple(t.shape)}, expected {shape} "
+                f"(codebook={self.options.codebook}, group_size={self.options.group_size}, in_features={layer.input_size})"
+            )
+        if t.dtype != dtype:
+            raise ValueError(
+                f"lowbit2 checkpoint tensor {name} has dtype {t.dtype}, expected {dtype} "
+                f"(quantization_config.scale_dtype={self.options.scale_dtype})"
+            )
+
     def _checked_loader(self, layer: torch.nn.Module, pname: str, loader: Callable) -> Callable:
         """vLLM's loader for ``pname``, after checking the checkpoint tensor's shape and dtype."""
 
         def lowbit2_weight_loader(param, loaded_weight: torch.Tensor, loaded_shard_id=None):
-            name = self._checkpoint_name(layer, pname, loaded_shard_id)
-            shape, dtype = self._expected(layer, pname, loaded_shard_id)
-            if tuple(loaded_weight.shape) != shape:
-                raise ValueError(
-                    f"lowbit2 checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, expected {shape} "
-                    f"(codebook={self.options.codebook}, group_size={self.options.group_size}, in_features={layer.input_size})"
-                )
-            if loaded_weight.dtype != dtype:
-                raise ValueError(
-                    f"lowbit2 checkpoint tensor {name} has dtype {loaded_weight.dtype}, expected {dtype} "
-                    f"(quantization_config.scale_dtype={self.options.scale_dtype})"
-                )
+            self._check_arrived(layer, pname, loaded_shard_id, loaded_weight)
             if loaded_shard_id is None:
                 layer.lowbit_loaded.update((pname, s) for s in layer_shards(layer))
                 return loader(param, loaded_weight)
@@ -399,8 +403,7 @@ class LowBit2SegmentedLinearMethod(LinearMethodBase):
     (:func:`~aipc_kernels.checkpoints.gguf.form_runs`) become segments, each with its own op call
     (:func:`~vllm_lowbit.layers.install_segments`), as serving the GGUF file holds the layer."""
 
-    def __init__(self, config: LowBit2Config, parts: list[LowBit2Config]):
-        self.config = config
+    def __init__(self, parts: list[LowBit2Config]):
         self.parts = [LowBit2LinearMethod(p) for p in parts]
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -424,18 +427,11 @@ class LowBit2SegmentedLinearMethod(LinearMethodBase):
                     raise ValueError(f"lowbit2: layer {layer.prefix!r} merges parts of different forms and takes "
                                      f"its tensors per shard {shards}, not {loaded_shard_id!r}")  # fmt: skip
                 part = methods[loaded_shard_id]
-                name = part._checkpoint_name(layer, pname, loaded_shard_id)
                 if pname not in part._pnames():
-                    raise ValueError(f"lowbit2 checkpoint has tensor {name}, which codebook={part.options.codebook} "
-                                     f"(quantization_config.layer_formats) does not have")  # fmt: skip
-                shape, dtype = part._expected(layer, pname, loaded_shard_id)
-                if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
-                    raise ValueError(
-                        f"lowbit2 checkpoint tensor {name} is {tuple(loaded_weight.shape)} {loaded_weight.dtype}, "
-                        f"expected {shape} {dtype} (its quantization_config.layer_formats entry: "
-                        f"codebook={part.options.codebook}, group_size={part.options.group_size}, "
-                        f"scale_dtype={part.options.scale_dtype}, in_features={layer.input_size})"
-                    )  # fmt: skip
+                    raise ValueError(f"lowbit2 checkpoint has tensor {part._checkpoint_name(layer, pname, loaded_shard_id)}, "
+                                     f"which codebook={part.options.codebook} (quantization_config.layer_formats) "
+                                     f"does not have")  # fmt: skip
+                part._check_arrived(layer, pname, loaded_shard_id, loaded_weight)  # against the part's own form
                 layer.lowbit_parts[loaded_shard_id][pname] = loaded_weight
 
             return lowbit2_part_loader
