@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
+from harness.step_profile import KERNEL_PROFILE, ownership_line, step_profile, timed_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "TQ2_0")
@@ -71,57 +72,6 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ---------------------------------------------------------------------- vLLM, in process (own process)
 
 
-def timed_generate(llm: Any, prompts: list[list[int]], n: int) -> float:
-    """Seconds ``llm`` takes to generate ``n`` greedy tokens (EOS ignored) after each of ``prompts``, all at once."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                       SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)  # fmt: skip
-    assert all(len(o.outputs[0].token_ids) == n for o in out)
-    return time.perf_counter() - t
-
-
-def step_profile(llm: Any, streams: int, tokens: int) -> dict:
-    """Where a decode step of ``streams`` sequences goes, in this process (no HTTP): the step's time,
-    (T(``tokens``) - T(1)) / (``tokens`` - 1) for ``streams`` distinct 32-token prompts at once, and the torch
-    profiler's self CPU time per step of each op over the same difference, the planned low-bit op apart for each
-    weight (``aipc::lowbit_linear_cpu N x K``, N the packed rows)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from aipc_kernels.lowbit.packing import BLOCK_N
-
-    prompts = [prompt_ids(SHORT_PROMPT, 10 + i) for i in range(streams)]
-
-    def run(n: int) -> float:
-        return timed_generate(llm, prompts, n)
-
-    def self_us(n: int) -> dict[str, list[float]]:
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
-            run(n)
-        out: dict[str, list[float]] = {}
-        for e in p.key_averages(group_by_input_shape=True):
-            key = e.key
-            if key.startswith("aipc::lowbit_linear") and len(e.input_shapes) > 1 and e.input_shapes[1]:
-                key = f"{key} {e.input_shapes[1][0] * BLOCK_N} x {e.input_shapes[0][-1]}"
-            t = out.setdefault(key, [0.0, 0])
-            t[0] += e.self_cpu_time_total
-            t[1] += e.count
-        return out
-
-    run(4)
-    step_s = statistics.median((run(tokens) - run(1)) / (tokens - 1) for _ in range(3))
-    one, full = self_us(1), self_us(tokens)  # the prompt's step and the first token, then the decode steps too
-    steps, ops = tokens - 1, {}
-    for k, (us, calls) in full.items():
-        us_one, calls_one = one.get(k, (0.0, 0))
-        if us > us_one:
-            ops[k] = dict(self_ms=(us - us_one) / steps / 1e3, calls=(calls - calls_one) / steps)
-    return dict(streams=streams, tokens=tokens, step_ms=step_s * 1e3, ops=ops,
-                self_ms=sum(v["self_ms"] for v in ops.values()))  # fmt: skip
-
-
 def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profile_streams: int = 0,
                 stream_tokens: int = 64) -> dict:
     """Decode and first-token times of ``LLM(gguf)`` and the bytes its model holds."""
@@ -131,7 +81,8 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
     from vllm_e2e import _weight_bytes  # bench/ on sys.path
 
     t0 = time.time()
-    llm = LLM(str(gguf), dtype="bfloat16", max_model_len=MAX_LEN, enable_prefix_caching=False, seed=0)
+    llm = LLM(str(gguf), dtype="bfloat16", max_model_len=MAX_LEN, enable_prefix_caching=False, seed=0,
+              **(dict(compilation_config=KERNEL_PROFILE) if profile_streams else {}))  # fmt: skip
     load_s = time.time() - t0
     wbytes = llm.apply_model(_weight_bytes)[0]
 
@@ -151,7 +102,8 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
                decode_tok_s_all=rates, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
                ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
     if profile_streams:
-        res["step_profile"] = [step_profile(llm, s, stream_tokens) for s in (profile_streams, 1)]
+        res["step_profile"] = [step_profile(llm, [prompt_ids(SHORT_PROMPT, 10 + i) for i in range(s)], stream_tokens)
+                               for s in (profile_streams, 1)]  # fmt: skip
     return res
 
 
@@ -351,9 +303,7 @@ def step_profile_section(r: dict) -> list[str]:
         ms, o = v["self_ms"], one["ops"].get(op, {}).get("self_ms")
         lines.append(f"| `{op}` | {ms:.2f} | {ms / many['step_ms']:.0%} | {'' if o is None else f'{o:.2f}'} | "
                      f"{'' if not o else f'{ms / o:.2f}'} | {v['calls']:.0f} |")  # fmt: skip
-    lowbit = sum(v["self_ms"] for k, v in many["ops"].items() if k.startswith("aipc::lowbit_linear"))
-    lines.append(f"\nThe low-bit op in all: {lowbit:.1f} ms of the {s}-sequence step ({lowbit / many['step_ms']:.0%}).")
-    return lines
+    return lines + ["", ownership_line(many, f"the {s}-sequence step")]
 
 
 def main() -> None:

