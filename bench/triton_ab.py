@@ -12,6 +12,7 @@ the working tree's, so the two versions differ in that module's code only, and e
 kernel's, else the kernel's heuristic). Without ``--kernel``, ``--base`` is a module file that exports
 ``lowbit_linear_triton`` (the single-file ``triton/lowbit_linear.py`` of revisions before the package split,
 whose relative imports resolve to the working tree's modules) and both versions run the whole op.
+``--config-extra``: fields merged into every cell's config (e.g. a field only the working tree's version reads).
 ``--form``: the weights (int2 g64, or the progressive form's ``w2a8_prog`` / ``w4a8_prog``, as bench/gemv_gpu.py
 makes them). Each version's calls over weight copies >= 4x the L2 are captured once (as ``bench/gemv_gpu.py``
 times its rows); rounds alternate the order (base first, then new first, ...), each round's time is the median
@@ -97,9 +98,12 @@ def main() -> None:
     ap.add_argument("--kernel", default=None, help="A/B one kernel module (a registry.KERNELS name) through its launch()")
     ap.add_argument("--config", default=None, help="with --kernel: a JSON config for every cell (default: the "
                     "working tree's selected config where it is that kernel's, else the kernel's heuristic)")  # fmt: skip
+    ap.add_argument("--config-extra", default=None, help="with --kernel: JSON fields merged into each cell's config "
+                    "(both versions get them; a field the base does not know, it ignores)")  # fmt: skip
     args = ap.parse_args()
-    if args.config and not args.kernel:
-        ap.error("--config takes --kernel")
+    if (args.config or args.config_extra) and not args.kernel:
+        ap.error("--config and --config-extra take --kernel")
+    extra = json.loads(args.config_extra) if args.config_extra else {}
     forced = json.loads(args.config) if args.config else None
     if args.kernel:
         from aipc_kernels.gpu.triton.lowbit import registry
@@ -124,7 +128,7 @@ def main() -> None:
                 if args.kernel:
                     if forced is None and (cfg is None or cfg["KERNEL"] != args.kernel):
                         cfg = new_kernel.heuristic(M, N, K, p.bits, x.device)
-                    cfg = forced or cfg
+                    cfg = dict(forced or cfg, **extra)
                     ys = {v: torch.empty(M, N, device="cuda", dtype=x.dtype) for v in ("base", "new")}
                     fns = {"base": lambda x, w, c=cfg: base.launch(x, w, None, ys["base"], c) or ys["base"],
                            "new": lambda x, w, c=cfg: new_kernel.launch(x, w, None, ys["new"], c) or ys["new"]}  # fmt: skip
