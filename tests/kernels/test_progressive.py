@@ -158,7 +158,6 @@ CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tile
     (17, 48, 512, "min4", -1, GEMM), (40, 65, 576, "min2", 64, GEMM), (33, 32, 1024, "min2", 32, dict(GEMM, SPLIT_K=2)),
     (64, 50, 320, "min4", 64, None), (40, 65, 576, "min2", 64, GEMM_B), (17, 48, 512, "min4", -1, GEMM_B),
     (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
-    (40, 65, 576, "min2", 64, dict(EXPAND, CHUNKS=3)),  # on a GPU: three row chunks (the last of one row) on a side stream
     (33, 40, 512, "min2", 32, dict(GEMM_CAT, WA=1, SPLIT_K=2)),
     (40, 65, 576, "min2", -1, GEMM_CAT),  # a group (the whole row) that neither divides the chunk nor is a multiple
     (40, 65, 576, "min2", 64, dict(GEMM_CAT, **PRE)), (33, 32, 1024, "min2", 32, dict(GEMM_CAT, SPLIT_K=2, **PRE)),

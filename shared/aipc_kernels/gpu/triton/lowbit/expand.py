@@ -10,9 +10,7 @@ reads the 2- or 4-bit codes once and writes 1 byte a weight (8B gate/up: 59 MB);
 time hides it, a long prompt. Same values as the fused ``progressive`` kernel: each output is the same
 exact int32 sum, one float conversion and two products.
 
-Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8), ``CHUNKS``
-(default 1; on a GPU, more: the expansion runs on a side stream in that many row chunks, each chunk's GEMM waiting
-for its rows only, so the expansion overlaps the activation pass and the GEMMs of the chunks before).
+Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8).
 """
 from __future__ import annotations
 
@@ -40,18 +38,18 @@ MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case o
 
 
 @triton.jit
-def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, ROW0, ROW_END, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
+def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
                    BLOCK_N: tl.constexpr, HW_ASM: tl.constexpr, ASM0: tl.constexpr, ASM1: tl.constexpr,
                    ASM2: tl.constexpr, ASM3: tl.constexpr):  # fmt: skip
-    """Program (n, c): rows ROW0 + [n * BLOCK_N, +BLOCK_N) (below ROW_END) of chunk c: ``w8[row, c * KC + 32 q + j]``
-    = the int8 level of bit-plane q of byte j (past K, in the padded chunk: the last group's ``m``, against zero
+    """Program (n, c): rows [n * BLOCK_N, +BLOCK_N) of chunk c: ``w8[row, c * KC + 32 q + j]`` = the int8
+    level of bit-plane q of byte j (past K, in the padded chunk: the last group's ``m``, against zero
     activations)."""
     P: tl.constexpr = 8 // BITS
     KC: tl.constexpr = 32 * P
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
-    offs_n = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < ROW_END
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     rn = tl.where(n_mask, offs_n, 0)
     j = tl.arange(0, 32)
     wb = tl.load(w_ptr + rn[:, None].to(tl.int64) * KB + c * 32 + j[None, :])
@@ -63,14 +61,12 @@ def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, ROW0, ROW_END, KB, Kp, NG, BI
 
 
 @triton.jit
-def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, N0, NC, Kp, HAS_BIAS: tl.constexpr,
+def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] tile of ``y[:, N0:N0 + NC] = (xq @ w8[N0:N0 + NC]^T) * sx * s0 (+ bias)`` (``y`` has
-    N columns), int32 over the whole K (``Kp`` a multiple of BLOCK_K; both operands K-contiguous)."""
+    """One [BLOCK_M, BLOCK_N] tile of ``y = (xq @ w8^T) * sx * s0 (+ bias)``, int32 over the whole K
+    (``Kp`` a multiple of BLOCK_K; both operands K-contiguous)."""
     pid = tl.program_id(0)
-    offs_m, offs_n, m_mask, n_mask, rm, rn = grouped_tile(pid, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_n += N0
-    rn += N0
+    offs_m, offs_n, m_mask, n_mask, rm, rn = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k = tl.arange(0, BLOCK_K)
     a_ptrs = xq_ptr + rm[:, None].to(tl.int64) * Kp + k[None, :]
     b_ptrs = w8_ptr + rn[:, None].to(tl.int64) * Kp + k[None, :]
@@ -98,32 +94,18 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return dict(SPACE[0])
 
 
-def expand_levels(weight: PackedLowBit, w8: Optional[torch.Tensor] = None, rows: Optional[tuple[int, int]] = None
-                  ) -> torch.Tensor:  # fmt: skip
-    """The weight's int8 levels ``[N, Kp]`` (K-contiguous; the padded k past K hold the last group's ``m``), into
-    ``w8`` where given, only the rows ``[rows[0], rows[1])`` where given."""
+def expand_levels(weight: PackedLowBit) -> torch.Tensor:
+    """The weight's int8 levels ``[N, Kp]`` (K-contiguous; the padded k past K hold the last group's ``m``)."""
     N, bits = weight.out_features, weight.bits
     Kp = weight.qweight.shape[1] * (8 // bits)
-    if w8 is None:
-        w8 = torch.empty(N, Kp, dtype=torch.int8, device=weight.qweight.device)
-    r0, r1 = rows or (0, N)
+    w8 = torch.empty(N, Kp, dtype=torch.int8, device=weight.qweight.device)
     hw = weight.qweight.device.type == "cuda" and not INTERPRETED
     asm = {f"ASM{q}": levels_asm(bits, q) if hw and q < 8 // bits else "" for q in range(4)}
-    _expand_kernel[(triton.cdiv(r1 - r0, EXPAND_ROWS), Kp // triton_chunk(bits))](
-        weight.qweight, weight.scales, weight.zeros, w8, N, r0, r1, weight.qweight.shape[1], Kp, weight.scales.shape[0],
+    _expand_kernel[(triton.cdiv(N, EXPAND_ROWS), Kp // triton_chunk(bits))](
+        weight.qweight, weight.scales, weight.zeros, w8, N, weight.qweight.shape[1], Kp, weight.scales.shape[0],
         BITS=bits, G=weight.group_size, BLOCK_N=EXPAND_ROWS, HW_ASM=hw, num_warps=4, **asm,
     )  # fmt: skip
     return w8
-
-
-_SIDE: dict[int, torch.cuda.Stream] = {}  # per device: the stream the chunked expansion runs on
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SIDE:
-        _SIDE[i] = torch.cuda.Stream(device=i)
-    return _SIDE[i]
 
 
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
@@ -136,34 +118,11 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     bk = cfg["BLOCK_K"]
     if Kp % bk:
         raise ValueError(f"{NAME}: BLOCK_K={bk} does not divide the padded K={Kp}; use 64")
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-
-    def gemm(n0: int, nc: int) -> None:
-        _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(nc, bn),)](
-            xq, sx, w8, weight.supers, weight.supers if bias is None else bias, y, M, N, n0, nc, Kp,
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-
-    chunks = cfg.get("CHUNKS", 1)
-    if chunks == 1 or not x2.is_cuda or INTERPRETED:
-        xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
-        w8 = expand_levels(weight)
-        gemm(0, N)
-        return
-    # the expansion on a side stream in row chunks, overlapping the activation pass and the GEMM of earlier chunks
-    main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
-    w8 = torch.empty(N, Kp, dtype=torch.int8, device=x2.device)
-    rows = triton.cdiv(triton.cdiv(N, chunks), bn) * bn
-    bounds = [(r, min(N, r + rows)) for r in range(0, N, rows)]
-    side.wait_stream(main)
-    done = []
-    with torch.cuda.stream(side):
-        for r0, r1 in bounds:
-            expand_levels(weight, w8, (r0, r1))
-            done.append(torch.cuda.Event())
-            done[-1].record(side)
     xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
-    for (r0, r1), ev in zip(bounds, done):
-        main.wait_event(ev)
-        gemm(r0, r1 - r0)
+    w8 = expand_levels(weight)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        xq, sx, w8, weight.supers, weight.supers if bias is None else bias, y, M, N, Kp, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
