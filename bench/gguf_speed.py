@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
