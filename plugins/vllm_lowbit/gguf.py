@@ -273,11 +273,10 @@ def _layer_weight(layer: torch.nn.Module, config: GGUFCPUConfig, params_dtype: t
     del layer.gguf_parts
     if all(isinstance(w, torch.Tensor) for w in weights):
         return torch.cat([w.to(params_dtype) for w in weights]) if len(weights) > 1 else weights[0].to(params_dtype)
-    from aipc_kernels.checkpoints.gguf import cat_rows, form_runs
+    from aipc_kernels.checkpoints.gguf import stack_runs
 
-    runs = form_runs(weights)  # e.g. Q4_K_M's Q4_K q / k, then its Q6_K v: two segments, each in its own form
-    return [cat_rows([weights[i] for i in run], layer.prefix if len(runs) == 1 else f"{layer.prefix}[{j}]")
-            for j, run in enumerate(runs)]  # fmt: skip
+    # e.g. Q4_K_M's Q4_K q / k, then its Q6_K v: two segments, each in its own form
+    return [w for _, w in stack_runs(weights, layer.prefix)]
 
 
 def _pad_rows(w: LowBitWeight, n: int) -> LowBitWeight:

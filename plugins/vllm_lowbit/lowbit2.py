@@ -444,7 +444,7 @@ class LowBit2SegmentedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
-        from aipc_kernels.checkpoints.gguf import cat_rows, form_runs
+        from aipc_kernels.checkpoints.gguf import stack_runs
 
         weights = []
         for shard, part in zip(layer_shards(layer), self.parts):
@@ -453,10 +453,9 @@ class LowBit2SegmentedLinearMethod(LinearMethodBase):
             weights.append(part._canonical(layer, shard, got["qweight"], got["scales"], got.get("zeros"),
                                            got.get("supers")))  # fmt: skip
         del layer.lowbit_parts
-        runs = form_runs(weights)
-        install_segments(layer, [cat_rows([weights[i] for i in run], f"{layer.prefix}[{j}]") for j, run in enumerate(runs)],
-                         [self.parts[run[0]].options.act_group for run in runs],
-                         [self.parts[run[0]].options.activations for run in runs])  # fmt: skip
+        segments = stack_runs(weights, layer.prefix)
+        install_segments(layer, [w for _, w in segments], [self.parts[run[0]].options.act_group for run, _ in segments],
+                         [self.parts[run[0]].options.activations for run, _ in segments])  # fmt: skip
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_segments(layer, x, bias)

@@ -652,7 +652,11 @@ def test_form_runs_split_a_merged_layer_by_stored_form(types, runs):
     rng = np.random.default_rng(6)
     parts = [gf.relayout(_random_blocks(t, (7, 256), rng), t, (7, 256), f"w{i}") for i, t in enumerate(types)]
     assert gf.form_runs(parts) == runs
-    stacked = [gf.cat_rows([parts[i] for i in run], "layer") for run in runs]
+    segments = gf.stack_runs(parts, "layer")
+    assert [run for run, _ in segments] == runs
+    for j, (run, w) in enumerate(segments):  # a stacked run is named after the layer; a part alone keeps its name
+        assert w.name == (f"w{run[0]}" if len(run) == 1 else "layer" if len(runs) == 1 else f"layer[{j}]")
+    stacked = [w for _, w in segments]
     for run, w in zip(runs, stacked):
         assert (w.codebook, w.group_size) == (parts[run[0]].codebook, parts[run[0]].group_size)
         assert w.bits == parts[run[0]].bits

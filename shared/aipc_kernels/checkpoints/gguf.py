@@ -450,6 +450,15 @@ def form_runs(ws: list[LowBitWeight]) -> list[list[int]]:
     return runs
 
 
+def stack_runs(ws: list[LowBitWeight], name: str = "weight") -> list[tuple[list[int], LowBitWeight]]:
+    """``ws`` (one merged layer's parts, in row order) stacked per :func:`form_runs` run with :func:`cat_rows`:
+    each run's part indices and its weight, named ``name`` where all parts make one run, else ``name[j]`` (a run
+    of one part is that part, with its own name)."""
+    runs = form_runs(ws)
+    return [(run, cat_rows([ws[i] for i in run], name if len(runs) == 1 else f"{name}[{j}]"))
+            for j, run in enumerate(runs)]  # fmt: skip
+
+
 def cat_rows(ws: list[LowBitWeight], name: str = "weight") -> LowBitWeight:
     """Weights of one merged layer (vLLM's q / k / v or gate / up shards) stacked along N, in their common
     stored form (:func:`common_form`: scales of different dtypes, e.g. a Q4_1 part's fp16 and a Q4_K part's
@@ -599,5 +608,5 @@ class GGUFCheckpoint:
 
 __all__ = [
     "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "cat_rows", "common_form",
-    "form_runs", "llama_unpermute", "permute_rows", "relayout", "unsupported_type_error",
+    "form_runs", "llama_unpermute", "permute_rows", "relayout", "stack_runs", "unsupported_type_error",
 ]  # fmt: skip
