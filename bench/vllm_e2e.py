@@ -56,7 +56,7 @@ from typing import Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
-from harness.step_profile import KERNEL_PROFILE, ownership_line, step_profile
+from harness.step_profile import KERNEL_PROFILE, ownership_line, step_profile, timed_generate
 from aipc_kernels.lowbit.output_projection import auto_head_format
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -289,8 +289,7 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, step_prof: b
     each repetition, the step's planned-op calls alone (:func:`planned_calls_ms`); ``step_prof``: then a profiled
     decode step (:func:`harness.step_profile.step_profile`)."""
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     spec = VARIANTS[name]
     kw = dict(spec["llm"])
@@ -306,15 +305,11 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, step_prof: b
     wbytes = llm.apply_model(_weight_bytes)[0]
     methods = llm.apply_model(lambda m: sorted({type(getattr(x, "quant_method", None)).__name__ for x in m.modules()
                                                 if getattr(x, "quant_method", None) is not None}))[0]  # fmt: skip
-    prompt = [TokensPrompt(prompt_token_ids=[1] + [(37 * i) % 1000 + 6 for i in range(PROMPT - 1)])]
+    short = [1] + [(37 * i) % 1000 + 6 for i in range(PROMPT - 1)]
+    long_ = [1] + [(41 * i) % 1000 + 6 for i in range(long_prompt - 1)]
 
-    long_ = [TokensPrompt(prompt_token_ids=[1] + [(41 * i) % 1000 + 6 for i in range(long_prompt - 1)])]
-
-    def timed(n: int, prompt: list = prompt) -> float:
-        t = time.perf_counter()
-        out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == n
-        return time.perf_counter() - t
+    def timed(n: int, prompt: list[int] = short) -> float:
+        return timed_generate(llm, [prompt], n)
 
     timed(4)  # warm-up (compiles the decode and prefill graphs)
     threads = torch.get_num_threads()  # what the model computes on (the in-process engine's torch/OpenMP threads)
@@ -343,7 +338,7 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, step_prof: b
         res["paired"] = dict(peer=peer["name"], peer_tok_s_all=peer_rates, ratio_all=ratios,
                              ratio_median=statistics.median(ratios))  # fmt: skip
     if step_prof:
-        res["step_profile"] = step_profile(llm, [prompt[0]["prompt_token_ids"]], 1 + new_tokens)
+        res["step_profile"] = step_profile(llm, [short], 1 + new_tokens)
     return res
 
 
