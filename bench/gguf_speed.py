@@ -45,7 +45,7 @@ from typing import Callable, Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
-from harness.step_profile import KERNEL_PROFILE, ownership_line, step_profile, timed_generate
+from harness.step_profile import ownership_line, step_profile, timed_generate, with_kernel_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "TQ2_0")
@@ -82,7 +82,7 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
 
     t0 = time.time()
     llm = LLM(str(gguf), dtype="bfloat16", max_model_len=MAX_LEN, enable_prefix_caching=False, seed=0,
-              **(dict(compilation_config=KERNEL_PROFILE) if profile_streams else {}))  # fmt: skip
+              **(dict(compilation_config=with_kernel_profile()) if profile_streams else {}))  # fmt: skip
     load_s = time.time() - t0
     wbytes = llm.apply_model(_weight_bytes)[0]
 

@@ -56,7 +56,7 @@ from typing import Optional
 
 from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
-from harness.step_profile import KERNEL_PROFILE, ownership_line, step_profile, timed_generate
+from harness.step_profile import ownership_line, step_profile, timed_generate, with_kernel_profile
 from aipc_kernels.lowbit.output_projection import auto_head_format
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,7 +297,7 @@ def run_variant(name: str, model: Path, new_tokens: int, reps: int, step_prof: b
         qcfg = json.loads((model / "config.json").read_text())["quantization_config"]
         kw["hf_overrides"] = {"quantization_config": dict(qcfg, **spec["qcfg"])}
     if step_prof:
-        kw["compilation_config"] = dict(KERNEL_PROFILE, **kw.get("compilation_config", {}))
+        kw["compilation_config"] = with_kernel_profile(kw.get("compilation_config"))
     t0 = time.time()
     llm = LLM(str(model), dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False, seed=0,
               enforce_eager=eager, **kw)  # fmt: skip

@@ -15,6 +15,15 @@ from typing import Any
 #: (``cpp.enable_kernel_profile``: one profiler range per kernel call; vLLM's CPU platform adds its own
 #: inductor options beside it)
 KERNEL_PROFILE = {"inductor_compile_config": {"cpp.enable_kernel_profile": True}}
+
+
+def with_kernel_profile(compilation_config: dict | None = None) -> dict:
+    """``compilation_config`` (a vLLM engine argument) with :data:`KERNEL_PROFILE`'s inductor option added to its
+    own ``inductor_compile_config``, whose other options are kept (a shallow merge would drop them)."""
+    config = dict(compilation_config or {})
+    config["inductor_compile_config"] = {**config.get("inductor_compile_config", {}),
+                                         **KERNEL_PROFILE["inductor_compile_config"]}
+    return config
 #: what the names of the compiled graph's C++ kernels contain (``graph_0_cpp_fused_add_mean_mul_...``)
 COMPILED_KERNEL = "cpp_fused"
 #: the compiled graph's own Python (buffer handling and the calls into its kernels and the custom ops)

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness.step_profile import op_groups, ownership_line  # noqa: E402
+from harness.step_profile import KERNEL_PROFILE, op_groups, ownership_line, with_kernel_profile  # noqa: E402
 
 # per-step self times and calls of a one-sequence decode step of the 1B lowbit4 model (names as recorded)
 OPS = {
@@ -39,3 +39,11 @@ def test_ownership_line_names_the_kernels_or_their_absence():
     assert "the low-bit op 16.7 ms (67%)" in line and "0.18 ms in its 23 C++ kernel calls" in line
     bare = {k: v for k, v in OPS.items() if "cpp_fused" not in k}
     assert "not recorded apart" in ownership_line(dict(ops=bare, step_ms=25.0), "the step")
+
+
+def test_kernel_profile_keeps_a_variants_own_inductor_options():
+    own = {"level": 3, "inductor_compile_config": {"cpp.threads": 1}}
+    merged = with_kernel_profile(own)
+    assert merged == {"level": 3, "inductor_compile_config": {"cpp.threads": 1, "cpp.enable_kernel_profile": True}}
+    assert own == {"level": 3, "inductor_compile_config": {"cpp.threads": 1}}  # the variant's own dict untouched
+    assert with_kernel_profile() == KERNEL_PROFILE and with_kernel_profile(None) is not KERNEL_PROFILE
