@@ -1,6 +1,6 @@
 """Where a vLLM decode step goes, in the bench's own process (no HTTP): the step's time and the torch profiler's
 self CPU time per step of each op, the planned low-bit op apart for each weight and, for an engine built with
-:data:`KERNEL_PROFILE` in its compilation config, each C++ kernel of vLLM's compiled graph (norms, RoPE, SiLU and
+:func:`with_kernel_profile`'s compilation config, each C++ kernel of vLLM's compiled graph (norms, RoPE, SiLU and
 the like, fused by inductor) apart from the graph's own Python wrapper (``## Call CompiledFxGraph ##``).
 
 Used by bench/gguf_speed.py (``--step-profile``: S sequences against one) and bench/vllm_e2e.py
@@ -16,6 +16,12 @@ from typing import Any
 #: inductor options beside it)
 KERNEL_PROFILE = {"inductor_compile_config": {"cpp.enable_kernel_profile": True}}
 
+#: what the names of the compiled graph's C++ kernels contain (``graph_0_cpp_fused_add_mean_mul_...``)
+COMPILED_KERNEL = "cpp_fused"
+#: the compiled graph's own Python (buffer handling and the calls into its kernels and the custom ops)
+COMPILED_GRAPH = "## Call CompiledFxGraph"
+LOWBIT_OP = "aipc::lowbit_linear"
+
 
 def with_kernel_profile(compilation_config: dict | None = None) -> dict:
     """``compilation_config`` (a vLLM engine argument) with :data:`KERNEL_PROFILE`'s inductor option added to its
@@ -24,11 +30,6 @@ def with_kernel_profile(compilation_config: dict | None = None) -> dict:
     config["inductor_compile_config"] = {**config.get("inductor_compile_config", {}),
                                          **KERNEL_PROFILE["inductor_compile_config"]}
     return config
-#: what the names of the compiled graph's C++ kernels contain (``graph_0_cpp_fused_add_mean_mul_...``)
-COMPILED_KERNEL = "cpp_fused"
-#: the compiled graph's own Python (buffer handling and the calls into its kernels and the custom ops)
-COMPILED_GRAPH = "## Call CompiledFxGraph"
-LOWBIT_OP = "aipc::lowbit_linear"
 
 
 def timed_generate(llm: Any, prompts: list[list[int]], n: int) -> float:
