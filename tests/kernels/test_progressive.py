@@ -157,7 +157,8 @@ CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tile
     (1, 40, 576, "min2", 64, GEMV), (5, 72, 256, "min4", 32, GEMV), (16, 33, 384, "min2", 128, None),
     (17, 48, 512, "min4", -1, GEMM), (40, 65, 576, "min2", 64, GEMM), (33, 32, 1024, "min2", 32, dict(GEMM, SPLIT_K=2)),
     (64, 50, 320, "min4", 64, None), (40, 65, 576, "min2", 64, GEMM_B), (17, 48, 512, "min4", -1, GEMM_B),
-    (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
+    (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 512, "min2", 64, EXPAND),
+    (20, 33, 256, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
     (33, 40, 512, "min2", 32, dict(GEMM_CAT, WA=1, SPLIT_K=2)),
     (40, 65, 576, "min2", -1, GEMM_CAT),  # a group (the whole row) that neither divides the chunk nor is a multiple
     (40, 65, 576, "min2", 64, dict(GEMM_CAT, **PRE)), (33, 32, 1024, "min2", 32, dict(GEMM_CAT, SPLIT_K=2, **PRE)),
@@ -205,12 +206,16 @@ def test_expanded_levels_are_the_weight_over_s0():
     from aipc_kernels.gpu.triton.lowbit.expand import expand_levels  # imported (interpreted or not) with the registry
     from aipc_kernels.gpu.triton.lowbit.interpret import interpreter_scope
 
-    for codebook, K in (("min2", 576), ("min4", 320)):
-        _, q = _weight(19, K, codebook, 64, seed=K)
+    codes = torch.randint(0, 2, (35, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)) * 3
+    extreme = progressive.from_parts(codes, torch.full((35, 8), 85), torch.full((35, 8), -128), torch.ones(35), "min2", 64)
+    weights = [_weight(19, K, codebook, 64, seed=K)[1] for codebook, K in (("min2", 576), ("min4", 320), ("min2", 512),
+                                                                           ("min4", 256))]  # fmt: skip
+    for q in weights + [extreme]:  # odd and even chunk counts (programs of one or two chunks); levels -128 and 127
         with interpreter_scope():
             w8 = expand_levels(packing.pack_for_triton(q).to(DEVICE)).cpu()
         want = (q.dequantize(torch.float64) / progressive.row_scales(q).double()[:, None]).to(torch.int8)
-        assert torch.equal(w8[:, :K], want)
+        assert torch.equal(w8[:, : q.in_features], want)
+    assert set(w8.unique().tolist()) == {-128, 127}
 
 
 def test_rows_do_not_depend_on_the_batch():

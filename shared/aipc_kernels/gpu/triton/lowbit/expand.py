@@ -23,8 +23,7 @@ import triton.language as tl
 from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
 from aipc_kernels.gpu.triton.lowbit.common import grouped_tile, path
-from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED
-from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales, levels_asm, plane_levels
+from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales
 
 NAME = "expand"
 FORMS = ("progressive",)  # a kernel of the progressive two-level form (registry.takes), and only of it
@@ -34,30 +33,51 @@ _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
          for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
+EXPAND_CHUNKS = 2  # chunks of k per program of the expansion pass, where the chunks divide by it
 MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case of the H200 probes)
 
 
 @triton.jit
+def _plane_words(wv, s_ptr, m_ptr, rn, c, q: tl.constexpr, N, NG, BITS: tl.constexpr, G: tl.constexpr):
+    """Bit-plane ``q``'s levels + 128 of the code words ``wv`` ([BLOCK_N, 8] uint32), four bytes a word."""
+    s1, m = group_scales(s_ptr, m_ptr, rn, c, q, N, NG, BITS, G)
+    mask: tl.constexpr = 0x01010101 * ((1 << BITS) - 1)
+    bias = (m.to(tl.int32) + 128).to(tl.uint32) * 0x01010101
+    return ((wv >> (BITS * q)) & mask) * (s1.to(tl.uint32) & 0xFF)[:, None] + bias[:, None]
+
+
+@triton.jit
 def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HW_ASM: tl.constexpr, ASM0: tl.constexpr, ASM1: tl.constexpr,
-                   ASM2: tl.constexpr, ASM3: tl.constexpr):  # fmt: skip
-    """Program (n, c): rows [n * BLOCK_N, +BLOCK_N) of chunk c: ``w8[row, c * KC + 32 q + j]`` = the int8
-    level of bit-plane q of byte j (past K, in the padded chunk: the last group's ``m``, against zero
-    activations)."""
+                   BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """Program (n, c): rows [n * BLOCK_N, +BLOCK_N) of chunks [c * CHUNKS, +CHUNKS): ``w8[row, chunk * KC +
+    32 q + j]`` = the int8 level of bit-plane q of byte j (past K, in the padded chunk: the last group's
+    ``m``, against zero activations). Word-wise: bytes j..j+3 of a row are one 32-bit word of codes, and
+    plane q's four levels one word, ``((w >> BITS*q) & mask) * s1 + (m + 128) * 0x01010101`` with each byte's
+    sign bit flipped (the form bounds ``c * s1`` and the level + 128 to a byte: nothing carries across
+    bytes); a chunk's planes are joined so each row's ``KC`` bytes are one store."""
     P: tl.constexpr = 8 // BITS
-    KC: tl.constexpr = 32 * P
+    KW: tl.constexpr = 8 * P  # output words of one chunk and row
     pid_n = tl.program_id(0)
-    c = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rn = tl.where(n_mask, offs_n, 0)
-    j = tl.arange(0, 32)
-    wb = tl.load(w_ptr + rn[:, None].to(tl.int64) * KB + c * 32 + j[None, :])
-    out = w8_ptr + rn[:, None].to(tl.int64) * Kp + c * KC + j[None, :]
-    for q in tl.static_range(P):
-        s1, m = group_scales(s_ptr, m_ptr, rn, c, q, N, NG, BITS, G)
-        lv = plane_levels(wb, s1, m, q, BITS, BLOCK_N, HW_ASM, ASM0, ASM1, ASM2, ASM3)
-        tl.store(out + q * 32, lv, mask=n_mask[:, None])
+    jw = tl.arange(0, 8)
+    o = tl.arange(0, KW)
+    w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + rn[:, None].to(tl.int64) * (KB // 4)
+    out_rows = w8_ptr.to(tl.pointer_type(tl.uint32)) + rn[:, None].to(tl.int64) * (Kp // 4)
+    for cc in tl.static_range(CHUNKS):
+        c = tl.program_id(1) * CHUNKS + cc
+        wv = tl.load(w_rows + c * 8 + jw[None, :])
+        p0 = _plane_words(wv, s_ptr, m_ptr, rn, c, 0, N, NG, BITS, G)
+        p1 = _plane_words(wv, s_ptr, m_ptr, rn, c, 1, N, NG, BITS, G)
+        if P == 4:
+            p2 = _plane_words(wv, s_ptr, m_ptr, rn, c, 2, N, NG, BITS, G)
+            p3 = _plane_words(wv, s_ptr, m_ptr, rn, c, 3, N, NG, BITS, G)
+            lv = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [n, j, b, a]: plane 2a + b
+            lv = tl.reshape(tl.permute(lv, (0, 3, 2, 1)), (BLOCK_N, KW))
+        else:
+            lv = tl.reshape(tl.permute(tl.join(p0, p1), (0, 2, 1)), (BLOCK_N, KW))
+        tl.store(out_rows + c * KW + o[None, :], lv ^ 0x80808080, mask=n_mask[:, None])
 
 
 @triton.jit
@@ -99,11 +119,11 @@ def expand_levels(weight: PackedLowBit) -> torch.Tensor:
     N, bits = weight.out_features, weight.bits
     Kp = weight.qweight.shape[1] * (8 // bits)
     w8 = torch.empty(N, Kp, dtype=torch.int8, device=weight.qweight.device)
-    hw = weight.qweight.device.type == "cuda" and not INTERPRETED
-    asm = {f"ASM{q}": levels_asm(bits, q) if hw and q < 8 // bits else "" for q in range(4)}
-    _expand_kernel[(triton.cdiv(N, EXPAND_ROWS), Kp // triton_chunk(bits))](
+    chunks = Kp // triton_chunk(bits)
+    per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
+    _expand_kernel[(triton.cdiv(N, EXPAND_ROWS), chunks // per)](
         weight.qweight, weight.scales, weight.zeros, w8, N, weight.qweight.shape[1], Kp, weight.scales.shape[0],
-        BITS=bits, G=weight.group_size, BLOCK_N=EXPAND_ROWS, HW_ASM=hw, num_warps=4, **asm,
+        BITS=bits, G=weight.group_size, BLOCK_N=EXPAND_ROWS, CHUNKS=per, num_warps=4,
     )  # fmt: skip
     return w8
 
