@@ -18,7 +18,7 @@ from aipc_kernels.lowbit.formats import LowBitWeight, get_codebook, pack_codes
 from aipc_kernels.lowbit.contract import check_operands
 
 #: fixed-zero and min-form code books (the two-level form takes no stored zero points)
-CODEBOOKS = ["int2", "ternary", "sym", "binary", "int4", "int8", "min2", "min4", "min8"]
+CODEBOOKS = ["int2", "ternary", "sym", "binary", "int4", "int6", "int8", "min2", "min4", "min8"]
 #: (M, N, K, group, super-block, act_group): decode, a 3-super-block row, AMX tiles with per-group
 #: activations, one super-block per row (a per-channel float scale), sub-blocks of 16 with act groups of 64, and
 #: sub-blocks of 16 on AMX's tiles (from 32 tokens) with and without per-group activations
