@@ -59,3 +59,29 @@ def test_row_bits_independent_of_batch_threads_and_isa(codebook, dtype, group, a
     for name, y in results[1:]:
         differ = (y.view(bits) != base[: len(y)].view(bits)).sum().item()
         assert differ == 0, f"{name}: {differ} of {y.numel()} outputs differ in bits from {base_name}"
+
+
+@pytest.mark.parametrize("codebook, M", [("int4", 513), ("int6", 81), ("int8", 40)])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act_group", [0, 32])
+def test_up_converted_tiles_per_scale_type_match_the_portable_kernel(codebook, M, scale_dtype, act_group):
+    """Each scale type of the fixed-zero code books, with and without activation group scales, on the up-converted
+    tiles (4-bit codes from 512 tokens, 6-bit from 80; 8-bit never up-converts): the rows' bits on every ISA are the
+    portable kernel's, and within float32 rounding of the kernels' exact math."""
+    N, K = 37, 256
+    g = torch.Generator().manual_seed(M + act_group)
+    w = quantize_rtn(torch.randn(N, K, generator=g), codebook, 32, scale_dtype=scale_dtype)
+    p = packing.pack_for_cpu(w)
+    x = torch.randn(M, K, generator=g)
+    try:
+        native.set_isa("scalar")
+        want = ops.lowbit_linear(x, p, None, act_group)
+        for isa in ISAS:
+            native.set_isa(isa)
+            y = ops.lowbit_linear(x, p, None, act_group)
+            differ = (y.view(torch.int32) != want.view(torch.int32)).sum().item()
+            assert differ == 0, f"{isa}: {differ} of {y.numel()} outputs differ in bits from the portable kernel's"
+    finally:
+        native.set_isa(native.best_isa())
+    exact = ops.reference_linear_w8(x, w, None, act_group)
+    torch.testing.assert_close(want.double(), exact, rtol=2e-5, atol=2e-5 * exact.abs().max().item())

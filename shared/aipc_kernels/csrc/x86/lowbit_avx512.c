@@ -10,7 +10,7 @@
 #include "prefetch.h"
 
 #define EPILOGUE512 group_epilogue512
-#define EPILOGUE512_Q6K group_epilogue512_q6k
+#define EPILOGUE512_FIXED group_epilogue512_fixed
 #define STORE512 store512
 #define BLOCK512_FN block_avx512
 #include "lowbit_avx512_tile.inc"

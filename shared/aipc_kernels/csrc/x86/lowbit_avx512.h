@@ -77,20 +77,27 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
     }
 }
 
-/* Whether group_epilogue512_q6k computes group_epilogue512's result: 6-bit codes in groups of one chunk with a
- * fixed zero (int_epilogue), two-level int8 scales and no mins (GGUF's Q6_K as lowbit_args carries it). */
+/* Whether group_epilogue512_fixed computes group_epilogue512's result: codes with a fixed zero (int_epilogue) and
+ * no mins, outside the progressive form. q6k_epilogue_fits: that, for 6-bit codes in groups of one chunk with
+ * two-level int8 scales (GGUF's Q6_K as lowbit_args carries it). */
+static inline int fixed_epilogue_fits(const lowbit_args *a) { return int_epilogue(a) && !a->mins && !a->int_acc; }
 static inline int q6k_epilogue_fits(const lowbit_args *a) {
-    return a->bits == 6 && a->G == chunk_k(6) && int_epilogue(a) && !a->mins && a->scale_dt == AIPC_SCALE_I8 &&
-           !a->int_acc;
+    return a->bits == 6 && a->G == chunk_k(6) && a->scale_dt == AIPC_SCALE_I8 && fixed_epilogue_fits(a);
 }
 
-/* group_epilogue512 where q6k_epilogue_fits, with whether activation group scales come (HAS_WS) a compile-time
- * constant of the caller: the same operations in the same order, none of its runtime cases. */
-static inline T512 void group_epilogue512_q6k(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
-                                              const __m512i *dot, __m512 *acc, const int HAS_WS) {
+/* group_epilogue512 where fixed_epilogue_fits, with whether activation group scales come (HAS_WS) and the scales'
+ * type (SDT: scale_dt) compile-time constants of the caller: the same operations in the same order, none of its
+ * runtime cases. */
+static inline T512 void group_epilogue512_fixed(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
+                                                const __m512i *dot, __m512 *acc, const int HAS_WS, const int SDT) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
-    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)a->scales + si))));
-    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(a->super_scales + super_at(a, nb, g)), sub);
+    __m512 s;
+    if (SDT == AIPC_SCALE_I8) {
+        const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)a->scales + si))));
+        s = _mm512_mul_ps(_mm512_loadu_ps(a->super_scales + super_at(a, nb, g)), sub);
+    } else {
+        s = load16_scales(a->scales, si, SDT);
+    }
     for (int i = 0; i < mt; i++) {
         const __m512 u = _mm512_cvtepi32_ps(dot[i]);
         acc[i] = _mm512_fmadd_ps(HAS_WS ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[(m0 + i) * ng + g])) : s, u, acc[i]);
