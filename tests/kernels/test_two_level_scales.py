@@ -22,10 +22,11 @@ CODEBOOKS = ["int2", "ternary", "sym", "binary", "int4", "int6", "int8", "min2",
 #: (M, N, K, group, super-block, act_group): decode, a 3-super-block row, AMX tiles with per-group
 #: activations, one super-block per row (a per-channel float scale), sub-blocks of 16 with act groups of 64, and
 #: sub-blocks of 16 on AMX's tiles (from 32 tokens) with and without per-group activations, and on AVX-512's
-#: up-converted tiles (6-bit codes from 80 tokens)
+#: up-converted tiles (6-bit codes from 80 tokens; 2- and 4-bit from 512: GGUF's K-quants in a prompt)
 CASES = [(1, 37, 512, 32, 256, 0), (5, 16, 768, 32, 256, 0), (20, 33, 512, 32, 256, 32), (1, 50, 1024, 64, 1024, 0),
          (17, 20, 256, 16, 64, 64), (3, 18, 4096, 64, 2048, 0), (33, 21, 256, 16, 64, 64), (40, 24, 512, 16, 256, 0),
-         (83, 19, 256, 16, 64, 32), (81, 17, 512, 16, 256, 0)]  # fmt: skip
+         (83, 19, 256, 16, 64, 32), (81, 17, 512, 16, 256, 0), (515, 17, 512, 32, 256, 32),
+         (513, 18, 256, 32, 256, 0)]  # fmt: skip
 
 
 def two_level_weight(codebook: str, N: int, K: int, G: int, SB: int, seed: int) -> LowBitWeight:

@@ -37,12 +37,19 @@ static inline T512 __m512 load16_scales_masked(const void *p, int64_t i, int dt,
 }
 
 /* The 16 scales (sup: super_scales) or mins (super_mins) of row block nb's group g at p[si..si+15] as
- * float32: stored, or in the two-level form super-block float32 times int8 sub-block value (group_value). */
-static inline T512 __m512 load16_group(const lowbit_args *a, const void *p, const float *sup, int64_t si, int64_t nb,
-                                       int64_t g) {
-    if (a->scale_dt != AIPC_SCALE_I8) return load16_scales(p, si, a->scale_dt);
+ * float32, the scales' type dt: stored, or in the two-level form (AIPC_SCALE_I8) super-block float32 times int8
+ * sub-block value (group_value). A caller whose dt is a compile-time constant gets no runtime case. */
+static inline T512 __m512 load16_group_dt(const lowbit_args *a, const void *p, const float *sup, int64_t si,
+                                          int64_t nb, int64_t g, int dt) {
+    if (dt != AIPC_SCALE_I8) return load16_scales(p, si, dt);
     const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + si))));
     return _mm512_mul_ps(_mm512_loadu_ps(sup + super_at(a, nb, g)), sub);
+}
+
+/* load16_group_dt in the args' own scale type. */
+static inline T512 __m512 load16_group(const lowbit_args *a, const void *p, const float *sup, int64_t si, int64_t nb,
+                                       int64_t g) {
+    return load16_group_dt(a, p, sup, si, nb, g, a->scale_dt);
 }
 
 /* Up-converts plane q of a 64-byte chunk to 16 rows x 4 k of u8 codes. */
@@ -77,30 +84,32 @@ static inline T512 void group_epilogue512(const lowbit_args *a, int64_t nb, int6
     }
 }
 
-/* Whether group_epilogue512_fixed computes group_epilogue512's result: codes with a fixed zero (int_epilogue) and
- * no mins, outside the progressive form. q6k_epilogue_fits: that, for 6-bit codes in groups of one chunk with
- * two-level int8 scales (GGUF's Q6_K as lowbit_args carries it). */
-static inline int fixed_epilogue_fits(const lowbit_args *a) { return int_epilogue(a) && !a->mins && !a->int_acc; }
+/* Whether group_epilogue512_fixed computes group_epilogue512's result: codes with a fixed zero (int_epilogue), with
+ * or without mins, outside the progressive form. q6k_epilogue_fits: that, for 6-bit codes without mins in groups of
+ * one chunk with two-level int8 scales (GGUF's Q6_K as lowbit_args carries it). */
+static inline int fixed_epilogue_fits(const lowbit_args *a) { return int_epilogue(a) && !a->int_acc; }
 static inline int q6k_epilogue_fits(const lowbit_args *a) {
-    return a->bits == 6 && a->G == chunk_k(6) && a->scale_dt == AIPC_SCALE_I8 && fixed_epilogue_fits(a);
+    return a->bits == 6 && a->G == chunk_k(6) && a->scale_dt == AIPC_SCALE_I8 && !a->mins && fixed_epilogue_fits(a);
 }
 
-/* group_epilogue512 where fixed_epilogue_fits, with whether activation group scales come (HAS_WS) and the scales'
- * type (SDT: scale_dt) compile-time constants of the caller: the same operations in the same order, none of its
- * runtime cases. */
-static inline T512 void group_epilogue512_fixed(const lowbit_args *a, int64_t nb, int64_t g, int64_t m0, int mt,
-                                                const __m512i *dot, __m512 *acc, const int HAS_WS, const int SDT) {
+/* group_epilogue512 where fixed_epilogue_fits, with whether activation group scales come (HAS_WS), the scales'
+ * type (SDT: scale_dt) and whether mins come (MINS: the min form, e.g. GGUF's K-quants) compile-time constants of
+ * the caller: the same operations in the same order, none of its runtime cases. */
+static inline T512 __attribute__((always_inline)) void group_epilogue512_fixed(const lowbit_args *a, int64_t nb,
+                                                                                int64_t g, int64_t m0, int mt,
+                                                                                const __m512i *dot, __m512 *acc,
+                                                                                const int HAS_WS, const int SDT,
+                                                                                const int MINS) {
     const int64_t ng = a->K / a->G, si = (nb * ng + g) * BLOCK_N;
-    __m512 s;
-    if (SDT == AIPC_SCALE_I8) {
-        const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)a->scales + si))));
-        s = _mm512_mul_ps(_mm512_loadu_ps(a->super_scales + super_at(a, nb, g)), sub);
-    } else {
-        s = load16_scales(a->scales, si, SDT);
-    }
+    const __m512 s = load16_group_dt(a, a->scales, a->super_scales, si, nb, g, SDT);
+    const __m512 mn = MINS ? load16_group_dt(a, a->mins, a->super_mins, si, nb, g, SDT) : _mm512_setzero_ps();
     for (int i = 0; i < mt; i++) {
+        const int64_t mg = (m0 + i) * ng + g;
         const __m512 u = _mm512_cvtepi32_ps(dot[i]);
-        acc[i] = _mm512_fmadd_ps(HAS_WS ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[(m0 + i) * ng + g])) : s, u, acc[i]);
+        acc[i] = _mm512_fmadd_ps(HAS_WS ? _mm512_mul_ps(s, _mm512_set1_ps(a->ws[mg])) : s, u, acc[i]);
+        if (MINS)
+            acc[i] = _mm512_fmadd_ps(HAS_WS ? _mm512_mul_ps(mn, _mm512_set1_ps(a->ws[mg])) : mn,
+                                     _mm512_set1_ps(a->zq[mg]), acc[i]);
     }
 }
 
