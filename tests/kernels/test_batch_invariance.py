@@ -61,14 +61,14 @@ def test_row_bits_independent_of_batch_threads_and_isa(codebook, dtype, group, a
         assert differ == 0, f"{name}: {differ} of {y.numel()} outputs differ in bits from {base_name}"
 
 
-@pytest.mark.parametrize("codebook, M", [("int4", 513), ("int6", 81), ("int8", 40), ("min4", 513)])
+@pytest.mark.parametrize("codebook, M", [("int4", 513), ("int6", 81), ("int8", 40), ("min4", 513), ("min6", 81)])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act_group", [0, 32])
 def test_up_converted_tiles_per_scale_type_match_the_portable_kernel(codebook, M, scale_dtype, act_group):
-    """Each scale type of the fixed-zero code books and of the min form (``min4``: a min per group, as GGUF's Q4_1),
-    with and without activation group scales, on the up-converted tiles (4-bit codes from 512 tokens, 6-bit from 80;
-    8-bit never up-converts): the rows' bits on every ISA are the portable kernel's, and within float32 rounding of
-    the kernels' exact math."""
+    """Each scale type of the fixed-zero code books and of the min form (``min4`` / ``min6``: a min per group, as
+    GGUF's Q4_1 / Q5_1), with and without activation group scales, on the up-converted tiles (4-bit codes from 512
+    tokens, 6-bit from 80; 8-bit never up-converts): the rows' bits on every ISA are the portable kernel's, and
+    within float32 rounding of the kernels' exact math."""
     N, K = 37, 256
     g = torch.Generator().manual_seed(M + act_group)
     w = quantize_rtn(torch.randn(N, K, generator=g), codebook, 32, scale_dtype=scale_dtype)
