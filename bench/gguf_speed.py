@@ -23,6 +23,12 @@ measured twice, on the same threads (``--threads``; default: every core):
 With ``--step-profile`` each vLLM row also says where a decode step of ``--streams`` sequences and of one goes
 (in its own process, no HTTP; the torch profiler's self CPU time per step, the low-bit op apart per weight).
 
+The two rows of a file take turns, so that a change of the host's speed (the shared memory bandwidth
+of a 2-core guest moves by a third within minutes) reaches both alike: vLLM's worker runs each ``llama-bench``
+repetition (one decode, one long prompt) right after its own, its engine idle meanwhile, and ``vllm serve``
+and ``llama-server`` are up together, alternating within each round of streams (``--no-interleave``: each row
+on its own, one after the other, as before).
+
 Prefix caching is off on both sides. The bound: the run's read bandwidth on the same threads / the
 bytes a decode step reads (vLLM: the loaded linears + output projection as re-laid out; llama.cpp: the
 GGUF's); for S streams, S times that (weights read once per step for all streams). Targets (issue 38):
@@ -40,6 +46,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -73,12 +81,14 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profile_streams: int = 0,
-                stream_tokens: int = 64) -> dict:
-    """Decode and first-token times of ``LLM(gguf)`` and the bytes its model holds."""
+                stream_tokens: int = 64, peer: Optional[dict] = None) -> dict:
+    """Decode and first-token times of ``LLM(gguf)`` and the bytes its model holds. ``peer`` (``cache``, ``isa``,
+    ``threads``): llama.cpp's row of the same file, its ``llama-bench`` repetitions taken between this row's own
+    (decode after decode, prompt after first token; this engine idle meanwhile), as ``res["peer"]``."""
     import torch
     from vllm import LLM
 
-    from vllm_e2e import _weight_bytes  # bench/ on sys.path
+    from vllm_e2e import _weight_bytes, planned_calls_ms  # bench/ on sys.path
 
     t0 = time.time()
     llm = LLM(str(gguf), dtype="bfloat16", max_model_len=MAX_LEN, enable_prefix_caching=False, seed=0,
@@ -94,13 +104,33 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
     threads = torch.get_num_threads()
     bw = read_bandwidth(threads)
     rates, ttft = [], []
+    peer_rates: dict[str, list] = dict(decode=[], prefill=[], build=[], rss=[])
+
+    def peer_rep(kind: str, prompt: int, gen: int) -> None:
+        r, build, rss = llamacpp.llama_bench(gguf, Path(peer["cache"]), peer["threads"], prompt, gen, 1, peer["isa"])
+        peer_rates[kind] += r
+        peer_rates["build"].append(build)
+        peer_rates["rss"].append(rss)
+
+    ops_ms = []
     for _ in range(reps):
         t1, tn = timed(1, short), timed(1 + new_tokens, short)
         rates.append(new_tokens / (tn - t1))
+        ms, calls = llm.apply_model(planned_calls_ms)[0]  # the step's op calls alone, right after it
+        ops_ms.append(ms)
+        if peer:
+            peer_rep("decode", 0, new_tokens)
         ttft.append(timed(1, long_))
+        if peer:
+            peer_rep("prefill", long_prompt, 0)
     res = dict(model=str(gguf), load_s=load_s, weight_bytes=wbytes, threads=threads, read_bw_gbs=bw,
                decode_tok_s_all=rates, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
-               ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
+               ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft),
+               split=dict(calls=calls, step_ms_all=[1e3 / r for r in rates], ops_ms_all=ops_ms))  # fmt: skip
+    if peer:
+        res["peer"] = llamacpp.row_from_rates(gguf, Path(peer["cache"]), peer["threads"], bw, peer_rates["decode"],
+                                              peer_rates["prefill"], long_prompt, peer_rates["build"][0],
+                                              max(peer_rates["rss"]), peer["isa"])  # fmt: skip
     if profile_streams:
         res["step_profile"] = [step_profile(llm, [prompt_ids(SHORT_PROMPT, 10 + i) for i in range(s)], stream_tokens)
                                for s in (profile_streams, 1)]  # fmt: skip
@@ -145,18 +175,26 @@ def concurrent(send: Callable[[int], int], streams: int) -> tuple[float, int]:
     return wall, sum(counts)
 
 
-def streams_rate(send: Callable[[int], int], streams: int, reps: int) -> dict:
-    """Total generated tokens/s of ``streams`` concurrent requests: one warm-up round, then ``reps``."""
-    concurrent(send, streams)
-    rates = []
+def streams_rates(senders: dict[str, Callable[[int], int]], streams: int, reps: int) -> dict[str, dict]:
+    """Total generated tokens/s of ``streams`` concurrent requests for each server of ``senders`` (name: its
+    ``send``): one warm-up round each, then ``reps`` rounds, the servers taking turns within each round (so a
+    change of the host's speed reaches every server alike)."""
+    for send in senders.values():
+        concurrent(send, streams)
+    rates: dict[str, list[float]] = {name: [] for name in senders}
     for _ in range(reps):
-        wall, n = concurrent(send, streams)
-        rates.append(n / wall)
-    return dict(streams_tok_s_all=rates, streams_tok_s=statistics.median(rates), streams_tok_s_best=max(rates))
+        for name, send in senders.items():
+            wall, n = concurrent(send, streams)
+            rates[name].append(n / wall)
+    return {name: dict(streams_tok_s_all=r, streams_tok_s=statistics.median(r), streams_tok_s_best=max(r))
+            for name, r in rates.items()}  # fmt: skip
 
 
-def vllm_streams(gguf: Path, threads: int, streams: int, tokens: int, reps: int, log: Path) -> dict:
-    """``vllm serve gguf`` answering ``streams`` concurrent completions of ``tokens`` tokens."""
+@contextmanager
+def vllm_server(gguf: Path, threads: int, streams: int, tokens: int,
+                log: Path) -> Iterator[tuple[Callable[[int], int], dict]]:  # fmt: skip
+    """``vllm serve gguf``, ready: (``send(i)``, request ``i``: a completion of ``tokens`` tokens; the server's
+    start time and arguments)."""
     from tests.helpers.vllm_server import VllmServer, vllm_env
 
     env = vllm_env(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
@@ -171,8 +209,8 @@ def vllm_streams(gguf: Path, threads: int, streams: int, tokens: int, reps: int,
                                                          max_tokens=tokens, temperature=0.0, ignore_eos=True))  # fmt: skip
             return int(out["usage"]["completion_tokens"])
 
-        return dict(streams_rate(send, streams, reps), server_start_s=srv.start_s, server_args=args,
-                    server_env=dict(VLLM_CPU_OMP_THREADS_BIND=env["VLLM_CPU_OMP_THREADS_BIND"]))  # fmt: skip
+        yield send, dict(server_start_s=srv.start_s, server_args=args,
+                         server_env=dict(VLLM_CPU_OMP_THREADS_BIND=env["VLLM_CPU_OMP_THREADS_BIND"]))  # fmt: skip
 
 
 def post_json_get(url: str) -> dict:
@@ -180,9 +218,11 @@ def post_json_get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def llama_server_streams(gguf: Path, cache: Path, isa: str, threads: int, streams: int, tokens: int, reps: int,
-                         log: Path) -> dict:  # fmt: skip
-    """``llama-server --parallel streams`` answering the same requests on ``/completion``."""
+@contextmanager
+def llama_server(gguf: Path, cache: Path, isa: str, threads: int, streams: int, tokens: int,
+                 log: Path) -> Iterator[tuple[Callable[[int], int], dict]]:  # fmt: skip
+    """``llama-server --parallel streams`` on ``gguf``, ready: (``send(i)``, the same request on ``/completion``;
+    its command line)."""
     from tests.helpers.vllm_server import free_port
 
     port = free_port()
@@ -211,13 +251,29 @@ def llama_server_streams(gguf: Path, cache: Path, isa: str, threads: int, stream
                                                  temperature=0.0, ignore_eos=True, cache_prompt=False))  # fmt: skip
             return int(out["tokens_predicted"])
 
-        return dict(streams_rate(send, streams, reps), server_cmd=" ".join(cmd[1:]))
+        yield send, dict(server_cmd=" ".join(cmd[1:]))
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def served_streams(sides: list[str], gguf: Path, cache: Path, isa: str, threads: int, streams: int, tokens: int,
+                   reps: int, logs: Path) -> dict[str, dict]:  # fmt: skip
+    """Concurrent-streams rates of ``gguf`` served by each of ``sides`` (``vllm``: ``vllm serve``; ``llamacpp``:
+    ``llama-server``), the servers up together and taking turns (:func:`streams_rates`): side: its rates and
+    server details."""
+    with ExitStack() as stack:
+        senders, details = {}, {}
+        for side in sides:
+            log = logs / f"gguf_speed_{side}_{gguf.stem}.log"
+            server = (vllm_server(gguf, threads, streams, tokens, log) if side == "vllm"
+                      else llama_server(gguf, cache, isa, threads, streams, tokens, log))  # fmt: skip
+            senders[side], details[side] = stack.enter_context(server)
+        rates = streams_rates(senders, streams, reps)
+    return {side: dict(rates[side], **details[side]) for side in sides}
 
 
 # ---------------------------------------------------------------------- report
@@ -267,6 +323,8 @@ def report(rows: list[dict], meta: dict) -> str:
             x = vs(mine, peer, key, higher)
             lines.append(f"- {t}, {what}: " + ("not measured" if x is None else
                                                f"{x:.2f}x, **{'met' if x >= need else 'not met'}**"))  # fmt: skip
+    lines += paired_rounds_section(rows)
+    lines += decode_split_section(rows)
     lines += ["", "Details:"]
     for r in rows:
         d = (f"- {r['row']}: decode over reps {', '.join(f'{x:.2f}' for x in r['decode_tok_s_all'])}; first token "
@@ -286,6 +344,52 @@ def report(rows: list[dict], meta: dict) -> str:
     if meta["skipped"]:
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items())]
     return "\n".join(lines)
+
+
+def paired_rounds_section(rows: list[dict]) -> list[str]:
+    """Each interleaved file's ratios round by round (vLLM's repetition against the llama.cpp one right after it;
+    the servers' alternating rounds of streams): median, min and max over the rounds, as the targets read them."""
+    by, body = {r["row"]: r for r in rows}, []
+    for t in TYPES:
+        mine, peer = by.get(f"vllm_{t.lower()}"), by.get(f"llamacpp_{t.lower()}")
+        if not (mine and peer and mine.get("interleaved")):
+            continue
+        cells = []
+        for key, higher in (("decode_tok_s_all", True), ("ttft_s_all", False), ("streams_tok_s_all", True)):
+            x = [a / b if higher else b / a for a, b in zip(mine.get(key, []), peer.get(key, []))]
+            cells.append(f"{statistics.median(x):.2f}x ({min(x):.2f}-{max(x):.2f})" if x else "")
+        body.append(f"| {t} | {len(mine['decode_tok_s_all'])} | " + " | ".join(cells) + " |")
+    if not body:
+        return []
+    return ["", "## Round by round (interleaved files: each vLLM repetition against the llama.cpp one right after it, "
+            "each vLLM round of streams against the llama-server round after it; median, min-max)", "",
+            "| file | rounds | decode, x llama-bench | first token, x llama-bench (speed-up) | streams, x llama-server |",
+            "|---|---|---|---|---|", *body]  # fmt: skip
+
+
+def decode_split_section(rows: list[dict]) -> list[str]:
+    """Where each vLLM row's decode step goes (its ``split``: after each repetition, the step's planned-op calls
+    alone), against the step the decode target asks for and the step the row's bytes allow at the run's read
+    bandwidth with vLLM's rest as measured."""
+    by, body = {r["row"]: r for r in rows}, []
+    bw = max(r["read_bw_gbs"] for r in rows)
+    for r in rows:
+        if "split" not in r:
+            continue
+        p, peer = r["split"], by.get("llamacpp_" + r["qtype"].lower())
+        step, ops = statistics.median(p["step_ms_all"]), statistics.median(p["ops_ms_all"])
+        rest = statistics.median(a - b for a, b in zip(p["step_ms_all"], p["ops_ms_all"]))
+        read_ms = step_bytes(r["weight_bytes"]) / (bw * 1e9) * 1e3
+        need = f"{1e3 / (1.3 * peer['decode_tok_s']):.1f}" if peer else ""
+        body.append(f"| {r['label']} | {p['calls']} | {step:.1f} | {ops:.1f} | {rest:.1f} ({rest / step:.0%}) | "
+                    f"{read_ms:.1f} | {read_ms + rest:.1f} | {need} |")  # fmt: skip
+    if not body:
+        return []
+    return ["", "## Where a decode step goes (vLLM rows: after each repetition, the step's planned-op calls alone, every "
+            "low-bit layer at M=1 on its own weights in one Python loop; medians)", "",
+            "| row | op calls | step ms | op calls alone ms | vLLM's rest ms | the row's bytes at the run's read bandwidth, "
+            "ms | those bytes + the rest, ms | 1.3x llama-bench needs a step of, ms |",
+            "|---|---|---|---|---|---|---|---|", *body]  # fmt: skip
 
 
 def step_profile_section(r: dict) -> list[str]:
@@ -320,7 +424,11 @@ def main() -> None:
                     help="vLLM rows: where a decode step of --streams sequences and of one goes, in process (torch "
                          "profiler, the low-bit op per weight)")
     llamacpp.add_arguments(ap)
+    ap.add_argument("--no-interleave", action="store_true",
+                    help="each row on its own, one after the other (by default a file's two rows take turns: "
+                         "llama-bench's repetitions between vLLM's, the two servers' rounds alternating)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--peer-cache", type=Path, help=argparse.SUPPRESS)  # the worker's interleaved llama.cpp row
     args = ap.parse_args()
     if args.step_profile and args.stream_tokens < 2:
         ap.error(f"--step-profile times decode steps: --stream-tokens {args.stream_tokens} must be at least 2")
@@ -328,8 +436,9 @@ def main() -> None:
         ap.error(f"--long-prompt {args.long_prompt}: at most {MAX_LEN - 2} (the served max_model_len is {MAX_LEN})")
 
     if args.worker:
+        peer = dict(cache=str(args.peer_cache), isa=args.llamacpp_isa, threads=args.threads) if args.peer_cache else None
         res = vllm_worker(Path(args.worker), args.new_tokens, args.reps, args.long_prompt,
-                          args.streams if args.step_profile else 0, args.stream_tokens)
+                          args.streams if args.step_profile else 0, args.stream_tokens, peer)  # fmt: skip
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
 
@@ -347,46 +456,57 @@ def main() -> None:
                                args.llamacpp_isa)  # fmt: skip
         rows, skipped = [], {}
         logs = Path(os.environ.get("TMPDIR", "/tmp"))
-        for name in ROWS:
-            if name not in args.rows:
-                continue
-            t = qtype(name)
-            side = name.split("_")[0]
-            gguf = files[t]
-            print(f"[{name}] {gguf} ...", flush=True)
-            if side == "vllm":
-                cmd = [sys.executable, __file__, "--worker", str(gguf), "--new-tokens", str(args.new_tokens),
-                       "--reps", str(args.reps), "--long-prompt", str(args.long_prompt), "--streams",
-                       str(args.streams), "--stream-tokens", str(args.stream_tokens)]  # fmt: skip
-                cmd += ["--step-profile"] if args.step_profile else []
-                env = dict(os.environ, **VLLM_ENV, OMP_NUM_THREADS=str(args.threads))
-                row, reason = run_worker(name, cmd, env)
-                if row is None:
-                    skipped[name] = reason
+        for t in want:
+            gguf, sides = files[t], [side for side in ("vllm", "llamacpp") if f"{side}_{t.lower()}" in args.rows]
+            paired = len(sides) == 2 and not args.no_interleave
+            done: dict[str, dict] = {}
+            for side in sides:
+                name = f"{side}_{t.lower()}"
+                if side in done:  # llama.cpp's row, taken inside vLLM's worker
                     continue
-                label = f"vLLM + vllm_lowbit, {t} GGUF"
-            else:
+                print(f"[{name}] {gguf}{' (llama.cpp interleaved)' if paired and side == 'vllm' else ''} ...",
+                      flush=True)  # fmt: skip
+                if side == "vllm":
+                    cmd = [sys.executable, __file__, "--worker", str(gguf), "--new-tokens", str(args.new_tokens),
+                           "--reps", str(args.reps), "--long-prompt", str(args.long_prompt), "--streams",
+                           str(args.streams), "--stream-tokens", str(args.stream_tokens), "--threads", str(args.threads)]  # fmt: skip
+                    cmd += ["--step-profile"] if args.step_profile else []
+                    cmd += ["--peer-cache", str(cache), "--llamacpp-isa", args.llamacpp_isa] if paired else []
+                    env = dict(os.environ, **VLLM_ENV, OMP_NUM_THREADS=str(args.threads))
+                    row, reason = run_worker(name, cmd, env)
+                    if row is None:
+                        skipped[name], paired = reason, False  # llama.cpp's row runs on its own
+                        continue
+                    if "peer" in row:
+                        done["llamacpp"] = row.pop("peer")
+                else:
+                    try:
+                        row = llamacpp.run_row(gguf, cache, args.threads, args.new_tokens, args.reps, args.long_prompt,
+                                               args.reps, args.llamacpp_isa)  # fmt: skip
+                    except (RuntimeError, ValueError) as e:
+                        skipped[name] = f"failed: {str(e)[:300]}"
+                        continue
+                done[side] = row
+            ran = [side for side in sides if side in done]
+            if ran and not args.no_streams:
                 try:
-                    row = llamacpp.run_row(gguf, cache, args.threads, args.new_tokens, args.reps, args.long_prompt,
-                                           args.reps, args.llamacpp_isa)  # fmt: skip
-                except (RuntimeError, ValueError) as e:
-                    skipped[name] = f"failed: {str(e)[:300]}"
-                    continue
-                label = f"llama.cpp {t} (llama-bench / llama-server)"
-            row.update(row=name, side=side, qtype=t, label=label)
-            if not args.no_streams:
-                log = logs / f"gguf_speed_{name}.log"
-                try:
-                    if side == "vllm":
-                        row.update(vllm_streams(gguf, args.threads, args.streams, args.stream_tokens, args.reps, log))
-                    else:
-                        row.update(llama_server_streams(gguf, cache, args.llamacpp_isa, args.threads, args.streams,
-                                                        args.stream_tokens, args.reps, log))  # fmt: skip
+                    served = (served_streams(ran, gguf, cache, args.llamacpp_isa, args.threads, args.streams,
+                                             args.stream_tokens, args.reps, logs) if paired
+                              else {side: served_streams([side], gguf, cache, args.llamacpp_isa, args.threads,
+                                                         args.streams, args.stream_tokens, args.reps, logs)[side]
+                                    for side in ran})  # fmt: skip
+                    for side in ran:
+                        done[side].update(served[side])
                 except (RuntimeError, OSError) as e:
-                    row["streams_error"] = str(e)[-500:]
-            rows.append(row)
-            print(f"[{name}] decode {row['decode_tok_s']:.2f} tok/s, first token {row['ttft_s']:.3f} s, streams "
-                  f"{row.get('streams_tok_s', float('nan')):.1f} tok/s", flush=True)  # fmt: skip
+                    for side in ran:
+                        done[side]["streams_error"] = str(e)[-500:]
+            for side in ran:
+                name, row = f"{side}_{t.lower()}", done[side]
+                label = f"vLLM + vllm_lowbit, {t} GGUF" if side == "vllm" else f"llama.cpp {t} (llama-bench / llama-server)"
+                row.update(row=name, side=side, qtype=t, label=label, interleaved=paired)
+                rows.append(row)
+                print(f"[{name}] decode {row['decode_tok_s']:.2f} tok/s, first token {row['ttft_s']:.3f} s, streams "
+                      f"{row.get('streams_tok_s', float('nan')):.1f} tok/s", flush=True)  # fmt: skip
         if not rows:
             sys.exit("no row ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
         import torch
@@ -407,7 +527,10 @@ def main() -> None:
                  f"{args.threads} threads. Decode: {args.new_tokens} tokens after a {SHORT_PROMPT}-token prompt, batch 1. "
                  f"Streams: {args.streams} concurrent requests of a {SHORT_PROMPT}-token prompt and {args.stream_tokens} "
                  f"generated tokens each, over HTTP (vllm serve /v1/completions; llama-server /completion), one warm-up "
-                 f"round then {args.reps}. Median of {args.reps}.")  # fmt: skip
+                 f"round then {args.reps}. Median of {args.reps}. "
+                 + ("Rows each on their own, one after the other." if args.no_interleave else
+                    "A file's two rows take turns: each llama-bench repetition (decode, then the long prompt) right "
+                    "after vLLM's own, and the two servers up together, alternating within each round of streams."))  # fmt: skip
         write_results(args.out, args.name, "GGUF speed: vLLM + vllm_lowbit against llama.cpp on the same files", info,
                       rows, report(rows, meta), notes, extra=dict(meta=meta))  # fmt: skip
 

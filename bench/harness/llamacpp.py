@@ -213,8 +213,12 @@ def gguf_bytes(path: Path, cache: Path) -> dict[str, Any]:
     there is no ``output.weight``, per-tensor scales, the rest; an untied input embedding, read one row
     per token, is left out of the roles), ``total`` (every tensor), and the types of the linears and of
     the output projection, read with llama.cpp's gguf-py."""
-    sys.path.insert(0, str(llamacpp_src(cache) / "gguf-py"))
-    from gguf import GGUFReader
+    gguf_py = str(llamacpp_src(cache) / "gguf-py")
+    sys.path.insert(0, gguf_py)
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.remove(gguf_py)  # its tests/ would shadow the repository's tests package from here on
 
     roles = {"linear": 0, "output": 0, "other": 0, "scales": 0}
     types: dict[str, set[str]] = {"linear": set(), "output": set()}
@@ -304,12 +308,17 @@ def run_row(gguf: Path, cache: Path, threads: int, new_tokens: int, reps: int, p
     GGUF's bytes, decode ``-p 0 -n new_tokens`` and prompt ``-p prompt -n 0`` (first token = ``prompt`` /
     its rate); tokens/s and first-token seconds per repetition, their median and best, and the peak RSS."""
     bw = read_bandwidth(threads)
-    res: dict[str, Any] = dict(model=str(gguf), threads=threads, read_bw_gbs=bw, bytes=gguf_bytes(gguf, cache))
-    decode, res["build"], rss_d = llama_bench(gguf, cache, threads, 0, new_tokens, reps, isa)
+    decode, build, rss_d = llama_bench(gguf, cache, threads, 0, new_tokens, reps, isa)
     prefill, _, rss_p = llama_bench(gguf, cache, threads, prompt, 0, prompt_reps, isa)
-    res["isa"] = isa
+    return row_from_rates(gguf, cache, threads, bw, decode, prefill, prompt, build, max(rss_d, rss_p), isa)
+
+
+def row_from_rates(gguf: Path, cache: Path, threads: int, bw: float, decode: list[float], prefill: list[float],
+                   prompt: int, build: str, peak_rss: int, isa: str = "native") -> dict:  # fmt: skip
+    """:func:`run_row`'s row from ``llama-bench``'s decode and ``prompt``-token prefill rates (tokens/s per
+    repetition, however they were taken), the read bandwidth ``bw`` measured beside them and the peak RSS."""
     ttft = [prompt / r for r in prefill]
-    res.update(peak_rss=max(rss_d, rss_p), decode_tok_s_all=decode, prompt_tok_s_all=prefill,
-               decode_tok_s=statistics.median(decode), decode_tok_s_best=max(decode),
-               ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
-    return res
+    return dict(model=str(gguf), threads=threads, read_bw_gbs=bw, bytes=gguf_bytes(gguf, cache), build=build, isa=isa,
+                peak_rss=peak_rss, decode_tok_s_all=decode, prompt_tok_s_all=prefill,
+                decode_tok_s=statistics.median(decode), decode_tok_s_best=max(decode),
+                ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft))  # fmt: skip
