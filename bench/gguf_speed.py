@@ -528,9 +528,9 @@ def main() -> None:
                  f"Streams: {args.streams} concurrent requests of a {SHORT_PROMPT}-token prompt and {args.stream_tokens} "
                  f"generated tokens each, over HTTP (vllm serve /v1/completions; llama-server /completion), one warm-up "
                  f"round then {args.reps}. Median of {args.reps}. "
-                 + ("Rows each on their own, one after the other." if args.no_interleave else
-                    "A file's two rows take turns: each llama-bench repetition (decode, then the long prompt) right "
-                    "after vLLM's own, and the two servers up together, alternating within each round of streams."))  # fmt: skip
+                 + ("A file's two rows take turns: each llama-bench repetition (decode, then the long prompt) right "
+                    "after vLLM's own, and the two servers up together, alternating within each round of streams."
+                    if any(r["interleaved"] for r in rows) else "Rows each on their own, one after the other."))  # fmt: skip
         write_results(args.out, args.name, "GGUF speed: vLLM + vllm_lowbit against llama.cpp on the same files", info,
                       rows, report(rows, meta), notes, extra=dict(meta=meta))  # fmt: skip
 
