@@ -28,8 +28,10 @@ from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales
 NAME = "expand"
 FORMS = ("progressive",)  # a kernel of the progressive two-level form (registry.takes), and only of it
 FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+# the last tile: for shapes with fewer 64 x 128 output tiles than SMs (the kv shapes, the 1B shapes at M <= 1024)
 _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (64, 128, 128, 4, 4),
-          (128, 128, 128, 4, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 4), (128, 128, 256, 8, 3)]  # fmt: skip
+          (128, 128, 128, 4, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 4), (128, 128, 256, 8, 3),
+          (64, 64, 128, 4, 4)]  # fmt: skip
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
          for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
