@@ -237,7 +237,9 @@ def run_model(name: str, args, tmp: Path) -> dict:
     t_ref = time.perf_counter() - t0
     wins = windows(refs["default"], file_bos(path))
     t0 = time.perf_counter()
-    llm = LLM(str(path), max_model_len=max(args.context, 1024), dtype=args.dtype, seed=0, max_num_seqs=4)
+    overrides = {"quantization_config": {"quant_method": "gguf_cpu", "act_super_block": True}} if args.act_super_block else None
+    llm = LLM(str(path), max_model_len=max(args.context, 1024), dtype=args.dtype, seed=0, max_num_seqs=4,
+              hf_overrides=overrides)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     ours = vllm_scores(llm, wins, refs)
@@ -293,6 +295,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--dtype", default="float32", help="vLLM's activation dtype (default: %(default)s)")
     ap.add_argument("--no-float", action="store_true", help="skip the transformers float row")
+    ap.add_argument("--act-super-block", action="store_true",
+                    help="serve the K-quant layers with activations per super-block of 256 (gguf_cpu's act_super_block, "
+                         "llama.cpp's Q8_K grouping) instead of the default per 32")
     ap.add_argument("--llamacpp-isa", choices=sorted(lc.ISA_OPTIONS), default="native",
                     help="the llama.cpp build to run (its own build folder, see bench/harness/llamacpp.py)")
     args = ap.parse_args()
@@ -308,7 +313,9 @@ def main() -> None:
              f"{lc.LLAMA_CPP_PYTHON}'s sources ({args.llamacpp_isa} build), {args.threads} threads; llama.cpp's perplexity "
              f"is computed from the log-probabilities it writes (16-bit per value: within 1e-4 of its own sum); its two runs: "
              f"its defaults (the chat check's llama-server too) and {' '.join(REFERENCES['f32_attention'])}; "
-             f"vLLM dtype {args.dtype}.")  # fmt: skip
+             f"vLLM dtype {args.dtype}"
+             + ("; K-quant layers' activations per super-block of 256 (act_super_block)." if args.act_super_block else ".")
+             )  # fmt: skip
     write_results(args.out, args.name, "GGUF conformance: vLLM + vllm_lowbit against llama.cpp on the same file",
                   machine, rows, report(rows, args), notes=notes)  # fmt: skip
 

@@ -49,8 +49,9 @@ optimized), float activations, bf16 head; ``activations``: A16 / A8 per token / 
 2-bit and 4-bit formats; ``head``: the output projection bf16 / int8 / lowbit (2-bit and 4-bit) with
 bf16 linears and with the plugins' default linears; ``gguf`` (real models): the file's own linears (as
 published) and lowbit4 int4 / affine4 / e0m4 and lowbit2 affine g64 re-quantized from them, each with
-A8 per token and per group (32 for the file's own: llama.cpp's, the GGUF serving default; 64, the
-weight group, for the re-quantized ones), float and int8 output projection; ``progressive``: the progressive
+A8 per token and per group (for the file's own: 32, as vLLM serves the file, and ``A8 Q8_K``, llama.cpp's groups:
+32, a K-quant's super-block of 256 (Q8_K, ``act_super_block``); 64, the weight group, for the re-quantized ones),
+float and int8 output projection; ``progressive``: the progressive
 two-level form (``aipc_kernels.lowbit.progressive``, the GPU prefill kernels' form and ``quantizer: progressive``)
 at 2 and 4 bits beside today's float16 group scales of the same bits (4 bits in groups of 128, and of 64: lowbit4's),
 A8 per token. ``--weights`` keeps the rows whose weight label matches a pattern. ``--smoke``: a tiny model, a few steps, a few
@@ -323,9 +324,22 @@ class Row:
         return (self.weights, self.act, self.head, self.head_fmt)
 
 
+#: a GGUF's own linears with llama.cpp's activation groups: per 32, a K-quant's per super-block of 256 (Q8_K;
+#: vllm_lowbit's ``act_super_block``): each linear's own group (``Evaluator.layer_groups``)
+Q8_K = "A8 Q8_K"
+
+
 def act_group(act: str) -> Optional[int]:
-    """The ``quantize_activations`` group of an activation setting (None: per token), or -1 for A16."""
-    return {"A16": -1, "A8 token": None, "A8 g64": 64, "A8 g32": 32}[act]
+    """The ``quantize_activations`` group of an activation setting (``A16``, ``A8 token``, ``A8 g<K>``): None per
+    token, -1 for A16. ``A8 Q8_K`` has a group per layer: :meth:`Evaluator.layer_act`."""
+    if act == "A16":
+        return -1
+    if act == "A8 token":
+        return None
+    m = re.fullmatch(r"A8 g(\d+)", act)
+    if not m:
+        raise ValueError(f"activation setting {act!r}: expected A16, A8 token or A8 g<K>")
+    return int(m.group(1))
 
 
 #: the ``gguf`` section's linears: as published (None: the file's own values), and re-quantized from them
@@ -342,10 +356,11 @@ PROGRESSIVE_WEIGHTS = (WFmt("affine", 64, "optimized"), WFmt("min2", 64, "progre
 
 def rows_for(sections: list[str], weights: Optional[list[str]] = None) -> list[Row]:
     """The rows of ``sections`` (the reference first); ``weights``: only those whose weight label (e.g. ``min4 g64
-    progressive``) matches one of these fnmatch patterns, the reference kept."""
+    progressive``; ``bf16`` for the unquantized linears, a GGUF's own) matches one of these fnmatch patterns, the
+    reference kept."""
     rows = _section_rows(sections)
-    return rows if not weights else [r for r in rows if r.section == "reference" or (
-        r.weights is not None and any(fnmatch.fnmatch(r.weights.label, p) for p in weights))]  # fmt: skip
+    return rows if not weights else [r for r in rows if r.section == "reference" or any(
+        fnmatch.fnmatch(r.weights.label if r.weights else "bf16", p) for p in weights)]  # fmt: skip
 
 
 def _section_rows(sections: list[str]) -> list[Row]:
@@ -370,8 +385,10 @@ def _section_rows(sections: list[str]) -> list[Row]:
         rows += [Row("progressive", w, "A8 token", "bf16") for w in PROGRESSIVE_WEIGHTS]
     if "gguf" in sections:  # a GGUF as published (the float row's weights) against re-quantizing it (issue 38)
         for w in GGUF_WEIGHTS:
-            per_group = "A8 g32" if w is None else "A8 g64"  # the kernels' activation groups span whole weight groups
-            rows += [Row("gguf", w, a, h) for a in ("A8 token", per_group) for h in ("bf16", "int8")]
+            # the kernels' activation groups span whole weight groups; the file's own: per 32 as served (llama.cpp's
+            # Q8_0 blocks), and with the K-quants per super-block of 256 (llama.cpp's Q8_K, act_super_block)
+            acts = ("A8 token", "A8 g32", Q8_K) if w is None else ("A8 token", "A8 g64")
+            rows += [Row("gguf", w, a, h) for a in acts for h in ("bf16", "int8")]
     return rows
 
 
@@ -390,9 +407,10 @@ class Evaluator:
     """Runs rows over the held-out windows against the bf16 reference kept from the first pass."""
 
     def __init__(self, model, xs: torch.Tensor, ys: torch.Tensor, batch: int, device: str,
-                 spans: Optional[list[tuple[str, int]]] = None):  # fmt: skip
+                 spans: Optional[list[tuple[str, int]]] = None, layer_groups: Optional[dict[str, dict[str, int]]] = None):  # fmt: skip
         self.model, self.xs, self.ys, self.batch, self.device = model, xs.to(device), ys.to(device), batch, device
         self.spans = spans  # [(text, windows)]: the windows of each text, in order (real models)
+        self.layer_groups = layer_groups or {}  # act setting -> linear name -> its act group (0: per token)
         self.names = linear_names(model)
         self.base = {n: model.get_submodule(n).weight.data for n in self.names}
         self.head = model.get_output_embeddings()
@@ -463,6 +481,15 @@ class Evaluator:
                             None if lw.zeros is None else lw.zeros[start:stop].cpu(), lw.codebook, lw.group_size, K,
                             supers=None if lw.supers is None else lw.supers[:, start:stop].cpu())  # fmt: skip
 
+    def layer_act(self, name: str, act: str) -> str:
+        """The activation setting linear ``name`` gets under row setting ``act`` (``A8 Q8_K``: its own group)."""
+        if act != Q8_K:
+            return act
+        if act not in self.layer_groups:
+            raise ValueError(f"activation setting {act!r} needs a GGUF model (--model): the groups follow the file's types")
+        g = self.layer_groups[act][name]
+        return f"A8 g{g}" if g else "A8 token"
+
     def _setup(self, row: Row) -> tuple[list, Optional[float], Optional[LowBitWeight]]:
         """Puts ``row``'s weights in the model and hooks its activation rounding; returns the hooks,
         the bits per weight of the linears and the head's quantized weight."""
@@ -474,7 +501,8 @@ class Evaluator:
             lin = self.model.get_submodule(n)
             lin.weight.data = deq[n]
             if row.act != "A16":
-                hooks.append(lin.register_forward_pre_hook(lambda m, a, act=row.act: (fake_quant_act(a[0], act),)))
+                hooks.append(lin.register_forward_pre_hook(
+                    lambda m, a, act=self.layer_act(n, row.act): (fake_quant_act(a[0], act),)))
         head_lw = None
         if row.head == "bf16":
             self.head.weight.data = self.head_base
@@ -559,9 +587,10 @@ class Evaluator:
         if not row.weights or row.act == "A16" or self.check_x is None:
             return None
         lw = self._check_weight(row.weights)
-        g = act_group(row.act)
+        act = self.layer_act(self.check_name, row.act)
+        g = act_group(act)
         x = self.check_x
-        sim = fake_quant_act(x, row.act).double() @ lw.dequantize(torch.float64).T
+        sim = fake_quant_act(x, act).double() @ lw.dequantize(torch.float64).T
         ref = reference_linear_w8(x, lw, act_group=0 if g is None else g)
         return ((sim - ref).norm() / ref.norm()).item()
 
@@ -717,7 +746,7 @@ def main() -> None:
                          "(smollm2-135m-instruct, gemma3-270m): real trained models, results named 'quality'")
     ap.add_argument("--weights", type=lambda s: s.split(","), default=None,
                     help="only the rows whose weights match one of these comma-separated patterns, e.g. "
-                         "'min4 g64*,affine4 g64*' (the reference row always runs)")
+                         "'min4 g64*,affine4 g64*', or bf16 for the unquantized linears (a GGUF's own; the reference row always runs)")
     ap.add_argument("--windows", type=int, default=4, help="real models: windows per text")
     ap.add_argument("--context", type=int, default=512, help="real models: tokens per window")
     ap.add_argument("--eval-batch", type=int, default=2, help="real models: windows per forward pass")
@@ -833,7 +862,8 @@ def run_real(args) -> None:
         t0 = time.perf_counter()
         model, tok, bos = qr.load(name)
         xs, ys, spans, texts = qr.eval_windows(tok, bos, args.context, args.windows)
-        ev = Evaluator(model.to(dev), xs, ys, args.eval_batch, dev, spans=spans)
+        ev = Evaluator(model.to(dev), xs, ys, args.eval_batch, dev, spans=spans,
+                       layer_groups={Q8_K: qr.served_act_groups(name, model, act_super_block=True)})
         rows, miss = evaluate(ev, rows_for(args.rows, args.weights), lambda: time.perf_counter() - start > args.deadline_s)
         ref = rows[0]
         for r in rows:
@@ -841,9 +871,12 @@ def run_real(args) -> None:
         all_rows += rows
         skipped += [f"{name} {m}" for m in miss]
         lines += qr.conclusions(name, rows)
+        q8k = Counter(ev.layer_groups[Q8_K].values())
+        served = ", ".join(f"{n} linears per {g}" for g, n in sorted(q8k.items()))
         parts.append(f"## {name}\n\n{qr.MODELS[name].model}; {qr.MODELS[name].architecture}; licence "
-                     f"{qr.MODELS[name].licence}.\n\n" + qr.tables(name, rows))
-        facts[name] = dict(texts=texts, seconds=round(time.perf_counter() - t0, 1), quantize_seconds=round(ev.quant_seconds, 1))
+                     f"{qr.MODELS[name].licence}. Activations {Q8_K} (K-quants per super-block): {served}.\n\n" + qr.tables(name, rows))
+        facts[name] = dict(texts=texts, seconds=round(time.perf_counter() - t0, 1), quantize_seconds=round(ev.quant_seconds, 1),
+                           q8k_act_groups=dict(q8k))
         del model, ev
     bounds = qr.error_bounds(all_rows)
     if bounds:

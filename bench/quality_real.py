@@ -42,6 +42,30 @@ def load(name: str):
     return model, tok, file_bos(fetch(name))
 
 
+def served_act_groups(name: str, model, act_super_block: bool = False) -> dict[str, int]:
+    """Linear name -> the int8 activation group its layer gets when vLLM serves registry model ``name``'s GGUF
+    file (0: per token): ``vllm_lowbit``'s default, per 32 inputs widened to the layer's group, and with
+    ``act_super_block`` a K-quant's per super-block of 256 (llama.cpp's Q8_K;
+    ``vllm_lowbit.options.gguf_layer_act_group``). The file's tensors are found under the model's names by the
+    plugin's own map (transformers' ``get_gguf_hf_weights_map``)."""
+    from gguf.constants import QK_K  # the K-quants' super-block: 256
+
+    from aipc_kernels.checkpoints.gguf import K_QUANTS, LOWBIT_TYPES, GGUFCheckpoint
+    from aipc_kernels.lowbit.modules import linear_names
+    from vllm_lowbit.gguf_source import GGUFTensors
+    from vllm_lowbit.options import GGUF_ACT_GROUP, gguf_layer_act_group
+
+    ck = GGUFCheckpoint.open(fetch(name))
+    names = GGUFTensors(ck, model.config)
+    out = {}
+    for n in linear_names(model):
+        qtype = ck.tensor_type(names.gguf_name(f"{n}.weight"))
+        super_block = QK_K if act_super_block and qtype in K_QUANTS else None
+        out[n] = gguf_layer_act_group(GGUF_ACT_GROUP, LOWBIT_TYPES[qtype][1], super_block,
+                                      model.get_submodule(n).in_features)  # fmt: skip
+    return out
+
+
 def file_bos(path) -> Optional[int]:
     """The BOS id when the GGUF file says a text starts with it (``tokenizer.ggml.add_bos_token``, as
     llama.cpp reads it), else None."""
@@ -167,8 +191,11 @@ def tables(model: str, rows: list[dict]) -> str:
     g = [r for r in rows if r["section"] == "gguf"]
     if g:
         body = [dict(linears=published(r), act=r["act"], head=r["head"], **_line(r, ref)) for r in g]
-        parts.append(f"### {model}: the GGUF as published against re-quantized (A8 per token / per group: 32 for the "
-                     f"file's own, 64 for the re-quantized; float / int8 output projection)\n\n" + markdown_table(body, list(body[0])))
+        parts.append(f"### {model}: the GGUF as published against re-quantized (A8 per token / per group: 32 (as "
+                     f"served) and llama.cpp's groups (A8 Q8_K) for the file's own, 64 for the re-quantized; float / "
+                     f"int8 output projection)\n\nA8 Q8_K: each linear's activations per 32 (Q8_0), a K-quant's per "
+                     f"super-block of 256 (Q8_K), as llama.cpp's CPU dot products; vllm_lowbit's act_super_block.\n\n"
+                     + markdown_table(body, list(body[0])))
     return "\n\n".join(parts)
 
 
@@ -221,10 +248,10 @@ def conclusions(model: str, rows: list[dict]) -> list[str]:
             f"{w} {d(r)}" for w, r in prog.items()) + ".")  # fmt: skip
     g = [r for r in rows if r["section"] == "gguf"]
     if g:
-        pub = find("gguf", "bf16", "A8 g32")
-        out.append(f"GGUF as published (A8 per 32-group into the linears, the file's output projection on float "
-                   f"activations): {d(pub)}; "
-                   f"A8 per token {d(find('gguf', 'bf16', 'A8 token'))}; with an int8 output projection (A8 per 32) "
+        out.append(f"GGUF as published and served (A8 per 32-group into the linears, the file's output projection on "
+                   f"float activations): {d(find('gguf', 'bf16', 'A8 g32'))}; with llama.cpp's groups (a K-quant's A8 per "
+                   f"super-block of 256, Q8_K) {d(find('gguf', 'bf16', 'A8 Q8_K'))}; A8 per token "
+                   f"{d(find('gguf', 'bf16', 'A8 token'))}; with an int8 output projection (A8 per 32) "
                    f"{d(find('gguf', 'bf16', 'A8 g32', 'int8'))}. Re-quantized from it (A8 per 64-group, float output "
                    f"projection): " + "; ".join(f"{w} {d(find('gguf', w, 'A8 g64'))}" for w in
                                               ("affine4 g64 optimized", "int4 g64 optimized", "e0m4 g64 optimized",

@@ -37,7 +37,6 @@ vLLM 0.32 has no GGUF code. Three of its extension points, and one small patch:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -56,6 +55,7 @@ from aipc_kernels.lowbit.formats import LowBitWeight
 from . import gguf_source
 from .layers import (PluginQuantizationConfig, apply_lowbit, apply_segments, checkpoint_rows, checkpoint_tensor_name,
                      install_packed, install_segments, layer_shards, packed_embedding)  # fmt: skip
+from .options import GGUF_ACT_GROUP, gguf_layer_act_group
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -127,39 +127,38 @@ def install_routing() -> None:
 # ---------------------------------------------------------------------- quantization method
 
 
-#: int8 activation scales per this many K (0: one per token). 32 is how llama.cpp's own CPU dot products
-#: quantize the activations of Q4_0 .. Q8_0 weights (Q8_0 / Q8_1 blocks of 32; the K-quants' Q8_K blocks
-#: are 256); a layer whose group is larger (TQ1_0 / TQ2_0: 128) takes its group. On SmolLM2-135M Q4_1,
-#: 32 gives 96-98% teacher-forced top-1 agreement with transformers' float model and greedy runs
-#: closest to llama.cpp's; per-token scales (0) 90% (tests/vllm_lowbit/test_gguf.py, the report).
-ACT_GROUP = 32
-
-
 @register_quantization_config(GGUF_CPU)
 class GGUFCPUConfig(PluginQuantizationConfig):
     """A GGUF file's own blocks on the lowbit kernels (set by the routing for a ``.gguf`` model; the loader
-    gives it the file's tensor names for the errors). Its one key, ``act_group`` (default
-    :data:`ACT_GROUP`; 0 or a multiple of 32), may be given as ``--hf-overrides '{"quantization_config":
-    {"quant_method": "gguf_cpu", "act_group": 0}}'``."""
+    gives it the file's tensor names for the errors). Its keys, given as ``--hf-overrides '{"quantization_config":
+    {"quant_method": "gguf_cpu", "act_group": 0}}'``: ``act_group`` (default
+    :data:`~vllm_lowbit.options.GGUF_ACT_GROUP`; 0 or a multiple of 32) and ``act_super_block`` (default false:
+    true gives the K-quant layers one activation scale per super-block of 256, llama.cpp's Q8_K grouping)."""
 
-    def __init__(self, act_group: int = ACT_GROUP) -> None:
+    def __init__(self, act_group: int = GGUF_ACT_GROUP, act_super_block: bool = False) -> None:
         super().__init__()
         if type(act_group) is not int or act_group < 0 or act_group % 32:
             raise ValueError(f"{GGUF_CPU} quantization_config.act_group={act_group!r} must be 0 (one int8 activation "
-                             f"scale per token) or a positive multiple of 32 (per that many inputs, e.g. {ACT_GROUP})")  # fmt: skip
+                             f"scale per token) or a positive multiple of 32 (per that many inputs, e.g. {GGUF_ACT_GROUP})")  # fmt: skip
+        if type(act_super_block) is not bool:
+            raise ValueError(f"{GGUF_CPU} quantization_config.act_super_block={act_super_block!r} must be true (the "
+                             f"K-quant layers' activations per super-block of 256, as llama.cpp's Q8_K) or false")  # fmt: skip
+        if act_super_block and not act_group:
+            raise ValueError(f"{GGUF_CPU} quantization_config.act_super_block=true needs act_group > 0 (it widens "
+                             f"the groups; act_group 0 is one scale per token): drop one of the two")  # fmt: skip
         self.act_group = act_group
+        self.act_super_block = act_super_block
         self.source: Optional[gguf_source.GGUFTensors] = None
 
     def __repr__(self) -> str:
         where = "" if self.source is None else f"{str(self.source.ck.path)!r}, "
-        return f"GGUFCPUConfig({where}act_group={self.act_group})"
+        return f"GGUFCPUConfig({where}act_group={self.act_group}, act_super_block={self.act_super_block})"
 
     def layer_act_group(self, w: LowBitWeight) -> int:
-        """The op's ``act_group`` for weight ``w``: :attr:`act_group`, widened to a multiple of ``w``'s group."""
-        if self.act_group == 0:
-            return 0
-        a = math.lcm(self.act_group, w.group_size)
-        return a if w.in_features % a == 0 else w.group_size
+        """The op's ``act_group`` for weight ``w``: :attr:`act_group`, widened to a multiple of ``w``'s group and,
+        with :attr:`act_super_block`, of its super-block (K-quants; :func:`~vllm_lowbit.options.gguf_layer_act_group`)."""
+        return gguf_layer_act_group(self.act_group, w.group_size, w.super_block if self.act_super_block else None,
+                                    w.in_features)  # fmt: skip
 
     @classmethod
     def get_name(cls) -> str:
@@ -168,9 +167,10 @@ class GGUFCPUConfig(PluginQuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GGUFCPUConfig":
         keys = {k: v for k, v in (config or {}).items() if k != "quant_method"}
-        unknown = sorted(set(keys) - {"act_group"})
+        unknown = sorted(set(keys) - {"act_group", "act_super_block"})
         if unknown:
-            raise ValueError(f"{GGUF_CPU} quantization_config has unknown keys {unknown}; its only key is act_group")
+            raise ValueError(f"{GGUF_CPU} quantization_config has unknown keys {unknown}; its keys are act_group and "
+                             f"act_super_block")  # fmt: skip
         return cls(**keys)
 
     @classmethod

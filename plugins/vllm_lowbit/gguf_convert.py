@@ -21,7 +21,7 @@ format. What is written:
   ``layer_formats``; the min form, groups of 16, float32 scales and the two-level form are accepted in such
   checkpoints only;
 * ``act_group: 32``, as serving the GGUF (int8 activation scales per 32 inputs, as llama.cpp's CPU dot
-  products; a layer whose group is larger takes its group);
+  products; a layer whose group is larger takes its group: :func:`vllm_lowbit.options.gguf_layer_act_group`);
 * float tensors (norms, biases, F16 / F32 linears: listed in ``modules_to_not_convert``) as transformers'
   GGUF processing gives them, in the file's dtype where that is exact, else float32;
 * a quantized token embedding and untied output projection as their exact re-layout too, under
@@ -54,11 +54,9 @@ from aipc_kernels.lowbit.formats import FORMAT_NAME, LowBitWeight, load_lowbit
 from aipc_kernels.lowbit.modules import DEFAULT_SKIP
 
 from .checkpoint import CONVERTER, _linear_names, _progress, _ShardWriter
-from .options import GGUF_SOURCE, STORED, STORED_EMBEDDING, STORED_HEAD, quantization_config_dict
+from .options import (GGUF_ACT_GROUP, GGUF_SOURCE, STORED, STORED_EMBEDDING, STORED_HEAD,
+                      quantization_config_dict)  # fmt: skip
 
-#: int8 activation scales per this many inputs, as serving the GGUF file (vllm_lowbit.gguf.ACT_GROUP,
-#: not imported: that module needs vLLM, the converter does not)
-ACT_GROUP = 32
 #: the Hugging Face linears that vLLM loads as one merged layer (qkv_proj, gate_up_proj)
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.int8: "int8"}
@@ -183,7 +181,7 @@ def convert_gguf(
         head_stored = STORED_HEAD in stored or (tied and STORED_EMBEDDING in stored)
         layer_formats = {**{k: v for k, v in forms.items() if v != top}, **stored}
         config["quantization_config"] = quantization_config_dict(
-            top["codebook"], top["group_size"], scale_dtype=top["scale_dtype"], act_group=ACT_GROUP,
+            top["codebook"], top["group_size"], scale_dtype=top["scale_dtype"], act_group=GGUF_ACT_GROUP,
             modules_to_not_convert=sorted(float_linears), source=GGUF_SOURCE,
             lm_head=STORED if head_stored else "float", layer_formats=dict(sorted(layer_formats.items())),
             super_block=top.get("super_block"),
@@ -246,4 +244,4 @@ def _verify(part: Path, ck, tensors, log: Callable[[str], None]) -> str:
     return line
 
 
-__all__ = ["ACT_GROUP", "convert_gguf"]
+__all__ = ["convert_gguf"]

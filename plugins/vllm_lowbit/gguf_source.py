@@ -134,6 +134,7 @@ def config_folder(ck) -> Path:
     ``ck``, written on first use into :func:`cache_root`; later calls reuse it."""
     from aipc_kernels.core.atomic_output import OutputDirError, abandoned_staging_dirs, atomic_output_dir
 
+    ck.check_tokenizer_conversion()  # before the cache: a folder an older transformers wrote is keyed by its version
     path = ck.path.resolve()
     ident = _identity(path)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

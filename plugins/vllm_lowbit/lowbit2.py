@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -59,7 +58,7 @@ from .layers import (LowBitConfig, LowBitOnlineLinearMethod, apply_lowbit, apply
                      checkpoint_rows, checkpoint_tensor_name, effective_group_size, install_packed, install_segments,
                      layer_shards, packed_embedding)  # fmt: skip
 from .options import (CHECKPOINT_KEYS, CONFIG_NAMING, GGUF_SOURCE, STORED, STORED_EMBEDDING, STORED_HEAD,
-                      QuantizationConfigOptions, parse_quantization_config)  # fmt: skip
+                      QuantizationConfigOptions, gguf_layer_act_group, parse_quantization_config)  # fmt: skip
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures (INFO shows)
 
@@ -229,9 +228,9 @@ class LowBit2Config(LowBitConfig):
         # codebook, group_size, scale_dtype and super_block (an entry without one: one level)
         layer_options = dataclasses.replace(o, **({"super_block": None, **formats[0]} if formats[0] else {}))
         if o.source == GGUF_SOURCE and layer_options.act_group and layer_options.group_size != -1:
-            # as serving the GGUF file does (gguf.GGUFCPUConfig.layer_act_group): a layer whose group is
-            # larger than act_group (TQ1_0 / TQ2_0: 128) takes its group
-            act_group = math.lcm(layer_options.act_group, layer_options.group_size)
+            # as serving the GGUF file does (gguf.GGUFCPUConfig.layer_act_group, its default): a layer whose group
+            # is larger than act_group (TQ1_0 / TQ2_0: 128) takes its group
+            act_group = gguf_layer_act_group(layer_options.act_group, layer_options.group_size, None)
             layer_options = dataclasses.replace(layer_options, act_group=act_group)
         layer = copy.copy(self)
         layer.options = layer_options

@@ -11,6 +11,7 @@ with the per-layer :class:`LayerFormat` of ``layer_formats``: the one frozen obj
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -303,6 +304,28 @@ class ConverterOptions(LowBit2Options):
     threads: Optional[int] = option(None, ge=1, example=4)
 
 
+#: int8 activation scales per this many K when vLLM serves (or the converter writes) a GGUF file (0: one per
+#: token). 32 is how llama.cpp's own CPU dot products quantize the activations of Q4_0 .. Q8_0 weights (Q8_0 /
+#: Q8_1 blocks of 32); a layer whose group is larger (TQ1_0 / TQ2_0: 128) takes its group. llama.cpp quantizes
+#: the K-quants' activations per super-block of 256 (Q8_K): the ``gguf_cpu`` key ``act_super_block``, not the
+#: default, as it moves the served model away from its float weights (Gemma-3-270M Q4_K_M: KL 0.0052 against
+#: 0.0019 per 32; bench/quality.py, docs/vllm_lowbit.md). On SmolLM2-135M Q4_1, 32 gives 96-98% teacher-forced
+#: top-1 agreement with transformers' float model; per-token scales (0) 90% (tests/vllm_lowbit/test_gguf.py).
+GGUF_ACT_GROUP = 32
+
+
+def gguf_layer_act_group(act_group: int, group_size: int, super_block: Optional[int],
+                         in_features: Optional[int] = None) -> int:
+    """The op's ``act_group`` for a layer of a GGUF file (served, or converted): the configured ``act_group``
+    (0: one int8 activation scale per token) widened to a multiple of the layer's group and, where
+    ``super_block`` is given (a K-quant served with ``act_super_block``), of its super-block, as llama.cpp's Q8_K
+    activations. Where ``in_features`` is not a multiple of that, the layer's group."""
+    if act_group == 0:
+        return 0
+    a = math.lcm(act_group, group_size, super_block or 1)
+    return a if in_features is None or in_features % a == 0 else group_size
+
+
 def parse_quantization_config(config: dict[str, Any], naming: Naming = CONFIG_NAMING) -> QuantizationConfigOptions:
     """A ``quantization_config`` dict -> checked options (errors name ``lowbit2 quantization_config.KEY``, or
     the method's own ``naming``); ``source: gguf`` (a converted GGUF file) admits its stored forms too."""
@@ -352,5 +375,5 @@ def quantization_config_dict(
 __all__ = [
     "CHECKPOINT_CODEBOOKS", "CHECKPOINT_GROUP_SIZES", "CHECKPOINT_KEYS", "CHECKPOINT_SCALE_DTYPES", "ConverterOptions",
     "GGUF_SOURCE", "GGUFLayerFormat", "ProgressiveLayerFormat", "QUANTIZE_CODEBOOKS", "STORED", "STORED_EMBEDDING", "STORED_HEAD", "SUPER_BLOCKS", "GGUFQuantizationConfigOptions", "LayerFormat", "LowBit2Options", "QuantizationConfigOptions",
-    "parse_quantization_config", "quantization_config_dict",
+    "GGUF_ACT_GROUP", "gguf_layer_act_group", "parse_quantization_config", "quantization_config_dict",
 ]  # fmt: skip

@@ -419,6 +419,36 @@ def small_file(tmp_path) -> Path:
     return _write(folder / "m.gguf", tensors, {"llama.attention.head_count": 3, "general.name": "tiny"})
 
 
+@pytest.mark.parametrize("model,merges,version,refused", [
+    ("llama", False, "5.17.0", True),     # Gemma's SentencePiece vocabulary: 5.16 / 5.17 tokenize it wrongly
+    ("llama", False, "5.16.2", True),
+    ("llama", False, "4.57.1", True),
+    ("llama", False, "5.18.0", False),
+    ("llama", False, "6.0.0.dev0", False),
+    ("llama", False, None, False),        # the installed transformers (the extra pins >= 5.18)
+    ("llama", True, "5.17.0", False),     # with merges: not the conversion that went wrong
+    ("gpt2", True, "5.17.0", False),      # SmolLM2's GPT-2-style BPE: right on every version
+])  # fmt: skip
+def test_checkpoint_refuses_a_transformers_that_mistokenizes(tmp_path, model, merges, version, refused):
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma3")
+    w.add_tokenizer_model(model)
+    w.add_token_list(["<unk>", "\u2581the", "the"])
+    if merges:
+        w.add_token_merges(["t he"])
+    w.add_tensor("token_embd.weight", np.zeros((3, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ck = gf.GGUFCheckpoint.open(tmp_path / "t.gguf")
+    if not refused:
+        ck.check_tokenizer_conversion(version)
+        return
+    with pytest.raises(ValueError, match=rf"t.gguf' has a SentencePiece vocabulary .* transformers {version} converts "
+                                         r".* install transformers>=5.18"):  # fmt: skip
+        ck.check_tokenizer_conversion(version)
+
+
 def test_checkpoint_reads_a_file_without_writing(small_file):
     before = sorted(small_file.parent.iterdir())
     ckpt = gf.GGUFCheckpoint.open(str(small_file))

@@ -318,3 +318,44 @@ def test_super_block_split_by_tensor_parallel_is_refused(config_cls):
     with pytest.raises(ValueError, match=r"layer 'm.down_proj' stores its super-block scales over 512 inputs, which "
                                          r"this rank's K=256 .* a multiple of 512 \(e.g. 1\)"):  # fmt: skip
         method.create_weights(layer, 256, [64], 512, 64, torch.float32, weight_loader=None)
+
+
+@pytest.mark.parametrize("act_group,group,super_block,K,expected", [
+    (32, 32, None, 576, 32),      # Q4_0 / Q8_0 / Q4_1: per 32, as llama.cpp's Q8_0 / Q8_1 activations
+    (32, 128, None, 2048, 128),   # TQ2_0's groups of 128: the group
+    (32, 32, 256, 2048, 256),     # Q4_K with act_super_block: per super-block, as llama.cpp's Q8_K
+    (32, 16, 256, 1024, 256),     # Q6_K
+    (0, 16, 256, 1024, 0),        # per token stays per token
+    (64, 32, None, 96, 32),       # K not a multiple of the widened group: the layer's group
+])  # fmt: skip
+def test_gguf_layer_act_group(act_group, group, super_block, K, expected):
+    from vllm_lowbit.options import gguf_layer_act_group
+
+    assert gguf_layer_act_group(act_group, group, super_block, K) == expected
+
+
+def test_gguf_cpu_act_super_block():
+    """gguf_cpu's keys: the K-quant layers' activations per 32 by default, per super-block of 256 (llama.cpp's
+    Q8_K) with act_super_block; bad values refused naming the key."""
+    import gguf
+    import numpy as np
+    from aipc_kernels.checkpoints.gguf import relayout
+    from vllm_lowbit.gguf import GGUFCPUConfig
+
+    def weight(qtype, K=512, N=8):
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng(0).integers(0, 256, (N, K // block * nbytes), dtype=np.uint8)
+        return relayout(raw, qtype, (N, K), "blk.0.ffn_down.weight")
+
+    q4k, q6k, q8 = (weight(t) for t in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
+                                        gguf.GGMLQuantizationType.Q8_0))  # fmt: skip
+    default = GGUFCPUConfig.from_config({"quant_method": "gguf_cpu"})
+    assert [default.layer_act_group(w) for w in (q4k, q6k, q8)] == [32, 32, 32]
+    llamacpp = GGUFCPUConfig.from_config({"quant_method": "gguf_cpu", "act_super_block": True})
+    assert [llamacpp.layer_act_group(w) for w in (q4k, q6k, q8)] == [256, 256, 32]
+    with pytest.raises(ValueError, match=r"act_super_block='yes' must be true"):
+        GGUFCPUConfig.from_config({"act_super_block": "yes"})
+    with pytest.raises(ValueError, match=r"act_super_block=true needs act_group > 0"):
+        GGUFCPUConfig.from_config({"act_group": 0, "act_super_block": True})
+    with pytest.raises(ValueError, match=r"unknown keys \['group'\]; its keys are act_group and act_super_block"):
+        GGUFCPUConfig.from_config({"group": 32})

@@ -85,6 +85,11 @@ _FLOAT_NP = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.int16}
 #: llama.cpp's shard names: ``<prefix>-00001-of-00003.gguf``
 _SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _MERGE_HINT = "merge the shards into one file with llama.cpp's `llama-gguf-split --merge FIRST-SHARD.gguf OUT.gguf`"
+#: the first transformers whose GGUF tokenizer conversion keeps a SentencePiece vocabulary without merges
+#: (``tokenizer.ggml.model`` "llama": Gemma, Llama 2, Mistral v0.1) as the model's own: 5.16 / 5.17 split
+#: Gemma-3-270M's text (Python's pydoc topics) into 2.29 characters a token, 5.18 - 5.25 into 4.12 as
+#: llama.cpp does (GPT-2-style BPE vocabularies, e.g. SmolLM2's: the same 4.09 on every one of them)
+SPM_TOKENIZER_TRANSFORMERS = (5, 18)
 
 
 def _type_names(types) -> str:
@@ -568,6 +573,25 @@ class GGUFCheckpoint:
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, architecture={self.architecture!r}, tensors={len(self._tensors)})"
 
+    def check_tokenizer_conversion(self, transformers_version: Optional[str] = None) -> None:
+        """Refuses, naming the file and the fix, a transformers (``transformers_version``, default the installed
+        one) whose GGUF tokenizer conversion would give this file's vocabulary a tokenizer that is not the
+        model's (:data:`SPM_TOKENIZER_TRANSFORMERS`): call it before ``AutoTokenizer.from_pretrained(...,
+        gguf_file=...)``."""
+        if self.field("tokenizer.ggml.model") != "llama" or self._reader.get_field("tokenizer.ggml.merges") is not None:
+            return
+        if transformers_version is None:
+            import transformers
+
+            transformers_version = transformers.__version__
+        have = tuple(int(x) for x in re.findall(r"\d+", transformers_version)[:2])
+        if have < SPM_TOKENIZER_TRANSFORMERS:
+            need = ".".join(map(str, SPM_TOKENIZER_TRANSFORMERS))
+            raise ValueError(f"GGUF file {str(self.path)!r} has a SentencePiece vocabulary (tokenizer.ggml.model "
+                             f"'llama', no merges), which transformers {transformers_version} converts into a "
+                             f"tokenizer that splits text far finer than the model's own (Gemma-3: 2.29 characters "
+                             f"a token against 4.12); install transformers>={need}")  # fmt: skip
+
     def field(self, key: str, default: Any = None) -> Any:
         """Metadata value ``key`` as a Python value (str, int, float, bool or list), else ``default``."""
         f = self._reader.get_field(key)
@@ -607,6 +631,6 @@ class GGUFCheckpoint:
 
 
 __all__ = [
-    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SUPPORTED_TYPES", "as_min8", "cat_rows", "common_form",
+    "FLOAT_TYPES", "GGUFCheckpoint", "K_QUANTS", "LOWBIT_TYPES", "SPM_TOKENIZER_TRANSFORMERS", "SUPPORTED_TYPES", "as_min8", "cat_rows", "common_form",
     "form_runs", "llama_unpermute", "permute_rows", "relayout", "stack_runs", "unsupported_type_error",
 ]  # fmt: skip
