@@ -34,7 +34,11 @@ TEXTS = ("english", "code")
 
 def load(name: str):
     """``(model float32 eval, tokenizer, BOS id or None)`` with an untied output projection; the BOS id
-    when the file says a text starts with it (``tokenizer.ggml.add_bos_token``, as llama.cpp reads it)."""
+    when the file says a text starts with it (``tokenizer.ggml.add_bos_token``, as llama.cpp reads it). A
+    transformers that would convert the file's tokenizer wrongly is refused first."""
+    from aipc_kernels.checkpoints.gguf import GGUFCheckpoint
+
+    GGUFCheckpoint.open(fetch(name)).check_tokenizer_conversion()
     model, tok = load_transformers(name)
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     if head.weight is emb.weight:

@@ -130,10 +130,7 @@ def load_transformers(name: str, dtype=None, **fetch_kw):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from aipc_kernels.checkpoints.gguf import GGUFCheckpoint
-
     path = fetch(name, **fetch_kw)
-    GGUFCheckpoint.open(path).check_tokenizer_conversion()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
     return model.eval(), tok
