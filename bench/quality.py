@@ -863,7 +863,7 @@ def run_real(args) -> None:
         model, tok, bos = qr.load(name)
         xs, ys, spans, texts = qr.eval_windows(tok, bos, args.context, args.windows)
         ev = Evaluator(model.to(dev), xs, ys, args.eval_batch, dev, spans=spans,
-                       layer_groups={Q8_K: qr.served_act_groups(name, model, act_super_block=True)})
+                       layer_groups={Q8_K: qr.llamacpp_act_groups(name, model)})
         rows, miss = evaluate(ev, rows_for(args.rows, args.weights), lambda: time.perf_counter() - start > args.deadline_s)
         ref = rows[0]
         for r in rows:
@@ -872,9 +872,9 @@ def run_real(args) -> None:
         skipped += [f"{name} {m}" for m in miss]
         lines += qr.conclusions(name, rows)
         q8k = Counter(ev.layer_groups[Q8_K].values())
-        served = ", ".join(f"{n} linears per {g}" for g, n in sorted(q8k.items()))
+        per = ", ".join(f"{n} linears per {g}" for g, n in sorted(q8k.items()))
         parts.append(f"## {name}\n\n{qr.MODELS[name].model}; {qr.MODELS[name].architecture}; licence "
-                     f"{qr.MODELS[name].licence}. Activations {Q8_K} (K-quants per super-block): {served}.\n\n" + qr.tables(name, rows))
+                     f"{qr.MODELS[name].licence}. Activations {Q8_K} (K-quants per super-block): {per}.\n\n" + qr.tables(name, rows))
         facts[name] = dict(texts=texts, seconds=round(time.perf_counter() - t0, 1), quantize_seconds=round(ev.quant_seconds, 1),
                            q8k_act_groups=dict(q8k))
         del model, ev

@@ -46,12 +46,12 @@ def load(name: str):
     return model, tok, file_bos(fetch(name))
 
 
-def served_act_groups(name: str, model, act_super_block: bool = False) -> dict[str, int]:
-    """Linear name -> the int8 activation group its layer gets when vLLM serves registry model ``name``'s GGUF
-    file (0: per token): ``vllm_lowbit``'s default, per 32 inputs widened to the layer's group, and with
-    ``act_super_block`` a K-quant's per super-block of 256 (llama.cpp's Q8_K;
-    ``vllm_lowbit.options.gguf_layer_act_group``). The file's tensors are found under the model's names by the
-    plugin's own map (transformers' ``get_gguf_hf_weights_map``)."""
+def llamacpp_act_groups(name: str, model) -> dict[str, int]:
+    """Linear name -> the int8 activation group llama.cpp's CPU dot products give its layer in registry model
+    ``name``'s GGUF file: per 32 (Q8_0 / Q8_1), a layer's larger group, a K-quant's super-block of 256 (Q8_K).
+    This is what vLLM serves with ``gguf_cpu``'s ``act_super_block`` (``vllm_lowbit.options.gguf_layer_act_group``);
+    the file's tensors are found under the model's names by the plugin's own map (transformers'
+    ``get_gguf_hf_weights_map``)."""
     from gguf.constants import QK_K  # the K-quants' super-block: 256
 
     from aipc_kernels.checkpoints.gguf import K_QUANTS, LOWBIT_TYPES, GGUFCheckpoint
@@ -64,8 +64,7 @@ def served_act_groups(name: str, model, act_super_block: bool = False) -> dict[s
     out = {}
     for n in linear_names(model):
         qtype = ck.tensor_type(names.gguf_name(f"{n}.weight"))
-        super_block = QK_K if act_super_block and qtype in K_QUANTS else None
-        out[n] = gguf_layer_act_group(GGUF_ACT_GROUP, LOWBIT_TYPES[qtype][1], super_block,
+        out[n] = gguf_layer_act_group(GGUF_ACT_GROUP, LOWBIT_TYPES[qtype][1], QK_K if qtype in K_QUANTS else None,
                                       model.get_submodule(n).in_features)  # fmt: skip
     return out
 
