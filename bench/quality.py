@@ -677,7 +677,7 @@ def find(rows: list[dict], section: Optional[str] = None, **kw) -> Optional[dict
 def conclusions(rows: list[dict]) -> list[str]:
     """The summary lines: what 2 and 4 bits cost, the activations and the output projection."""
     ref = find(rows, "reference")
-    d = lambda r: f"ppl {r['ppl']:.3f} ({dppl_str(r)}, KL {kl_str(r['kl'])})" if r else "not run"  # noqa: E731
+    d = lambda r: f"ppl {r['ppl']:.3f} ({dppl_str(r)}, KL {kl_str(r['kl'])})" if r else "not in this run (row not selected)"  # noqa: E731
     w = lambda cb, g, q: find(rows, None, weights=WFmt(cb, g, q).label, act="A16", head="bf16")  # noqa: E731
     out = [f"bf16 (unquantized): held-out ppl {ref['ppl']:.3f}."]
     two = [r for r in rows if r["section"] == "weights" and r["bits"] <= 2]
