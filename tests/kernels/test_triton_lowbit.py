@@ -455,6 +455,26 @@ def test_cuda_gemm_cuda_graph_and_repeat():
     _graph_replays_and_repeats_bitwise(x, p, dict(CUDA_GEMM, BLOCK_M=128, BLOCK_N=128, WM=2, WN=4, num_warps=8, num_stages=4), ref)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA C kernels are compiled by NVRTC: a GPU only")
+def test_cuda_kernels_take_a_bias_of_another_dtype():
+    """The op takes a bias of any float dtype, not tied to x's: each CUDA C kernel (cuda_stream at M = 1,
+    cuda_mma at 16, cuda_gemm at 64), which reads the bias in x's dtype, gets it converted first (float32 beside
+    bf16 x, bf16 beside float32 x, float64 beside fp16 x), against the float64 int8-activation reference with the
+    bias as given (the bias's rounding to x's dtype is within the output's tolerance)."""
+    K, N = 960, 200
+    w, p = _case(N, K, "int2", 64, seed=11)
+    for M, cfg in ((1, CUDA_STREAM), (16, CUDA_MMA), (64, CUDA_GEMM)):
+        g = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, generator=g) * 2
+        for dtype, bdtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float64)):
+            bias = (torch.randn(N, generator=g) * 4).to(bdtype)
+            xd = x.to(DEVICE, dtype)
+            ref = ops.reference_linear_w8(xd.cpu().float(), w, bias.float())
+            y = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
+            _close(tlin.lowbit_linear_triton(xd, p, bias.to(DEVICE), config=cfg, out=y), ref,
+                   2e-5 if dtype == torch.float32 else 8e-3)  # fmt: skip
+
+
 def test_cuda_gemm_refusals():
     """What cuda_gemm cannot run is refused with the fix (the Triton ``group`` kernel), before any launch:
     4-bit codes, whole-row groups, N % 8 != 0, M <= 16, a tile outside its list (and, without compiled CUDA,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -41,6 +42,15 @@ def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available:
             or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
         raise ValueError(f"config {cfg}: {name} needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
                          f"and scales; use KERNEL='group'")
+
+
+def bias_operand(bias: Optional[torch.Tensor], x2: torch.Tensor, dummy: torch.Tensor) -> torch.Tensor:
+    """The bias pointer the CUDA kernels take: they read the bias in x's dtype (``in_t``), and the op does not tie the
+    two, so a bias of another dtype is converted to x's first (rounded once where x is narrower; a float32 bias beside
+    bf16 x was read as bf16 halves); no bias: ``dummy``."""
+    if bias is None:
+        return dummy
+    return bias if bias.dtype == x2.dtype else bias.to(x2.dtype)
 
 
 def compiled(source: Path, kernel: str, names: tuple[str, ...], values: tuple, shared_mem: int = 0) -> object:

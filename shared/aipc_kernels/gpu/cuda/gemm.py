@@ -25,7 +25,7 @@ import torch
 from aipc_kernels.lowbit.formats import get_codebook
 from aipc_kernels.lowbit.packing import PackedLowBit
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
-from aipc_kernels.gpu.cuda.build import KINDS, check_w2_operands, compiled, float_literal, nvrtc_available
+from aipc_kernels.gpu.cuda.build import KINDS, bias_operand, check_w2_operands, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_gemm"
 # the variant key's fields, in order (cuda_build.compiled)
@@ -106,6 +106,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     smem = st * stage_bytes(bm, bn, weight.group_size, weight.scales.element_size(), weight.zeros is not None)
     kern = compiled(SOURCE, "lowbit_gemm_w2", _MACROS, key, shared_mem=smem)  # the key decides smem
     args = [xq, sx, sx if xsum is None else xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
-            weight.scales if bias is None else bias, y, M, N, Kp, weight.scales.shape[0]]  # fmt: skip
+            bias_operand(bias, x2, weight.scales), y, M, N, Kp, weight.scales.shape[0]]  # fmt: skip
     with torch.cuda.device(x2.device):
         kern(grid=(-(-N // bn), -(-M // bm), 1), block=(32 * wm * wn, 1, 1), args=args, shared_mem=smem)

@@ -27,7 +27,7 @@ from aipc_kernels.lowbit.formats import get_codebook
 from aipc_kernels.lowbit.packing import PackedLowBit
 from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
 from aipc_kernels.gpu.triton.lowbit.common import split_plan
-from aipc_kernels.gpu.cuda.build import KINDS, check_w2_operands, compiled, float_literal, nvrtc_available
+from aipc_kernels.gpu.cuda.build import KINDS, bias_operand, check_w2_operands, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_mma"
 # the variant key's fields, in order (cuda_build.compiled)
@@ -108,6 +108,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
            float_literal(cb.cmul), float_literal(cb.zero or 0.0))  # fmt: skip
     kern = compiled(SOURCE, "lowbit_mma_w2", _MACROS, key)
     args = [xq, sx, xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
-            weight.scales if bias is None else bias, y, ws, locks, M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip
+            bias_operand(bias, x2, weight.scales), y, ws, locks, M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip
     with torch.cuda.device(x2.device):
         kern(grid=(row_blocks, split, 1), block=(32 * nw, 1, 1), args=args)

@@ -21,7 +21,7 @@ import torch
 from aipc_kernels.lowbit.formats import get_codebook
 from aipc_kernels.lowbit.packing import PackedLowBit
 from aipc_kernels.gpu.triton.lowbit.common import sm_count
-from aipc_kernels.gpu.cuda.build import KINDS, compiled, float_literal, nvrtc_available
+from aipc_kernels.gpu.cuda.build import KINDS, bias_operand, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_stream"
 # the variant key's fields, in order (cuda_build.compiled)
@@ -99,6 +99,6 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     with torch.cuda.device(x2.device):
         kern(grid=(blocks, 1, 1), block=(32 * nw, 1, 1), args=[
             x2, weight.scales if act_amax is None else act_amax, weight.qweight, weight.scales,
-            weight.scales if weight.zeros is None else weight.zeros, weight.scales if bias is None else bias, y,
+            weight.scales if weight.zeros is None else weight.zeros, bias_operand(bias, x2, weight.scales), y,
             N, K, weight.scales.shape[0],
         ])  # fmt: skip
