@@ -239,8 +239,9 @@ def test_the_form_selects_its_kernel_and_others_refuse_it():
         assert registry.heuristic_config(M, 40, 512, 2, dev, progressive=True)["KERNEL"] == want
     assert tuning.config_key(64, 40, 512, 64, 2, progressive=True) == "gemm:m64:n40:k512:g64:b2:p"
     assert registry.runs(GROUP, x2, p) and not registry.runs(dict(GEMM, KERNEL="cuda_gemm"), x2, p)
+    mma = {"cuda_mma"} if ON_GPU and registry.KERNELS["cuda_mma"].available(dev) else set()  # CUDA C: compiled GPUs only
     assert {c["KERNEL"] for c in tuning.candidates(64, packing.pack_for_triton(_weight(128, 512, "min2", 64, 7)[1]))} == {
-        "progressive", "expand", "group"}
+        "progressive", "expand", "group"} | mma
     assert {c["KERNEL"] for c in tuning.candidates(1, p)} == {"progressive", "stream"}
     single = packing.pack_for_triton(q.single_level()).to(DEVICE)
     assert not registry.runs(GEMM, x2, single) and not registry.runs(EXPAND, x2, single)
@@ -252,6 +253,43 @@ def test_the_form_selects_its_kernel_and_others_refuse_it():
         pkernel.check(x2, packing.pack_for_triton(q4).to(DEVICE), GEMM_CAT)
     inv = registry.invariant_config(dict(GEMV, ATOMIC=1), 1, 40, 512, 2, dev)
     assert inv["KERNEL"] == "progressive" and inv["SPLIT_K"] == 1 and "ATOMIC" not in inv
+
+
+MMA = {"KERNEL": "cuda_mma", "BLOCK_N": 32, "NT": 4, "SPLIT_K": 1, "D": 2, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuda_mma is CUDA C compiled by NVRTC: a GPU only")
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cuda_mma_takes_the_form(group):
+    """The CUDA C tensor-core kernel on the form (int8 scales and mins, s0 per row): one to four 16-token tiles, row
+    tiles of 2 / 4 / 8 rows' pairs past a ragged N, K padded past the last group, splits, several warps, bias, x's
+    dtypes; extreme levels; against the float64 reference. NT = 1 is refused naming the fix."""
+    from aipc_kernels.gpu.cuda import mma as cuda_mma
+
+    N, K = 208, 896 if group == 128 else 960  # N: 6 row blocks of 32 and one of 16 (N % 16 == 0, as NT = 8 needs)
+    _, q = _weight(N, K, "min2", group, seed=group)
+    p = packing.pack_for_triton(q).to(DEVICE)
+    cfgs = (MMA, dict(MMA, SPLIT_K=3, D=1), dict(MMA, BLOCK_N=16, NT=2, num_warps=16, SPLIT_K=8),
+            dict(MMA, BLOCK_N=64, NT=8, num_warps=1, D=4), dict(MMA, BLOCK_N=16, NT=2, num_warps=8, D=4, SPLIT_K=2))
+    for M, dtype in ((2, torch.bfloat16), (16, torch.float16), (17, torch.float32), (64, torch.bfloat16)):
+        g = torch.Generator().manual_seed(M + group)
+        x = torch.randn(M, K, generator=g).to(dtype)
+        bias = torch.randn(N, generator=g)
+        ref = _reference(x.float(), q, bias)
+        for cfg in cfgs:
+            if cfg["NT"] * -(-M // 16) > 8 or cuda_mma.shared_bytes(cfg["num_warps"], cfg["NT"], -(-M // 16)) > cuda_mma.MAX_SHARED:
+                continue  # a lane's accumulators (NT * ceil(M / 16) <= 8) and the warp sums' shared memory, as tuned
+            out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+            _close(tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, out=out), ref,
+                   TOL if dtype == torch.float32 else 8e-3)  # fmt: skip
+    codes = torch.randint(0, 2, (16, 2048), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)) * 3
+    extreme = progressive.from_parts(codes, torch.full((16, 32), 85), torch.full((16, 32), -128), torch.full((16,), 2.0**-10),
+                                     "min2", 64)  # fmt: skip
+    x = torch.where(torch.rand(5, 2048, generator=torch.Generator().manual_seed(4)) < 0.5, -1.0, 1.0)
+    pe = packing.pack_for_triton(extreme).to(DEVICE)
+    _close(tlin.lowbit_linear_triton(x.to(DEVICE), pe, config=dict(MMA, BLOCK_N=16, NT=2)), _reference(x, extreme))
+    with pytest.raises(ValueError, match="NT >= 2.*KERNEL='group'"):
+        tlin.lowbit_linear_triton(x.to(DEVICE), pe, config=dict(MMA, BLOCK_N=8, NT=1))
 
 
 def test_bad_supers_are_refused_naming_the_operand():

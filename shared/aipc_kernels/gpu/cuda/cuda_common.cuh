@@ -5,6 +5,7 @@
 
 template <int kind> struct Kind { typedef unsigned short T; };
 template <> struct Kind<0> { typedef float T; };
+template <> struct Kind<3> { typedef signed char T; };  // int8 group scales (cuda_mma's PROG)
 typedef typename Kind<IN_KIND>::T in_t;
 typedef typename Kind<SCALE_KIND>::T scale_t;
 

@@ -19,10 +19,15 @@
 // ticket.
 //
 // Macros: IN_KIND / SCALE_KIND (cuda_common.cuh), G (32, 64, 128), NT, MT, NW, D, SPLIT (SPLIT_K),
-// HAS_ZEROS, HAS_BIAS, CMUL, ZERO (float literals). N % 8 == 0. No CUDA header is included.
+// HAS_ZEROS, HAS_BIAS, CMUL, ZERO (float literals), PROG. N % 8 == 0. No CUDA header is included.
+// PROG: the progressive two-level form (lowbit/progressive.py): int8 group scales s1 (sc, SCALE_KIND 3) and
+// mins m (zp, HAS_ZEROS), one fp32 scale per row (s0p); per group s1 * dot + m * xsum (integers below 2**24:
+// exact in fp32), times the row's s0 at the end. NT >= 2 (a lane's 2 NT int8 values are whole words).
 
 #if SCALE_KIND == 0  // 32-bit words of a lane's 2 NT scales (zeros)
 #define SW (2 * NT)
+#elif SCALE_KIND == 3
+#define SW (NT / 2)
 #else
 #define SW NT
 #endif
@@ -31,6 +36,8 @@
 __device__ __forceinline__ float scale_of(const unsigned (&w)[SW], int r) {
 #if SCALE_KIND == 0
   return __uint_as_float(w[r]);
+#elif SCALE_KIND == 3
+  return (float)(signed char)((w[r >> 2] >> (8 * (r & 3))) & 0xffu);
 #else
   return h2f((unsigned short)(w[r >> 1] >> (16 * (r & 1))), SCALE_KIND);
 #endif
@@ -166,10 +173,17 @@ __device__ __forceinline__ void chunk_math(float (&out)[MT][NT][4], const Step& 
         for (int mt = 0; mt < MT; ++mt) {
           const float f0 = __int_as_float(acc[mt][t][0]) - 12582912.f, f1 = __int_as_float(acc[mt][t][1]) - 12582912.f;
           const float f2 = __int_as_float(acc[mt][t][2]) - 12582912.f, f3 = __int_as_float(acc[mt][t][3]) - 12582912.f;
+#if PROG  // s1 * dot + m * xsum (the scales s1, the zeros m)
+          out[mt][t][0] += fmaf(s0, f0, z0 * xg[mt][0]);
+          out[mt][t][1] += fmaf(s1, f1, z1 * xg[mt][0]);
+          out[mt][t][2] += fmaf(s0, f2, z0 * xg[mt][1]);
+          out[mt][t][3] += fmaf(s1, f3, z1 * xg[mt][1]);
+#else
           out[mt][t][0] = fmaf(s0, fmaf(CMUL, f0, -z0 * xg[mt][0]), out[mt][t][0]);
           out[mt][t][1] = fmaf(s1, fmaf(CMUL, f1, -z1 * xg[mt][0]), out[mt][t][1]);
           out[mt][t][2] = fmaf(s0, fmaf(CMUL, f2, -z0 * xg[mt][1]), out[mt][t][2]);
           out[mt][t][3] = fmaf(s1, fmaf(CMUL, f3, -z1 * xg[mt][1]), out[mt][t][3]);
+#endif
         }
       }
     }
@@ -180,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32) lowbit_mma_w2(
     const unsigned char* __restrict__ xq, const float* __restrict__ sx, const int* __restrict__ xsum,
     const unsigned char* __restrict__ wq, const scale_t* __restrict__ sc, const scale_t* __restrict__ zp,
     const in_t* __restrict__ bias, in_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ lock,
-    int M, int N, int Kp, int NG, int CPS) {
+    const float* __restrict__ s0p, int M, int N, int Kp, int NG, int CPS) {
   constexpr int F = MT * NT * 4;  // a lane's C values
   __shared__ float red[NW][F][32];
   __shared__ int last;
@@ -232,6 +246,9 @@ extern "C" __global__ void __launch_bounds__(NW * 32) lowbit_mma_w2(
 #pragma unroll
     for (int w = 0; w < NW; ++w) v += red[w][f][l];
     if (m < M && n < N) {
+#if PROG
+      v *= s0p[n];
+#endif
       v *= sx[m];
 #if SPLIT == 1
 #if HAS_BIAS

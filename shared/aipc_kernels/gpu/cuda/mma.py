@@ -6,8 +6,10 @@ Issue 20 allows a vendor kernel behind the same op. After the Triton activation 
 each block streams NT tiles of 8 weight rows over its chunk range, its warps taking the chunks in turn,
 D chunks of loads ahead of the math: per bit-plane one ``mma.sync.m16n8k32`` of the masked codes (u8) against the
 activation codes (s8) per 16 tokens, no shared memory on the way (``cuda_mma.cu`` says how). 2-bit code
-books with groups of 32, 64 or 128 (fixed or stored zeros, fp16/bf16 scales; not the min form), N % 8 == 0; anything else raises a ValueError
-naming the Triton ``group`` kernel. Compiled at first use by NVRTC through ``torch.cuda._compile_kernel``
+books with groups of 32, 64 or 128 (fixed or stored zeros, fp16/bf16 scales; not the min form), N % 8 == 0, and the
+progressive two-level form (:mod:`~aipc_kernels.lowbit.progressive`, ``min2``: int8 group scales and mins, each
+group's ``s1 * dot + m * xsum`` exact in fp32, the row's ``s0`` at the end; ``NT >= 2``, ``N % 16 == 0`` with ``NT = 8``);
+anything else raises a ValueError naming the Triton ``group`` kernel. Compiled at first use by NVRTC through ``torch.cuda._compile_kernel``
 (no CUDA toolkit needed, one compile per variant and process); never runs in the Triton interpreter:
 its tests need a GPU.
 
@@ -30,8 +32,10 @@ from aipc_kernels.gpu.triton.lowbit.common import split_plan
 from aipc_kernels.gpu.cuda.build import KINDS, bias_operand, check_w2_operands, compiled, float_literal, nvrtc_available
 
 NAME = "cuda_mma"
+FORMS = ("single", "progressive")  # registry.takes: the progressive form's int8 scales and mins too, times s0
 # the variant key's fields, in order (cuda_build.compiled)
-_MACROS = ("IN_KIND", "SCALE_KIND", "G", "NT", "MT", "NW", "D", "SPLIT", "HAS_ZEROS", "HAS_BIAS", "CMUL", "ZERO")
+_MACROS = ("IN_KIND", "SCALE_KIND", "G", "NT", "MT", "NW", "D", "SPLIT", "HAS_ZEROS", "HAS_BIAS", "CMUL", "ZERO", "PROG")
+INT8_SCALES = 3  # SCALE_KIND of the progressive form's int8 group scales (cuda_common.cuh)
 SOURCE = Path(__file__).with_name("cuda_mma.cu")
 MAX_M = 64  # four 16-token tiles per block
 MAX_SHARED = 48 * 1024  # static shared memory of a block
@@ -83,13 +87,34 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
     M = x2.shape[0]
     if not 1 < M <= MAX_M:
         raise ValueError(f"config {cfg}: the cuda_mma kernel takes 1 < M <= {MAX_M} (M={M}); use KERNEL='group'")
-    check_w2_operands(NAME, x2, weight, cfg, available(x2.device))
     nt, nw = cfg.get("NT", 1), cfg["num_warps"]
+    if weight.supers is None:
+        check_w2_operands(NAME, x2, weight, cfg, available(x2.device))
+    else:
+        _check_progressive(x2, weight, cfg, nt)
     if nt not in (1, 2, 4, 8) or cfg["BLOCK_N"] != 8 * nt or cfg.get("D", 1) not in (1, 2, 4) or nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config {cfg}: cuda_mma takes NT in (1, 2, 4, 8) with BLOCK_N = 8 NT, D in (1, 2, 4), num_warps in (1, 2, 4, 8, 16)")
     if shared_bytes(nw, nt, -(-M // 16)) > MAX_SHARED:
         raise ValueError(f"config {cfg}: cuda_mma's warp sums at M={M} need {shared_bytes(nw, nt, -(-M // 16))} bytes of shared "
                          f"memory, more than {MAX_SHARED}: fewer warps or a smaller NT")
+
+
+def _check_progressive(x2: torch.Tensor, weight: PackedLowBit, cfg: dict, nt: int) -> None:
+    """The refusals for the progressive form (2-bit codes, int8 scales and mins, one fp32 ``s0`` per row)."""
+    G, N, K = weight.group_size, weight.out_features, x2.shape[1]
+    if not available(x2.device):
+        raise ValueError(f"config {cfg}: {NAME} needs compiled CUDA on sm_80+ with torch.cuda._compile_kernel; use KERNEL='group'")
+    if get_codebook(weight.codebook).bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
+        raise ValueError(f"config {cfg}: {NAME} takes the progressive form's 2-bit codes in groups of 32, 64 or 128 and "
+                         f"N % 8 == 0 ({weight.codebook}, group {G}, N={N}); use KERNEL='group'")
+    if nt < 2 or (nt == 8 and N % 16):
+        raise ValueError(f"config {cfg}: {NAME} takes the progressive form's int8 scales with NT >= 2 (NT = 8: N % 16 == 0, "
+                         f"N={N}); use a smaller NT or KERNEL='group'")
+    if (x2.dtype not in KINDS or weight.scales.dtype != torch.int8 or weight.zeros is None or weight.zeros.dtype != torch.int8
+            or weight.supers.dtype != torch.float32 or weight.qweight.data_ptr() % 16 or weight.scales.data_ptr() % 16
+            or weight.zeros.data_ptr() % 16):
+        raise ValueError(f"config {cfg}: {NAME} needs the progressive form with int8 scales and mins, fp32 supers, 16-byte "
+                         f"aligned codes, scales and mins and fp32/fp16/bf16 x; use KERNEL='group'")
 
 
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
@@ -103,11 +128,13 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
     xq, sx, xsum = quantize_rows(x2, Kp, sums=True, act_amax=act_amax, perm=True)
     row_blocks = -(-N // cfg["BLOCK_N"])
     split, per_split, ws, locks, _ = split_plan(Kp // 128, cfg.get("SPLIT_K", 1), row_blocks, M, N, y)  # ticket path
-    key = (KINDS[x2.dtype], KINDS[weight.scales.dtype], weight.group_size, nt, -(-M // 16), nw, d, split,
-           int(weight.zeros is not None), int(bias is not None),
-           float_literal(cb.cmul), float_literal(cb.zero or 0.0))  # fmt: skip
+    prog = weight.supers is not None
+    key = (KINDS[x2.dtype], INT8_SCALES if prog else KINDS[weight.scales.dtype], weight.group_size, nt, -(-M // 16), nw,
+           d, split, int(weight.zeros is not None), int(bias is not None),
+           float_literal(cb.cmul), float_literal(cb.zero or 0.0), int(prog))  # fmt: skip
     kern = compiled(SOURCE, "lowbit_mma_w2", _MACROS, key)
     args = [xq, sx, xsum, weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
-            bias_operand(bias, x2, weight.scales), y, ws, locks, M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip
+            bias_operand(bias, x2, weight.scales), y, ws, locks, weight.supers if prog else sx,
+            M, N, Kp, weight.scales.shape[0], per_split]  # fmt: skip
     with torch.cuda.device(x2.device):
         kern(grid=(row_blocks, split, 1), block=(32 * nw, 1, 1), args=args)
