@@ -24,10 +24,12 @@ def nvrtc_available(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETED and torch.version.cuda is not None and hasattr(torch.cuda, "_compile_kernel")
 
 
-def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available: bool) -> None:
+def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available: bool, progressive: bool = False) -> None:
     """The refusals the 2-bit tensor-core kernels (``cuda_mma``, ``cuda_gemm``) share, each a ValueError naming
     the Triton ``group`` kernel: no compiled CUDA, not 2-bit codes in groups of 32/64/128, N % 8, misaligned or
-    unsupported operands, the min form and float32 scales (GGUF's forms). ``weight`` is a :class:`~aipc_kernels.lowbit.packing.PackedLowBit`."""
+    unsupported operands, the min form and float32 scales (GGUF's forms). ``progressive``: the kernel takes the
+    progressive two-level form too (``weight.supers`` set: int8 scales and mins, float32 supers), which is then checked
+    for those instead of refused as a min form. ``weight`` is a :class:`~aipc_kernels.lowbit.packing.PackedLowBit`."""
     cb = get_codebook(weight.codebook)
     G, N, K = weight.group_size, weight.out_features, x2.shape[1]
     if not available:
@@ -35,10 +37,17 @@ def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available:
     if cb.bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
         raise ValueError(f"config {cfg}: {name} takes 2-bit codes in groups of 32, 64 or 128 and N % 8 == 0 "
                          f"({weight.codebook}, {cb.bits} bits, group {G}, N={N}); use KERNEL='group'")
-    if cb.mins or weight.scales.dtype == torch.float32:
+    form = progressive and weight.supers is not None  # the progressive form, for a kernel that takes it
+    if form:
+        if (weight.scales.dtype != torch.int8 or weight.zeros is None or weight.zeros.dtype != torch.int8
+                or weight.supers.dtype != torch.float32):
+            raise ValueError(f"config {cfg}: {name} takes the progressive form with int8 scales and mins and float32 "
+                             f"supers; use KERNEL='group'")
+    elif cb.mins or weight.scales.dtype == torch.float32:
         raise ValueError(f"config {cfg}: {name} takes neither the min form nor float32 scales (GGUF's Q4_1 / K-quants: "
                          f"{weight.codebook}, scales {weight.scales.dtype}); use KERNEL='group'")
-    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in KINDS
+    scale_kinds = (torch.int8,) if form else KINDS
+    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in scale_kinds
             or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
         raise ValueError(f"config {cfg}: {name} needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
                          f"and scales; use KERNEL='group'")

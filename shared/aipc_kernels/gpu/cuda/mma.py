@@ -88,33 +88,15 @@ def check(x2: torch.Tensor, weight: PackedLowBit, cfg: dict) -> None:
     if not 1 < M <= MAX_M:
         raise ValueError(f"config {cfg}: the cuda_mma kernel takes 1 < M <= {MAX_M} (M={M}); use KERNEL='group'")
     nt, nw = cfg.get("NT", 1), cfg["num_warps"]
-    if weight.supers is None:
-        check_w2_operands(NAME, x2, weight, cfg, available(x2.device))
-    else:
-        _check_progressive(x2, weight, cfg, nt)
+    check_w2_operands(NAME, x2, weight, cfg, available(x2.device), progressive=True)
+    if weight.supers is not None and (nt < 2 or (nt == 8 and weight.out_features % 16)):
+        raise ValueError(f"config {cfg}: {NAME} takes the progressive form's int8 scales with NT >= 2 (NT = 8: N % 16 == 0, "
+                         f"N={weight.out_features}); use a smaller NT or KERNEL='group'")
     if nt not in (1, 2, 4, 8) or cfg["BLOCK_N"] != 8 * nt or cfg.get("D", 1) not in (1, 2, 4) or nw not in (1, 2, 4, 8, 16):
         raise ValueError(f"config {cfg}: cuda_mma takes NT in (1, 2, 4, 8) with BLOCK_N = 8 NT, D in (1, 2, 4), num_warps in (1, 2, 4, 8, 16)")
     if shared_bytes(nw, nt, -(-M // 16)) > MAX_SHARED:
         raise ValueError(f"config {cfg}: cuda_mma's warp sums at M={M} need {shared_bytes(nw, nt, -(-M // 16))} bytes of shared "
                          f"memory, more than {MAX_SHARED}: fewer warps or a smaller NT")
-
-
-def _check_progressive(x2: torch.Tensor, weight: PackedLowBit, cfg: dict, nt: int) -> None:
-    """The refusals for the progressive form (2-bit codes, int8 scales and mins, one fp32 ``s0`` per row)."""
-    G, N, K = weight.group_size, weight.out_features, x2.shape[1]
-    if not available(x2.device):
-        raise ValueError(f"config {cfg}: {NAME} needs compiled CUDA on sm_80+ with torch.cuda._compile_kernel; use KERNEL='group'")
-    if get_codebook(weight.codebook).bits != 2 or G not in (32, 64, 128) or G == K or N % 8:
-        raise ValueError(f"config {cfg}: {NAME} takes the progressive form's 2-bit codes in groups of 32, 64 or 128 and "
-                         f"N % 8 == 0 ({weight.codebook}, group {G}, N={N}); use KERNEL='group'")
-    if nt < 2 or (nt == 8 and N % 16):
-        raise ValueError(f"config {cfg}: {NAME} takes the progressive form's int8 scales with NT >= 2 (NT = 8: N % 16 == 0, "
-                         f"N={N}); use a smaller NT or KERNEL='group'")
-    if (x2.dtype not in KINDS or weight.scales.dtype != torch.int8 or weight.zeros is None or weight.zeros.dtype != torch.int8
-            or weight.supers.dtype != torch.float32 or weight.qweight.data_ptr() % 16 or weight.scales.data_ptr() % 16
-            or weight.zeros.data_ptr() % 16):
-        raise ValueError(f"config {cfg}: {NAME} needs the progressive form with int8 scales and mins, fp32 supers, 16-byte "
-                         f"aligned codes, scales and mins and fp32/fp16/bf16 x; use KERNEL='group'")
 
 
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
