@@ -159,6 +159,8 @@ CASES = [  # (M, N, K, codebook, group, config): decode, a split GEMV, GEMM tile
     (64, 50, 320, "min4", 64, None), (40, 65, 576, "min2", 64, GEMM_B), (17, 48, 512, "min4", -1, GEMM_B),
     (40, 65, 576, "min2", 64, EXPAND), (20, 33, 320, "min4", 32, EXPAND), (40, 65, 512, "min2", 64, EXPAND),
     (20, 33, 256, "min4", 32, EXPAND), (40, 65, 576, "min2", 64, GEMM_CAT),
+    (40, 97, 576, "min2", 64, dict(EXPAND, ROW_CHUNKS=2)),  # row chunks of whole tiles, the last one short
+    (20, 72, 320, "min4", 32, dict(EXPAND, ROW_CHUNKS=4)),  # more chunks asked than the weight has tiles
     (33, 40, 512, "min2", 32, dict(GEMM_CAT, WA=1, SPLIT_K=2)),
     (40, 65, 576, "min2", -1, GEMM_CAT),  # a group (the whole row) that neither divides the chunk nor is a multiple
     (40, 65, 576, "min2", 64, dict(GEMM_CAT, **PRE)), (33, 32, 1024, "min2", 32, dict(GEMM_CAT, SPLIT_K=2, **PRE)),
@@ -216,6 +218,19 @@ def test_expanded_levels_are_the_weight_over_s0():
         want = (q.dequantize(torch.float64) / progressive.row_scales(q).double()[:, None]).to(torch.int8)
         assert torch.equal(w8[:, : q.in_features], want)
     assert set(w8.unique().tolist()) == {-128, 127}
+    p = packing.pack_for_triton(weights[0]).to(DEVICE)
+    with interpreter_scope():  # a row range alone: the same rows as the whole weight's
+        part = expand_levels(p, 5, 17).cpu()
+        whole = expand_levels(p).cpu()
+    assert torch.equal(part, whole[5:17])
+
+
+def test_expand_refuses_a_bad_row_chunk_count():
+    _, q = _weight(32, 256, "min2", 64, seed=3)
+    x = torch.randn(40, 256).to(DEVICE)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="ROW_CHUNKS"):
+            tlin.lowbit_linear_triton(x, packing.pack_for_triton(q).to(DEVICE), None, config=dict(EXPAND, ROW_CHUNKS=bad))
 
 
 def test_rows_do_not_depend_on_the_batch():

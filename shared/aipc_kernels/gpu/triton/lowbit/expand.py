@@ -10,7 +10,10 @@ reads the 2- or 4-bit codes once and writes 1 byte a weight (8B gate/up: 59 MB);
 time hides it, a long prompt. Same values as the fused ``progressive`` kernel: each output is the same
 exact int32 sum, one float conversion and two products.
 
-Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8).
+Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8),
+``ROW_CHUNKS`` (default 1): the expansion and the GEMM taken in that many chunks of the weight's rows (whole output
+tiles each), one after the other through one buffer of a chunk's levels, so that the GEMM reads levels the expansion
+has just written to the L2 instead of HBM (a gain where a chunk's tiles still fill the GPU: the large-N shapes).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (
           (64, 64, 128, 4, 4)]  # fmt: skip
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
          for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
+SPACE += [dict(SPACE[0], ROW_CHUNKS=rc) for rc in (2, 4)]  # the first tile in row chunks
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
 EXPAND_CHUNKS = 2  # chunks of k per program of the expansion pass, where the chunks divide by it
 MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case of the H200 probes)
@@ -49,7 +53,7 @@ def _plane_words(wv, s_ptr, m_ptr, rn, c, q: tl.constexpr, N, NG, BITS: tl.const
 
 
 @triton.jit
-def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
+def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
                    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
     """Program (n, c): rows [n * BLOCK_N, +BLOCK_N) of chunks [c * CHUNKS, +CHUNKS): ``w8[row, chunk * KC +
     32 q + j]`` = the int8 level of bit-plane q of byte j (past K, in the padded chunk: the last group's
@@ -60,13 +64,13 @@ def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, BITS: tl.constexp
     P: tl.constexpr = 8 // BITS
     KW: tl.constexpr = 8 * P  # output words of one chunk and row
     pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rn = tl.where(n_mask, offs_n, 0)
+    offs_n = N0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N1
+    rn = tl.where(n_mask, offs_n, N0)
     jw = tl.arange(0, 8)
     o = tl.arange(0, KW)
     w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + rn[:, None].to(tl.int64) * (KB // 4)
-    out_rows = w8_ptr.to(tl.pointer_type(tl.uint32)) + rn[:, None].to(tl.int64) * (Kp // 4)
+    out_rows = w8_ptr.to(tl.pointer_type(tl.uint32)) + (rn - N0)[:, None].to(tl.int64) * (Kp // 4)
     for cc in tl.static_range(CHUNKS):
         c = tl.program_id(1) * CHUNKS + cc
         wv = tl.load(w_rows + c * 8 + jw[None, :])
@@ -83,7 +87,7 @@ def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, KB, Kp, NG, BITS: tl.constexp
 
 
 @triton.jit
-def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, HAS_BIAS: tl.constexpr,
+def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, stride_ym, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of ``y = (xq @ w8^T) * sx * s0 (+ bias)``, int32 over the whole K
     (``Kp`` a multiple of BLOCK_K; both operands K-contiguous)."""
@@ -102,7 +106,7 @@ def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, HA
     out = acc.to(tl.float32) * tl.load(sx_ptr + rm)[:, None] * tl.load(s0_ptr + rn)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    offs = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -116,15 +120,18 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return dict(SPACE[0])
 
 
-def expand_levels(weight: PackedLowBit) -> torch.Tensor:
-    """The weight's int8 levels ``[N, Kp]`` (K-contiguous; the padded k past K hold the last group's ``m``)."""
+def expand_levels(weight: PackedLowBit, n0: int = 0, n1: Optional[int] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The int8 levels ``[n1 - n0, Kp]`` of the weight's rows ``[n0, n1)`` (default all; K-contiguous; the padded k
+    past K hold the last group's ``m``), into ``out``'s first rows where given."""
     N, bits = weight.out_features, weight.bits
+    n1 = N if n1 is None else n1
     Kp = weight.qweight.shape[1] * (8 // bits)
-    w8 = torch.empty(N, Kp, dtype=torch.int8, device=weight.qweight.device)
+    w8 = torch.empty(n1 - n0, Kp, dtype=torch.int8, device=weight.qweight.device) if out is None else out
     chunks = Kp // triton_chunk(bits)
     per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
-    _expand_kernel[(triton.cdiv(N, EXPAND_ROWS), chunks // per)](
-        weight.qweight, weight.scales, weight.zeros, w8, N, weight.qweight.shape[1], Kp, weight.scales.shape[0],
+    _expand_kernel[(triton.cdiv(n1 - n0, EXPAND_ROWS), chunks // per)](
+        weight.qweight, weight.scales, weight.zeros, w8, N, n0, n1, weight.qweight.shape[1], Kp, weight.scales.shape[0],
         BITS=bits, G=weight.group_size, BLOCK_N=EXPAND_ROWS, CHUNKS=per, num_warps=4,
     )  # fmt: skip
     return w8
@@ -132,19 +139,27 @@ def expand_levels(weight: PackedLowBit) -> torch.Tensor:
 
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
            act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
-    """The activation pass, the expansion and the int8 GEMM for ``x2 [M, K]``, writing ``y [M, N]``."""
+    """The activation pass, then per chunk of rows the expansion and the int8 GEMM for ``x2 [M, K]``, writing
+    ``y [M, N]``."""
     check(x2, weight, cfg)
     M = x2.shape[0]
     N = weight.out_features
     Kp = weight.qweight.shape[1] * (8 // weight.bits)
-    bk = cfg["BLOCK_K"]
+    bk, chunks = cfg["BLOCK_K"], cfg.get("ROW_CHUNKS", 1)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{NAME}: config ROW_CHUNKS={chunks!r} must be a positive int (1: the whole weight at once)")
     if Kp % bk:
         raise ValueError(f"{NAME}: BLOCK_K={bk} does not divide the padded K={Kp}; use 64")
     xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
-    w8 = expand_levels(weight)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-        xq, sx, w8, weight.supers, weight.supers if bias is None else bias, y, M, N, Kp, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    rows = -(-N // (chunks * bn)) * bn  # each chunk's rows: whole output tiles
+    w8 = torch.empty(min(rows, N), Kp, dtype=torch.int8, device=x2.device)
+    s0 = weight.supers.reshape(-1)
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        expand_levels(weight, n0, n1, w8)
+        _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(n1 - n0, bn),)](
+            xq, sx, w8, s0[n0:], s0 if bias is None else bias[n0:], y[:, n0:], M, n1 - n0, Kp, y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
