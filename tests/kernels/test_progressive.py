@@ -223,6 +223,10 @@ def test_expanded_levels_are_the_weight_over_s0():
         part = expand_levels(p, 5, 17).cpu()
         whole = expand_levels(p).cpu()
     assert torch.equal(part, whole[5:17])
+    with pytest.raises(ValueError, match="range"):
+        expand_levels(p, 17, 5)
+    with pytest.raises(ValueError, match="out"):
+        expand_levels(p, 0, 12, torch.empty(8, whole.shape[1], dtype=torch.int8, device=DEVICE))
 
 
 def test_expand_refuses_a_bad_row_chunk_count():

@@ -46,11 +46,10 @@ def check_w2_operands(name: str, x2: torch.Tensor, weight, cfg: dict, available:
     elif cb.mins or weight.scales.dtype == torch.float32:
         raise ValueError(f"config {cfg}: {name} takes neither the min form nor float32 scales (GGUF's Q4_1 / K-quants: "
                          f"{weight.codebook}, scales {weight.scales.dtype}); use KERNEL='group'")
-    scale_kinds = (torch.int8,) if form else KINDS
-    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or weight.scales.dtype not in scale_kinds
+    if (weight.qweight.data_ptr() % 16 or x2.dtype not in KINDS or (not form and weight.scales.dtype not in KINDS)
             or weight.scales.data_ptr() % 16 or (weight.zeros is not None and weight.zeros.data_ptr() % 16)):
         raise ValueError(f"config {cfg}: {name} needs 16-byte aligned codes, scales (and zeros) and fp32/fp16/bf16 x "
-                         f"and scales; use KERNEL='group'")
+                         f"and scales (int8 in the progressive form); use KERNEL='group'")
 
 
 def bias_operand(bias: Optional[torch.Tensor], x2: torch.Tensor, dummy: torch.Tensor) -> torch.Tensor:

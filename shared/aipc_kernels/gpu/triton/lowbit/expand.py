@@ -127,6 +127,12 @@ def expand_levels(weight: PackedLowBit, n0: int = 0, n1: Optional[int] = None,
     N, bits = weight.out_features, weight.bits
     n1 = N if n1 is None else n1
     Kp = weight.qweight.shape[1] * (8 // bits)
+    if not 0 <= n0 < n1 <= N:
+        raise ValueError(f"expand_levels: rows [{n0}, {n1}) are not a range of the weight's {N} rows")
+    if out is not None and (out.dtype != torch.int8 or not out.is_contiguous() or out.shape[0] < n1 - n0
+                            or out.shape[1:] != (Kp,)):
+        raise ValueError(f"expand_levels: out must be a contiguous int8 [>= {n1 - n0}, {Kp}] tensor, not "
+                         f"{out.dtype} {tuple(out.shape)}")
     w8 = torch.empty(n1 - n0, Kp, dtype=torch.int8, device=weight.qweight.device) if out is None else out
     chunks = Kp // triton_chunk(bits)
     per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
