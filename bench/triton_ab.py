@@ -13,6 +13,10 @@ kernel's, else the kernel's heuristic). Without ``--kernel``, ``--base`` is a mo
 ``lowbit_linear_triton`` (the single-file ``triton/lowbit_linear.py`` of revisions before the package split,
 whose relative imports resolve to the working tree's modules) and both versions run the whole op.
 ``--config-extra``: fields merged into every cell's config (e.g. a field only the working tree's version reads).
+``--base-kernel K2`` (instead of ``--base``): an A/B of two kernels of the working tree, ``--kernel``'s module
+(``--config``: one JSON config or a list, a row each) against ``K2``'s with its selected config (the shipped or
+cached one where it is K2's, else K2's heuristic); ``--base-kernel shipped``: against the selected config,
+whatever its kernel.
 ``--form``: the weights (int2 g64, or the progressive form's ``w2a8_prog`` / ``w4a8_prog``, as bench/gemv_gpu.py
 makes them). Each version's calls over weight copies >= 4x the L2 are captured once (as ``bench/gemv_gpu.py``
 times its rows); rounds alternate the order (base first, then new first, ...), each round's time is the median
@@ -86,10 +90,24 @@ def ab_weight(form: str, N: int, K: int) -> PackedLowBit:
     return pack_for_triton(progressive_weight(W, *PROGRESSIVE_FORMATS["ours_" + form]))
 
 
+def base_config(base_kernel: str, selected: dict | None, M: int, N: int, K: int, p: PackedLowBit) -> dict:
+    """The baseline's config of ``--base-kernel``: the selected (shipped or cached) config where it is that kernel's
+    (``shipped``: whatever its kernel), else that kernel's heuristic (``shipped``: the untuned choice)."""
+    from aipc_kernels.gpu.triton.lowbit import registry
+
+    if selected is not None and base_kernel in ("shipped", selected["KERNEL"]):
+        return selected
+    if base_kernel == "shipped":
+        return registry.heuristic_config(M, N, K, p.bits, p.qweight.device, progressive=p.supers is not None)
+    return registry.kernel_of({"KERNEL": base_kernel}).heuristic(M, N, K, p.bits, p.qweight.device)
+
+
 def main() -> None:
     ap = BenchParser("triton_ab", __doc__, list(SHAPES), what="shapes", group="gpu")
-    ap.add_argument("--base", required=True, help="the baseline's triton linear module file or package directory "
+    ap.add_argument("--base", default=None, help="the baseline's triton linear module file or package directory "
                     "(with --kernel: that kernel module's file)")  # fmt: skip
+    ap.add_argument("--base-kernel", default=None, help="with --kernel, instead of --base: the working tree's kernel to "
+                    "compare with (its selected config), or 'shipped' (the selected config, whatever its kernel)")  # fmt: skip
     ap.add_argument("--base-name", default="base", help="what the baseline is (a revision)")
     ap.add_argument("--m", default="1,16,1024")
     ap.add_argument("--rounds", type=int, default=6)
@@ -101,15 +119,17 @@ def main() -> None:
     ap.add_argument("--config-extra", default=None, help="with --kernel: JSON fields merged into each cell's config "
                     "(both versions get them; a field the base does not know, it ignores)")  # fmt: skip
     args = ap.parse_args()
-    if (args.config or args.config_extra) and not args.kernel:
-        ap.error("--config and --config-extra take --kernel")
+    if (args.config or args.config_extra or args.base_kernel) and not args.kernel:
+        ap.error("--config, --config-extra and --base-kernel take --kernel")
+    if (args.base is None) == (args.base_kernel is None):
+        ap.error("give one of --base (a file of another revision) and --base-kernel (a kernel of the working tree)")
     extra = json.loads(args.config_extra) if args.config_extra else {}
     forced = json.loads(args.config) if args.config else None
     if args.kernel:
         from aipc_kernels.gpu.triton.lowbit import registry
 
         new_kernel = registry.kernel_of({"KERNEL": args.kernel})
-        base = load_kernel(args.base, args.kernel)
+        base = load_kernel(args.base, args.kernel) if args.base else None
     else:
         base = load_base(args.base)
     torch.manual_seed(0)
@@ -121,16 +141,23 @@ def main() -> None:
             N, K = SHAPES[label]
             p = ab_weight(args.form, N, K)
             ws = [p] + [p.clone() for _ in range(n_copies(p.nbytes(), l2) - 1)]
-            for M in (int(m) for m in args.m.split(",")):
+            for M, forced_one in ((int(m), f) for m in args.m.split(",") for f in (forced if isinstance(forced, list) else [forced])):
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 cfg = new.cached_configs(new.device_name(x.device)).get(
                     new.config_key(M, N, K, p.group_size, p.bits, p.supers is not None))
+                base_cfg = None
                 if args.kernel:
-                    if forced is None and (cfg is None or cfg["KERNEL"] != args.kernel):
+                    if args.base_kernel:
+                        base_cfg = base_config(args.base_kernel, cfg, M, N, K, p)
+                    if forced_one is None and (cfg is None or cfg["KERNEL"] != args.kernel):
                         cfg = new_kernel.heuristic(M, N, K, p.bits, x.device)
-                    cfg = dict(forced or cfg, **extra)
+                    cfg = dict(forced_one or cfg, **extra)
                     ys = {v: torch.empty(M, N, device="cuda", dtype=x.dtype) for v in ("base", "new")}
-                    fns = {"base": lambda x, w, c=cfg: base.launch(x, w, None, ys["base"], c) or ys["base"],
+                    if base_cfg is None:
+                        base_fn = lambda x, w, c=cfg: base.launch(x, w, None, ys["base"], c) or ys["base"]  # noqa: E731
+                    else:
+                        base_fn = lambda x, w, c=base_cfg: registry.launch(x, w, None, ys["base"], c) or ys["base"]  # noqa: E731
+                    fns = {"base": base_fn,
                            "new": lambda x, w, c=cfg: new_kernel.launch(x, w, None, ys["new"], c) or ys["new"]}  # fmt: skip
                     kernel = cfg["KERNEL"]
                 else:
@@ -155,7 +182,7 @@ def main() -> None:
                                  base_spread=(max(t["base"]) - min(t["base"])) / b, new_spread=(max(t["new"]) - min(t["new"])) / n,
                                  same_bits="yes" if same else "NO", repeat_bits="yes" if repeat else "NO",
                                  same_bits_det="yes" if same_det else "NO", copies=len(ws), rounds_base=t["base"], rounds_new=t["new"],
-                                 kernel=kernel, config=cfg or "heuristic"))  # fmt: skip
+                                 kernel=kernel, config=cfg or "heuristic", base_config=base_cfg or "as new"))  # fmt: skip
                 print({k: v for k, v in rows[-1].items() if not k.startswith("rounds")}, flush=True)
             del p, ws
             torch.cuda.empty_cache()
@@ -164,12 +191,16 @@ def main() -> None:
             "w4a8_prog": "the progressive form, min4 group 128 (bench/gemv_gpu.py's ours_w4a8_prog weights)"}[args.form]  # fmt: skip
     how = (f"the {args.kernel} kernel module's launch() of each version with the same config (the column config)"
            if args.kernel else "lowbit_linear_triton of each version called directly")
+    if args.base_kernel:
+        how = (f"base = the working tree's {args.base_kernel} kernel with its selected config (column base_config), "
+               f"new = its {args.kernel} kernel with the column config, each through its launch()")
+        args.base_name = args.base_name if args.base_name != "base" else f"{args.base_kernel} (working tree)"
     notes = (f"{what}, bf16 activations, {how}; CUDA-graph replay over weight copies >= 4x L2; "
              f"{args.rounds} rounds alternating which version goes first, each the median of 5 replays; the median "
              f"round is shown, spread = (max - min) / median of the rounds. base = {args.base_name}, new = the working "
              f"tree. new_over_base > 1: the working tree is slower.")
     cols = ["shape", "M", "base_us", "new_us", "new_over_base", "base_spread", "new_spread", "same_bits", "repeat_bits",
-            "same_bits_det", "kernel", "config"]  # fmt: skip
+            "same_bits_det", "kernel", "config"] + (["base_config"] if args.base_kernel else [])  # fmt: skip
     write_results(args.out, args.name, f"Triton lowbit_linear A/B: working tree vs {args.base_name}", info, rows,
                   markdown_table(rows, cols, ".3f"), notes)
 
