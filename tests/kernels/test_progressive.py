@@ -259,9 +259,8 @@ def test_the_form_selects_its_kernel_and_others_refuse_it():
     assert tuning.config_key(64, 40, 512, 64, 2, progressive=True) == "gemm:m64:n40:k512:g64:b2:p"
     assert registry.runs(GROUP, x2, p) and not registry.runs(dict(GEMM, KERNEL="cuda_gemm"), x2, p)
     mma = {"cuda_mma"} if ON_GPU and registry.KERNELS["cuda_mma"].available(dev) else set()  # CUDA C: compiled GPUs only
-    hopper = {"overlap"} if ON_GPU and registry.KERNELS["overlap"].usable(dev) else set()  # Gluon wgmma: sm_90 only
     assert {c["KERNEL"] for c in tuning.candidates(64, packing.pack_for_triton(_weight(128, 512, "min2", 64, 7)[1]))} == {
-        "progressive", "expand", "group"} | mma | hopper
+        "progressive", "expand", "group"} | mma
     assert {c["KERNEL"] for c in tuning.candidates(1, p)} == {"progressive", "stream"}
     single = packing.pack_for_triton(q.single_level()).to(DEVICE)
     assert not registry.runs(GEMM, x2, single) and not registry.runs(EXPAND, x2, single)
@@ -310,73 +309,6 @@ def test_cuda_mma_takes_the_form(group):
     _close(tlin.lowbit_linear_triton(x.to(DEVICE), pe, config=dict(MMA, BLOCK_N=16, NT=2)), _reference(x, extreme))
     with pytest.raises(ValueError, match="NT >= 2.*KERNEL='group'"):
         tlin.lowbit_linear_triton(x.to(DEVICE), pe, config=dict(MMA, BLOCK_N=8, NT=1))
-
-
-OVERLAP = {"KERNEL": "overlap", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-
-
-def _hopper() -> bool:
-    return ON_GPU and registry.KERNELS["overlap"].usable(torch.device("cuda"))
-
-
-@pytest.mark.skipif(not _hopper(), reason="overlap is a Gluon wgmma kernel: a compiled sm_90 GPU only")
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_overlap_takes_the_form(group):
-    """The Gluon kernel (levels formed into a shared ring while the previous wgmma runs) on the form: every tile of its
-    space and a 3-slot ring, token tiles past a ragged M, row tiles past a ragged N, K padded past the last group, bias,
-    x's dtypes; bit-identical to ``expand`` (the same exact int32 sum and epilogue) and within the float64 reference's
-    tolerance; extreme levels."""
-    from aipc_kernels.gpu.triton.lowbit import overlap
-
-    N, K = 208, 896 if group == 128 else 960  # N: ragged for every BLOCK_N; K: the last chunk padded (960 -> 1024)
-    _, q = _weight(N, K, "min2", group, seed=group)
-    p = packing.pack_for_triton(q).to(DEVICE)
-    ws = dict(OVERLAP, WS=1, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
-    cfgs = overlap.SPACE + [ws, dict(ws, BLOCK_N=64, num_stages=3, D=3), dict(ws, BLOCK_M=64, num_warps=4, num_stages=2, GROUP_M=2),
-            dict(ws, PARTS=2, MAXNREG=128), dict(ws, PARTS=2, MAXNREG=128, D=6),
-            dict(OVERLAP, RS=1, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
-            dict(OVERLAP, RS=1, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
-    for M, dtype in ((17, torch.bfloat16), (64, torch.float16), (200, torch.float32), (300, torch.bfloat16)):
-        g = torch.Generator().manual_seed(M + group)
-        x = torch.randn(M, K, generator=g).to(dtype)
-        bias = torch.randn(N, generator=g)
-        ref = _reference(x.float(), q, bias)
-        want = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=dict(EXPAND, BLOCK_K=128))
-        for cfg in cfgs:
-            out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: every element written
-            y = tlin.lowbit_linear_triton(x.to(DEVICE), p, bias.to(DEVICE), config=cfg, out=out)
-            assert torch.equal(y, want), cfg
-            _close(y, ref, TOL if dtype == torch.float32 else 8e-3)
-    codes = torch.randint(0, 2, (48, 2048), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)) * 3
-    extreme = progressive.from_parts(codes, torch.full((48, 2048 // group), 85), torch.full((48, 2048 // group), -128),
-                                     torch.full((48,), 2.0**-10), "min2", group)  # fmt: skip
-    x = torch.where(torch.rand(70, 2048, generator=torch.Generator().manual_seed(4)) < 0.5, -1.0, 1.0)
-    _close(tlin.lowbit_linear_triton(x.to(DEVICE), packing.pack_for_triton(extreme).to(DEVICE), config=OVERLAP),
-           _reference(x, extreme))  # fmt: skip
-
-
-def test_overlap_refusals():
-    """What the Gluon kernel does not take is refused naming the fix: 4-bit codes and groups other than 32 / 64 / 128,
-    tiles it has no layout for, a ring of two slots, and (off a compiled sm_90 GPU) the device."""
-    from aipc_kernels.gpu.triton.lowbit import overlap
-
-    x2 = torch.randn(40, 512).to(DEVICE)
-    p2 = packing.pack_for_triton(_weight(40, 512, "min2", 64, seed=3)[1]).to(DEVICE)
-    for codebook, group in (("min4", 64), ("min2", -1)):
-        with pytest.raises(ValueError, match="2-bit codes with groups of.*use KERNEL='expand'"):
-            overlap.check(x2, packing.pack_for_triton(_weight(40, 512, codebook, group, seed=3)[1]).to(DEVICE), OVERLAP)
-    with pytest.raises(ValueError, match="2-bit codes with groups of"):
-        overlap.check(x2, packing.pack_for_triton(_weight(40, 512, "min2", 64, seed=3)[1].single_level()).to(DEVICE), OVERLAP)
-    for bad in (dict(OVERLAP, BLOCK_M=128), dict(OVERLAP, num_warps=2, BLOCK_M=32), dict(OVERLAP, BLOCK_N=72),
-                dict(OVERLAP, BLOCK_N=512)):  # fmt: skip
-        with pytest.raises(ValueError, match="not a tile it takes"):
-            overlap.check(x2, p2, bad)
-    with pytest.raises(ValueError, match="num_stages=2"):
-        overlap.check(x2, p2, dict(OVERLAP, num_stages=2))
-    if not _hopper():
-        with pytest.raises(ValueError, match="compute capability 9.x.*use KERNEL='expand'"):
-            tlin.lowbit_linear_triton(x2, p2, config=OVERLAP)
-        assert not registry.runs(OVERLAP, x2, p2) and overlap.space(1024) == []
 
 
 def test_bad_supers_are_refused_naming_the_operand():

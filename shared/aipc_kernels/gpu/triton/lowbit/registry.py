@@ -15,14 +15,14 @@ import torch
 
 from aipc_kernels.lowbit.packing import PackedLowBit
 from aipc_kernels.gpu.cuda import gemm as cuda_gemm, mma as cuda_mma, stream as cuda_stream
-from aipc_kernels.gpu.triton.lowbit import dequant, expand, group, overlap, stream
+from aipc_kernels.gpu.triton.lowbit import dequant, expand, group, stream
 from aipc_kernels.gpu.triton.lowbit import progressive as progressive_kernel
 from aipc_kernels.gpu.triton.lowbit.common import GEMV_MAX_M, check_config
 from aipc_kernels.gpu.triton.lowbit.interpret import interpreter_scope
 
 KERNELS: dict[str, ModuleType] = {stream.NAME: stream, group.NAME: group, dequant.NAME: dequant, cuda_stream.NAME: cuda_stream,
                                  cuda_mma.NAME: cuda_mma, cuda_gemm.NAME: cuda_gemm, progressive_kernel.NAME: progressive_kernel,
-                                 expand.NAME: expand, overlap.NAME: overlap}
+                                 expand.NAME: expand}
 
 
 def takes(kernel: ModuleType, weight: PackedLowBit) -> bool:
