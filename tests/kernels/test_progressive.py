@@ -229,6 +229,29 @@ def test_expanded_levels_are_the_weight_over_s0():
         expand_levels(p, 0, 12, torch.empty(8, whole.shape[1], dtype=torch.int8, device=DEVICE))
 
 
+def test_expand_prepass_is_the_two_passes():
+    """``expand``'s one launch of the activation pass and the first row chunk's expansion writes the codes, scales
+    and levels of the two separate passes bit for bit: odd M, K padded past the last group, a chunk shorter than N,
+    with and without a given absmax."""
+    from aipc_kernels.gpu.triton.lowbit import expand
+    from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
+    from aipc_kernels.gpu.triton.lowbit.interpret import interpreter_scope
+
+    for codebook, K, n1 in (("min2", 576, 64), ("min4", 320, 97)):
+        _, q = _weight(97, K, codebook, 64, seed=K)
+        p = packing.pack_for_triton(q).to(DEVICE)
+        Kp = p.qweight.shape[1] * (8 // p.bits)
+        x = (torch.randn(19, K, generator=torch.Generator().manual_seed(K)) * torch.linspace(0.1, 3, K)).to(DEVICE)
+        for amax in (None, x.abs().amax(-1) * 0.7):
+            with interpreter_scope():
+                w8 = torch.full((n1, Kp), 7, dtype=torch.int8, device=DEVICE)
+                xq, sx = expand._prepass(x, Kp, amax, p, n1, w8)
+                xq_want, sx_want, _ = quantize_rows(x, Kp, sums=False, act_amax=amax)
+                w8_want = expand.expand_levels(p, 0, n1)
+            assert torch.equal(xq, xq_want) and torch.equal(sx, sx_want)
+            assert torch.equal(w8, w8_want)
+
+
 def test_expand_refuses_a_bad_row_chunk_count():
     _, q = _weight(32, 256, "min2", 64, seed=3)
     x = torch.randn(40, 256).to(DEVICE)

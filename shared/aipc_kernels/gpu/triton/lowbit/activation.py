@@ -44,23 +44,11 @@ def _codes(xv, inv, HAS_AMAX: tl.constexpr):
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr,
-                      WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr,
-                      FAKE: tl.constexpr = False, PDL: tl.constexpr = False, PERM: tl.constexpr = False):
-    """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
-    BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
-    past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
-    corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
-    the few rows of a decode batch from serialising on a few SMs; ``HAS_AMAX``: absmax read from amax;
-    ``FAKE``: ``xq_ptr`` is a float [M, K] that receives ``code * scale`` instead of the codes; ``PDL``:
-    the GEMM that follows may launch at once, this grid waits for its own predecessor before reading x;
-    ``PERM``: in each 128 k, code k = 32 q + 8 t + i is stored at 32 t + 8 q + i, the bytes a
-    ``cuda_mma`` lane reads for its 4 planes made contiguous)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    m = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
+def quant_row_slice(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, m, j, K, Kp, SLICE, BLOCK_KX: tl.constexpr,
+                    WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr, FAKE: tl.constexpr = False,
+                    PERM: tl.constexpr = False):  # fmt: skip
+    """Row ``m``'s k in [j * SLICE, (j + 1) * SLICE): :func:`_quant_act_kernel`'s program (m, j), callable from another
+    kernel's programs."""
     row = tl.full([1], 0, tl.int64) + m
     inv, sx = _row_scales(x_ptr, amax_ptr, row, row >= 0, K, BLOCK_AMAX, HAS_AMAX)
     if not FAKE:
@@ -82,6 +70,26 @@ def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, B
         if WRITE_SUMS:
             sums = tl.sum(tl.reshape(xqf, [BLOCK_KX // 32, 32]), axis=1).to(tl.int32)
             tl.store(xsum_ptr + m * (Kp // 32) + k0 // 32 + offs32, sums, mask=(k0 + offs32 * 32) < Kp)
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, K, Kp, SLICE, BLOCK_KX: tl.constexpr,
+                      WRITE_SUMS: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr,
+                      FAKE: tl.constexpr = False, PDL: tl.constexpr = False, PERM: tl.constexpr = False):
+    """Program (m, j) quantizes row m's k in [j * SLICE, (j + 1) * SLICE) (``SLICE`` a multiple of
+    BLOCK_KX; every program of a row finds the row's absmax itself, from L2): int8 codes [M, Kp] (zero
+    past K), scale [M] (written by j == 0), 32-k sums [M, Kp/32] (``WRITE_SUMS``: only zero-point
+    corrections need them; ``BLOCK_AMAX``: the absmax loop's block). Several programs per row keep
+    the few rows of a decode batch from serialising on a few SMs; ``HAS_AMAX``: absmax read from amax;
+    ``FAKE``: ``xq_ptr`` is a float [M, K] that receives ``code * scale`` instead of the codes; ``PDL``:
+    the GEMM that follows may launch at once, this grid waits for its own predecessor before reading x;
+    ``PERM``: in each 128 k, code k = 32 q + 8 t + i is stored at 32 t + 8 q + i, the bytes a
+    ``cuda_mma`` lane reads for its 4 planes made contiguous)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    quant_row_slice(x_ptr, amax_ptr, xq_ptr, sx_ptr, xsum_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), K, Kp,
+                    SLICE, BLOCK_KX, WRITE_SUMS, BLOCK_AMAX, HAS_AMAX, FAKE, PERM)  # fmt: skip
 
 
 @triton.jit
@@ -107,6 +115,12 @@ def _quant_act_pack_kernel(x_ptr, amax_ptr, xq_ptr, xs_ptr, sx_ptr, K, Kp, PDL: 
     tl.store(xs_ptr + kk, sums, mask=kk < Kp // 32)
 
 
+def row_program(Kp: int) -> tuple[int, int]:
+    """``(BLOCK_KX, num_warps)`` of :func:`quantize_rows`' programs for M > 16: one program a token row."""
+    bkx = min(triton.next_power_of_2(Kp), 4096)
+    return bkx, 8 if bkx >= 2048 else 4
+
+
 def quantize_rows(
     x2: torch.Tensor, Kp: int, sums: bool, act_amax: Optional[torch.Tensor] = None, pdl: bool = False, perm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -123,8 +137,8 @@ def quantize_rows(
         bkx, bam = 1024, min(triton.next_power_of_2(K), 16384)
         slices, nw = triton.cdiv(Kp, bkx), 8
     else:
-        bkx = bam = min(triton.next_power_of_2(Kp), 4096)
-        slices, nw = 1, 8 if bkx >= 2048 else 4
+        (bkx, nw), slices = row_program(Kp), 1
+        bam = bkx
     _quant_act_kernel[(M, slices)](
         x_ptr=x2, amax_ptr=sx if act_amax is None else act_amax, xq_ptr=xq, sx_ptr=sx,
         xsum_ptr=sx if xsum is None else xsum, K=K, Kp=Kp, SLICE=bkx * triton.cdiv(Kp, bkx * slices),

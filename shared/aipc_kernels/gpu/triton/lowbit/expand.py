@@ -5,7 +5,8 @@ The form's levels ``w8 = s1 * c + m`` are exact int8 (:mod:`aipc_kernels.lowbit.
 weight can be expanded once per call into a dense int8 ``[N, Kp]`` (K-contiguous: ``(s1 * c + m)`` of each
 code, four codes per 32-bit register, :func:`~.progressive._levels`), and the product is a plain int8 GEMM
 ``xq [M, Kp] @ w8^T`` with both operands K-major (on Hopper ``tl.dot`` lowers to wgmma from shared
-memory), int32 accumulation over the whole K and one ``acc * sx[m] * s0[n]`` per output. The expansion
+memory), int32 accumulation over the whole K and one ``acc * sx[m] * s0[n]`` per output. The activation pass and
+the (first row chunk's) expansion run in one launch, side by side (:func:`_prepass`). The expansion
 reads the 2- or 4-bit codes once and writes 1 byte a weight (8B gate/up: 59 MB); it pays where the GEMM's
 time hides it, a long prompt. Same values as the fused ``progressive`` kernel: each output is the same
 exact int32 sum, one float conversion and two products.
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
-from aipc_kernels.gpu.triton.lowbit.activation import quantize_rows
+from aipc_kernels.gpu.triton.lowbit.activation import quant_row_slice, row_program
 from aipc_kernels.gpu.triton.lowbit.common import grouped_tile, path
 from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales
 
@@ -53,17 +54,15 @@ def _plane_words(wv, s_ptr, m_ptr, rn, c, q: tl.constexpr, N, NG, BITS: tl.const
 
 
 @triton.jit
-def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
-    """Program (n, c): rows [n * BLOCK_N, +BLOCK_N) of chunks [c * CHUNKS, +CHUNKS): ``w8[row, chunk * KC +
-    32 q + j]`` = the int8 level of bit-plane q of byte j (past K, in the padded chunk: the last group's
-    ``m``, against zero activations). Word-wise: bytes j..j+3 of a row are one 32-bit word of codes, and
-    plane q's four levels one word, ``((w >> BITS*q) & mask) * s1 + (m + 128) * 0x01010101`` with each byte's
-    sign bit flipped (the form bounds ``c * s1`` and the level + 128 to a byte: nothing carries across
-    bytes); a chunk's planes are joined so each row's ``KC`` bytes are one store."""
+def _expand_block(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, pid_n, pid_c, BITS: tl.constexpr, G: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """Rows [N0 + pid_n * BLOCK_N, +BLOCK_N) of chunks [pid_c * CHUNKS, +CHUNKS): ``w8[row - N0, chunk * KC + 32 q +
+    j]`` = the int8 level of bit-plane q of byte j (past K, in the padded chunk: the last group's ``m``). Word-wise:
+    bytes j..j+3 of a row are one 32-bit word of codes, and plane q's four levels one word, ``((w >> BITS*q) & mask)
+    * s1 + (m + 128) * 0x01010101`` with each byte's sign bit flipped (the form bounds ``c * s1`` and the level + 128
+    to a byte: nothing carries across bytes); a chunk's planes are joined so each row's ``KC`` bytes are one store."""
     P: tl.constexpr = 8 // BITS
     KW: tl.constexpr = 8 * P  # output words of one chunk and row
-    pid_n = tl.program_id(0)
     offs_n = N0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N1
     rn = tl.where(n_mask, offs_n, N0)
@@ -72,7 +71,7 @@ def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, BITS: tl.
     w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + rn[:, None].to(tl.int64) * (KB // 4)
     out_rows = w8_ptr.to(tl.pointer_type(tl.uint32)) + (rn - N0)[:, None].to(tl.int64) * (Kp // 4)
     for cc in tl.static_range(CHUNKS):
-        c = tl.program_id(1) * CHUNKS + cc
+        c = pid_c * CHUNKS + cc
         wv = tl.load(w_rows + c * 8 + jw[None, :])
         p0 = _plane_words(wv, s_ptr, m_ptr, rn, c, 0, N, NG, BITS, G)
         p1 = _plane_words(wv, s_ptr, m_ptr, rn, c, 1, N, NG, BITS, G)
@@ -84,6 +83,31 @@ def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, BITS: tl.
         else:
             lv = tl.reshape(tl.permute(tl.join(p0, p1), (0, 2, 1)), (BLOCK_N, KW))
         tl.store(out_rows + c * KW + o[None, :], lv ^ 0x80808080, mask=n_mask[:, None])
+
+
+@triton.jit
+def _expand_kernel(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, BITS: tl.constexpr, G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """Program (n, c): :func:`_expand_block` of row block n and chunk group c."""
+    _expand_block(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, tl.program_id(0), tl.program_id(1), BITS, G,
+                  BLOCK_N, CHUNKS)  # fmt: skip
+
+
+@triton.jit
+def _prepass_kernel(x_ptr, amax_ptr, xq_ptr, sx_ptr, M, K, w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, CGROUPS,
+                    SLICE, BLOCK_KX: tl.constexpr, BLOCK_AMAX: tl.constexpr, HAS_AMAX: tl.constexpr,
+                    BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """The activation pass and the first row chunk's expansion in one launch: programs [0, M) quantize a token row
+    each (:func:`~.activation.quant_row_slice`), the rest expand a block of rows x chunks each (:func:`_expand_block`),
+    side by side on the GPU instead of two launches one after the other; the same codes and levels bit for bit."""
+    pid = tl.program_id(0)
+    if pid < M:
+        quant_row_slice(x_ptr, amax_ptr, xq_ptr, sx_ptr, sx_ptr, pid.to(tl.int64), 0, K, Kp, SLICE, BLOCK_KX, False,
+                        BLOCK_AMAX, HAS_AMAX)  # fmt: skip
+    else:
+        e = pid - M
+        _expand_block(w_ptr, s_ptr, m_ptr, w8_ptr, N, N0, N1, KB, Kp, NG, e // CGROUPS, e % CGROUPS, BITS, G, BLOCK_N,
+                      CHUNKS)  # fmt: skip
 
 
 @triton.jit
@@ -143,6 +167,26 @@ def expand_levels(weight: PackedLowBit, n0: int = 0, n1: Optional[int] = None,
     return w8
 
 
+def _prepass(x2: torch.Tensor, Kp: int, act_amax: Optional[torch.Tensor], weight: PackedLowBit, n1: int,
+             w8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(xq, sx)``: :func:`~.activation.quantize_rows` of ``x2`` (M > 16: one program a row), and the levels of the
+    weight's rows [0, n1) into ``w8``, in one launch."""
+    M, K = x2.shape
+    xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
+    sx = torch.empty(M, dtype=torch.float32, device=x2.device)
+    bkx, nw = row_program(Kp)  # quantize_rows' programs for M > 16
+    chunks = Kp // triton_chunk(weight.bits)
+    per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
+    cgroups = chunks // per
+    _prepass_kernel[(M + triton.cdiv(n1, EXPAND_ROWS) * cgroups,)](
+        x2, sx if act_amax is None else act_amax, xq, sx, M, K, weight.qweight, weight.scales, weight.zeros, w8,
+        weight.out_features, 0, n1, weight.qweight.shape[1], Kp, weight.scales.shape[0], cgroups,
+        bkx * triton.cdiv(Kp, bkx), BLOCK_KX=bkx, BLOCK_AMAX=bkx, HAS_AMAX=act_amax is not None, BITS=weight.bits,
+        G=weight.group_size, BLOCK_N=EXPAND_ROWS, CHUNKS=per, num_warps=nw,
+    )  # fmt: skip
+    return xq, sx
+
+
 def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict,
            act_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
     """The activation pass, then per chunk of rows the expansion and the int8 GEMM for ``x2 [M, K]``, writing
@@ -156,14 +200,15 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         raise ValueError(f"{NAME}: config ROW_CHUNKS={chunks!r} must be a positive int (1: the whole weight at once)")
     if Kp % bk:
         raise ValueError(f"{NAME}: BLOCK_K={bk} does not divide the padded K={Kp}; use 64")
-    xq, sx, _ = quantize_rows(x2, Kp, sums=False, act_amax=act_amax)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     rows = -(-N // (chunks * bn)) * bn  # each chunk's rows: whole output tiles
     w8 = torch.empty(min(rows, N), Kp, dtype=torch.int8, device=x2.device)
+    xq, sx = _prepass(x2, Kp, act_amax, weight, min(rows, N), w8)
     s0 = weight.supers.reshape(-1)
     for n0 in range(0, N, rows):
         n1 = min(n0 + rows, N)
-        expand_levels(weight, n0, n1, w8)
+        if n0:  # the first chunk's levels came with the activation pass
+            expand_levels(weight, n0, n1, w8)
         _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(n1 - n0, bn),)](
             xq, sx, w8, s0[n0:], s0 if bias is None else bias[n0:], y[:, n0:], M, n1 - n0, Kp, y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
