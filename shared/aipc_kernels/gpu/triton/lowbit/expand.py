@@ -144,6 +144,13 @@ def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     return dict(SPACE[0])
 
 
+def _chunk_groups(Kp: int, bits: int) -> tuple[int, int]:
+    """``(chunks a program, programs along K)`` of the expansion: ``EXPAND_CHUNKS`` where they divide the chunks."""
+    chunks = Kp // triton_chunk(bits)
+    per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
+    return per, chunks // per
+
+
 def expand_levels(weight: PackedLowBit, n0: int = 0, n1: Optional[int] = None,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The int8 levels ``[n1 - n0, Kp]`` of the weight's rows ``[n0, n1)`` (default all; K-contiguous; the padded k
@@ -158,9 +165,8 @@ def expand_levels(weight: PackedLowBit, n0: int = 0, n1: Optional[int] = None,
         raise ValueError(f"expand_levels: out must be a contiguous int8 [>= {n1 - n0}, {Kp}] tensor, not "
                          f"{out.dtype} {tuple(out.shape)}")
     w8 = torch.empty(n1 - n0, Kp, dtype=torch.int8, device=weight.qweight.device) if out is None else out
-    chunks = Kp // triton_chunk(bits)
-    per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
-    _expand_kernel[(triton.cdiv(n1 - n0, EXPAND_ROWS), chunks // per)](
+    per, groups = _chunk_groups(Kp, bits)
+    _expand_kernel[(triton.cdiv(n1 - n0, EXPAND_ROWS), groups)](
         weight.qweight, weight.scales, weight.zeros, w8, N, n0, n1, weight.qweight.shape[1], Kp, weight.scales.shape[0],
         BITS=bits, G=weight.group_size, BLOCK_N=EXPAND_ROWS, CHUNKS=per, num_warps=4,
     )  # fmt: skip
@@ -175,9 +181,7 @@ def _prepass(x2: torch.Tensor, Kp: int, act_amax: Optional[torch.Tensor], weight
     xq = torch.empty(M, Kp, dtype=torch.int8, device=x2.device)
     sx = torch.empty(M, dtype=torch.float32, device=x2.device)
     bkx, nw = row_program(Kp)  # quantize_rows' programs for M > 16
-    chunks = Kp // triton_chunk(weight.bits)
-    per = EXPAND_CHUNKS if chunks % EXPAND_CHUNKS == 0 else 1
-    cgroups = chunks // per
+    per, cgroups = _chunk_groups(Kp, weight.bits)
     _prepass_kernel[(M + triton.cdiv(n1, EXPAND_ROWS) * cgroups,)](
         x2, sx if act_amax is None else act_amax, xq, sx, M, K, weight.qweight, weight.scales, weight.zeros, w8,
         weight.out_features, 0, n1, weight.qweight.shape[1], Kp, weight.scales.shape[0], cgroups,
