@@ -258,6 +258,34 @@ def test_expand_refuses_a_bad_row_chunk_count():
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="ROW_CHUNKS"):
             tlin.lowbit_linear_triton(x, packing.pack_for_triton(q).to(DEVICE), None, config=dict(EXPAND, ROW_CHUNKS=bad))
+    with pytest.raises(ValueError, match="WS=2 must be 0"):
+        tlin.lowbit_linear_triton(x, packing.pack_for_triton(q).to(DEVICE), None, config=dict(EXPAND, WS=2))
+
+
+WS = {"KERNEL": "expand", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "WS": 1}
+
+
+def test_expand_warp_specialized_gemm_is_the_triton_gemm():
+    """``WS=1`` (the Gluon GEMM: TMA producer, asynchronous wgmma) gives the Triton GEMM's bits: the same int32 sums,
+    rows past M and N read as zeros by TMA and dropped at the store, a bias, row chunks; refused off Hopper naming
+    the fix."""
+    from aipc_kernels.gpu.triton.lowbit import gluon_gemm
+
+    _, q = _weight(97, 576, "min2", 64, seed=11)
+    p = packing.pack_for_triton(q).to(DEVICE)
+    x = torch.randn(70, 576).to(DEVICE)
+    bias = torch.randn(97).to(DEVICE)
+    if not gluon_gemm.usable(x.device):
+        with pytest.raises(ValueError, match="WS=1 is a Gluon kernel for CUDA GPUs of compute capability 9.x"):
+            tlin.lowbit_linear_triton(x, p, config=WS)
+        return
+    with pytest.raises(ValueError, match="WS=1 takes BLOCK_M = 16 \\* num_warps"):
+        tlin.lowbit_linear_triton(x, p, config=dict(WS, BLOCK_M=128))
+    for cfg in (WS, dict(WS, BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=2), dict(WS, ROW_CHUNKS=2, PW=1)):
+        for b in (None, bias):
+            want = tlin.lowbit_linear_triton(x, p, b, config=dict(cfg, WS=0, BLOCK_K=64))
+            out = torch.full((70, 97), float("nan"), device=DEVICE)  # poisoned: every element written
+            assert torch.equal(tlin.lowbit_linear_triton(x, p, b, config=cfg, out=out), want)
 
 
 def test_rows_do_not_depend_on_the_batch():

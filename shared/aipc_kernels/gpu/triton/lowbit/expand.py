@@ -14,7 +14,9 @@ exact int32 sum, one float conversion and two products.
 Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``GROUP_M`` (default 8),
 ``ROW_CHUNKS`` (default 1): the expansion and the GEMM taken in that many chunks of the weight's rows (whole output
 tiles each), one after the other through one buffer of a chunk's levels, so that the GEMM reads levels the expansion
-has just written to the L2 instead of HBM (a gain where a chunk's tiles still fill the GPU: the large-N shapes).
+has just written to the L2 instead of HBM (a gain where a chunk's tiles still fill the GPU: the large-N shapes);
+``WS`` (default 0): the GEMM as the warp-specialized Gluon kernel of :mod:`.gluon_gemm` (Hopper: TMA producer,
+asynchronous wgmma), its fields ``PW`` and ``PRODUCER_REGS``.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from aipc_kernels.lowbit.packing import PackedLowBit, triton_chunk
+from aipc_kernels.gpu.triton.lowbit import gluon_gemm
 from aipc_kernels.gpu.triton.lowbit.activation import quant_row_slice, row_program
 from aipc_kernels.gpu.triton.lowbit.common import grouped_tile, path
 from aipc_kernels.gpu.triton.lowbit.progressive import check, group_scales
@@ -39,6 +42,8 @@ _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
          for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
 SPACE += [dict(SPACE[0], ROW_CHUNKS=rc) for rc in (2, 4)]  # the first tile in row chunks
+# the Gluon GEMM (WS=1, compiled sm_90 only): 128 x 256 and 128 x 128 tiles of two consumer warpgroups
+WS_SPACE = [dict(SPACE[0], BLOCK_N=bn, num_stages=ns, WS=1) for bn, ns in ((256, 4), (256, 3), (128, 4))]
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
 EXPAND_CHUNKS = 2  # chunks of k per program of the expansion pass, where the chunks divide by it
 MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case of the H200 probes)
@@ -135,8 +140,10 @@ def _int8_gemm_kernel(xq_ptr, sx_ptr, w8_ptr, s0_ptr, b_ptr, y_ptr, M, N, Kp, st
 
 
 def space(M: int) -> list[dict]:
-    """The configs the tuner times for ``M`` tokens (prompts only)."""
-    return SPACE if path(M) == "gemm" else []
+    """The configs the tuner times for ``M`` tokens (prompts only; the Gluon GEMM's where it runs)."""
+    if path(M) != "gemm":
+        return []
+    return SPACE + (WS_SPACE if torch.cuda.is_available() and gluon_gemm.usable(torch.device("cuda")) else [])
 
 
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
@@ -204,6 +211,10 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         raise ValueError(f"{NAME}: config ROW_CHUNKS={chunks!r} must be a positive int (1: the whole weight at once)")
     if Kp % bk:
         raise ValueError(f"{NAME}: BLOCK_K={bk} does not divide the padded K={Kp}; use 64")
+    if cfg.get("WS", 0) not in (0, 1):
+        raise ValueError(f"{NAME}: config WS={cfg['WS']!r} must be 0 (the Triton GEMM) or 1 (the Gluon one)")
+    if cfg.get("WS"):
+        gluon_gemm.check(x2.device, cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     rows = -(-N // (chunks * bn)) * bn  # each chunk's rows: whole output tiles
     w8 = torch.empty(min(rows, N), Kp, dtype=torch.int8, device=x2.device)
@@ -213,6 +224,9 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
         n1 = min(n0 + rows, N)
         if n0:  # the first chunk's levels came with the activation pass
             expand_levels(weight, n0, n1, w8)
+        if cfg.get("WS"):
+            gluon_gemm.launch_gemm(xq, sx, w8, n1 - n0, s0[n0:], None if bias is None else bias[n0:], y[:, n0:], cfg)
+            continue
         _int8_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(n1 - n0, bn),)](
             xq, sx, w8, s0[n0:], s0 if bias is None else bias[n0:], y[:, n0:], M, n1 - n0, Kp, y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
