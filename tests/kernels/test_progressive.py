@@ -275,6 +275,7 @@ def test_expand_warp_specialized_gemm_is_the_triton_gemm():
     p = packing.pack_for_triton(q).to(DEVICE)
     x = torch.randn(70, 576).to(DEVICE)
     bias = torch.randn(97).to(DEVICE)
+    assert registry.usable(dict(WS, WS=0), x.device) and registry.usable(WS, x.device) == gluon_gemm.usable(x.device)
     if not gluon_gemm.usable(x.device):
         with pytest.raises(ValueError, match="WS=1 is a Gluon kernel for CUDA GPUs of compute capability 9.x"):
             tlin.lowbit_linear_triton(x, p, config=WS)

@@ -146,6 +146,12 @@ def space(M: int) -> list[dict]:
     return SPACE + (WS_SPACE if torch.cuda.is_available() and gluon_gemm.usable(torch.device("cuda")) else [])
 
 
+def config_usable(cfg: dict, device: torch.device) -> bool:
+    """Whether ``cfg`` runs on ``device``: a ``WS=1`` config only where the Gluon GEMM does (a shipped or cached one
+    elsewhere is passed over for the tuner or the heuristic)."""
+    return not cfg.get("WS") or gluon_gemm.usable(device)
+
+
 def heuristic(M: int, N: int, K: int, bits: int, device: torch.device) -> dict:
     """The untuned default: 128 x 128 x 128 tiles of 8 warps."""
     return dict(SPACE[0])

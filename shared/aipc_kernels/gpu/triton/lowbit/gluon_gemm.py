@@ -27,10 +27,18 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from aipc_kernels.gpu.triton.lowbit.interpret import INTERPRETED
 
+# Triton 3.6's name of the TMA load; 3.9 keeps only async_load (same arguments)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+# the Gluon API the kernel is written for (warp_specialize taking (function, args) pairs): Triton 3.6 and later
+_GLUON_API = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
+
 
 def usable(device: torch.device) -> bool:
-    """Whether the kernel runs on ``device``: CUDA, compute capability 9.x (wgmma, TMA), not interpreted."""
-    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] == 9
+    """Whether the kernel runs on ``device``: CUDA of compute capability 9.x (wgmma, TMA), compiled, Triton >= 3.6."""
+    return (device.type == "cuda" and not INTERPRETED and _GLUON_API
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def check(device: torch.device, cfg: dict) -> None:
@@ -61,8 +69,8 @@ def _loader(a_ring, b_ring, ready, empty, xq_desc, w8_desc, steps, off_m, off_n,
         s = i % NS
         mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)  # released by the consumer (free at first)
         mbarrier.expect(ready.index(s), xq_desc.block_type.nbytes + w8_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(xq_desc, [off_m, i * BLOCK_K], ready.index(s), a_ring.index(s))
-        tma.async_copy_global_to_shared(w8_desc, [off_n, i * BLOCK_K], ready.index(s), b_ring.index(s))
+        _tma_load(xq_desc, [off_m, i * BLOCK_K], ready.index(s), a_ring.index(s))
+        _tma_load(w8_desc, [off_n, i * BLOCK_K], ready.index(s), b_ring.index(s))
 
 
 @gluon.jit

@@ -59,10 +59,12 @@ def launch(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor],
 
 
 def usable(cfg: dict, device: torch.device) -> bool:
-    """Whether ``cfg``'s kernel can run on ``device`` (a kernel module's optional ``usable(device)``;
-    an unknown kernel is not: a cache written by another version)."""
+    """Whether ``cfg`` can run on ``device`` (a kernel module's optional ``usable(device)``, and its optional
+    ``config_usable(cfg, device)`` for configs that need more than the kernel does; an unknown kernel is not: a
+    cache written by another version)."""
     kernel = KERNELS.get(cfg.get("KERNEL"))
-    return kernel is not None and getattr(kernel, "usable", lambda d: True)(device)
+    return (kernel is not None and getattr(kernel, "usable", lambda d: True)(device)
+            and getattr(kernel, "config_usable", lambda c, d: True)(cfg, device))
 
 
 def runs(cfg: dict, x2: torch.Tensor, weight: PackedLowBit) -> bool:
