@@ -2,7 +2,8 @@
 
 Each kernel module exports ``NAME``, ``space(M)`` (its tuning configs), ``heuristic(M, N, K, bits,
 device)`` and ``launch(x2, weight, bias, y, cfg, act_amax=None)``, and optionally ``FIELDS`` (the config
-fields it needs, default: its path's, :data:`~.common.CONFIG_FIELDS`) and ``usable(device)`` (default: always). Adding a kernel: a module with
+fields it needs, default: its path's, :data:`~.common.CONFIG_FIELDS`), ``usable(device)`` and ``config_usable(cfg,
+device)`` (default: always). Adding a kernel: a module with
 those, an entry in :data:`KERNELS`, and (if it should run untuned) a branch in :func:`heuristic_config`.
 """
 from __future__ import annotations
