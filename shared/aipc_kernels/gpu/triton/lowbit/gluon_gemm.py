@@ -134,8 +134,8 @@ def _int8_gemm_ws_kernel(xq_desc, w8_desc, sx_ptr, s0_ptr, b_ptr, y_ptr, M, N, K
 def launch_gemm(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, n: int, s0: torch.Tensor,
                 bias: Optional[torch.Tensor], y: torch.Tensor, cfg: dict) -> None:  # fmt: skip
     """``y[:, :n] = (xq @ w8[:n]^T) * sx * s0[:n] (+ bias[:n])`` for ``xq [M, Kp]`` and ``w8 [>= n, Kp]`` int8
-    (K-contiguous; ``y`` may be a column slice)."""
-    check(xq.device, cfg)
+    (K-contiguous; ``y`` may be a column slice), on a ``cfg`` that :func:`check` has passed (``expand.launch`` checks
+    it once, before its activation pass, not per row chunk)."""
     M, Kp = xq.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
 
