@@ -287,6 +287,12 @@ def test_expand_warp_specialized_gemm_is_the_triton_gemm():
             want = tlin.lowbit_linear_triton(x, p, b, config=dict(cfg, WS=0, BLOCK_K=64))
             out = torch.full((70, 97), float("nan"), device=DEVICE)  # poisoned: every element written
             assert torch.equal(tlin.lowbit_linear_triton(x, p, b, config=cfg, out=out), want)
+    _, q = _weight(200, 576, "min2", 64, seed=12)  # 21 x 7 tiles of 64 x 32: more than the SMs, some programs take two
+    p = packing.pack_for_triton(q).to(DEVICE)
+    x = torch.randn(1300, 576).to(DEVICE)
+    want = tlin.lowbit_linear_triton(x, p, config=dict(WS, WS=0))
+    for cfg in (dict(WS, PERSISTENT=1), dict(WS, PERSISTENT=1, num_stages=2, ROW_CHUNKS=2)):
+        assert torch.equal(tlin.lowbit_linear_triton(x, p, config=cfg), want)
 
 
 def test_rows_do_not_depend_on_the_batch():

@@ -16,7 +16,7 @@ Config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``, ``
 tiles each), one after the other through one buffer of a chunk's levels, so that the GEMM reads levels the expansion
 has just written to the L2 instead of HBM (a gain where a chunk's tiles still fill the GPU: the large-N shapes);
 ``WS`` (default 0): the GEMM as the warp-specialized Gluon kernel of :mod:`.gluon_gemm` (Hopper: TMA producer,
-asynchronous wgmma), its fields ``PW`` and ``PRODUCER_REGS``.
+asynchronous wgmma), its fields ``PW``, ``PRODUCER_REGS`` and ``PERSISTENT``.
 """
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ _TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (
 SPACE = [{"KERNEL": NAME, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
          for bm, bn, bk, nw, ns in _TILES]  # fmt: skip
 SPACE += [dict(SPACE[0], ROW_CHUNKS=rc) for rc in (2, 4)]  # the first tile in row chunks
-# the Gluon GEMM (WS=1, compiled sm_90 only): 128 x 256 and 128 x 128 tiles of two consumer warpgroups
-WS_SPACE = [dict(SPACE[0], BLOCK_N=bn, num_stages=ns, WS=1) for bn, ns in ((256, 4), (256, 3), (128, 4))]
+# the Gluon GEMM (WS=1, compiled sm_90 only): 128 x 256 and 128 x 128 tiles of two consumer warpgroups, a program a
+# tile or (PERSISTENT=1) a program an SM
+WS_SPACE = [dict(SPACE[0], BLOCK_N=bn, num_stages=ns, WS=1, **({"PERSISTENT": 1} if p else {}))
+            for p in (0, 1) for bn, ns in ((256, 4), (256, 3), (128, 4))]  # fmt: skip
 EXPAND_ROWS = 32  # weight rows per program of the expansion pass
 EXPAND_CHUNKS = 2  # chunks of k per program of the expansion pass, where the chunks divide by it
 MIN_M = 1024  # the untuned heuristic's threshold (it won every M >= 1024 case of the H200 probes)
