@@ -77,6 +77,19 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [1] + [(37 * i + 101 * seed) % 1000 + 6 for i in range(n - 1)]
 
 
+def bench_ggufs(preset: str, types: list[str], cache: Path, build: bool, isa: str) -> dict[str, Path]:
+    """The bench's GGUF file of each of ``types`` (llama.cpp's names): ``preset``'s random bf16 checkpoint
+    (bench/vllm_e2e.py) converted by llama.cpp's own converter and quantized by ``llama-quantize``, cached; exits
+    saying what to build where llama.cpp is not built."""
+    import vllm_e2e
+
+    bf16 = vllm_e2e.checkpoints(preset, set())["bf16"]
+    no_llama = llamacpp.ensure_built(cache, build, isa)
+    if no_llama:
+        sys.exit(f"llama.cpp is needed to make the GGUFs: {no_llama}")
+    return llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(bf16, stage), cache, types, bf16.name, isa)
+
+
 # ---------------------------------------------------------------------- vLLM, in process (own process)
 
 
@@ -449,15 +462,8 @@ def main() -> None:
     cache = args.llamacpp_cache.expanduser()
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
-        import vllm_e2e
-
-        bf16 = vllm_e2e.checkpoints(args.preset, set())["bf16"]
-        no_llama = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa)
-        if no_llama:
-            sys.exit(f"llama.cpp is needed to make the GGUFs: {no_llama}")
         want = sorted({qtype(r) for r in args.rows}, key=TYPES.index)
-        files = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(bf16, stage), cache, want, bf16.name,
-                               args.llamacpp_isa)  # fmt: skip
+        files = bench_ggufs(args.preset, want, cache, args.build_llamacpp, args.llamacpp_isa)
         rows, skipped = [], {}
         logs = Path(os.environ.get("TMPDIR", "/tmp"))
         for t in want:

