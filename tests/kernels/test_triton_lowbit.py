@@ -631,6 +631,23 @@ def test_autotune_writes_the_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="timing configurations needs a GPU")
+def test_tuner_times_weights_from_hbm():
+    """For the GEMM path the tuner's weight copies outsize the L2 (or reach the cap), hold tensors of their own and
+    compute what the weight computes; at M <= 16 it times the weight itself."""
+    w, p = _case(2048, 2048, "int2", 64, seed=6)
+    dev = torch.device("cuda")
+    small = tuning.weight_copies(p, dev, 16)
+    assert len(small) == 1 and small[0] is p
+    ws = tuning.weight_copies(p, dev, 64)
+    total, l2 = sum(c.nbytes() for c in ws), torch.cuda.get_device_properties(dev).L2_cache_size
+    assert total >= tuning.ROTATE_L2 * l2 or len(ws) == tuning.MAX_WEIGHT_COPIES
+    assert total > l2
+    assert len({c.qweight.data_ptr() for c in ws}) == len(ws) and len({c.scales.data_ptr() for c in ws}) == len(ws)
+    x = torch.randn(3, 2048, device=dev)
+    assert torch.equal(tlin.lowbit_linear_triton(x, ws[-1]), tlin.lowbit_linear_triton(x, p))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="timing configurations needs a GPU")
 def test_autotune_times_cuda_mma(tmp_path, monkeypatch):
     """At M=16 the tuner times the CUDA C kernel's configs beside the Triton ones (CUDA-graph replays of
     the NVRTC launch) and caches the winner, whichever it is."""

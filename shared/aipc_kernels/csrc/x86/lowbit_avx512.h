@@ -21,6 +21,13 @@ static inline T512 __m512i dpbusd512(__m512i acc, __m512i a, __m512i b) {
     return acc;
 }
 
+/* dpbusd512 with b the 32-bit word at x broadcast to every lane by the instruction itself (an embedded {1to16}
+ * memory operand): no separate vpbroadcastd per dot, the same products. */
+static inline T512 __m512i dpbusd512_x(__m512i acc, __m512i a, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*x));
+    return acc;
+}
+
 static inline T512 __m512 half16_to_ps(__m256i h, int dt) {
     if (dt == AIPC_DT_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -277,9 +277,10 @@ def select_config(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.T
     if not tuning.autotune_enabled(dev) or capturing:
         return heuristic(M, weight.out_features, K, dev)
     best, best_t = None, float("inf")
+    weights = tuning.weight_copies(weight, dev, M)
     for cfg in GEMM_SPACE if path(M) == "gemm" else GEMV_SPACE:
         try:
-            t = tuning._time(lambda: launch(x2, weight, bias, y, cfg, dequant), dev)
+            t = tuning.time_per_call(lambda w: launch(x2, w, bias, y, cfg, dequant), weights, dev)
         except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
             continue
         if t < best_t:

@@ -3,13 +3,15 @@
 A problem's key is (path, M bucket, N, K, group, bits) (:func:`config_key`). Lookup order: the
 in-process cache, which starts as the shipped ``lowbit_linear_configs.json`` (per device name)
 overlaid with ``$AIPC_CACHE_DIR/triton/lowbit_linear-<device>.json``; on a miss, the tuner times every
-config of the registered kernels' spaces (CUDA-graph replays) and writes the winner to that file
+config of the registered kernels' spaces (CUDA-graph replays; for M > 16 over copies of the weight that
+outsize the L2, so each call reads its weight from HBM as a model's layers do) and writes the winner to that file
 (atomically: written aside, then renamed; a lock serialises threads), or, with tuning off
 (``AIPC_TRITON_AUTOTUNE=0``, the interpreter, a graph capture), the heuristic.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -24,6 +26,11 @@ from aipc_kernels.gpu.triton.lowbit.common import GEMV_MAX_M, path
 from aipc_kernels.gpu.triton.lowbit.registry import KERNELS, heuristic_config, launch, takes, usable
 
 SHIPPED_CONFIGS = Path(__file__).with_name("lowbit_linear_configs.json")
+#: Where M > 16 the tuner times a config over copies of the weight totalling this many L2 sizes (bench/gemv_gpu.py's
+#: rotation), at most MAX_WEIGHT_COPIES of them and a quarter of the free memory: one weight timed L2-warm ranked
+#: configs apart from their times in a model, whose other layers evict it (docs/triton.md, "The tuner's weights").
+ROTATE_L2 = 4
+MAX_WEIGHT_COPIES = 256
 _mem_cache: dict[str, dict[str, dict]] = {}
 _cache_lock = threading.Lock()
 
@@ -108,6 +115,23 @@ def _time(fn, device: torch.device) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
+def weight_copies(weight: PackedLowBit, device: torch.device, M: int) -> list[PackedLowBit]:
+    """``weight`` and clones of it for :func:`time_per_call` on the GEMM path (M > 16) on CUDA; else ``weight``
+    alone (at M <= 16 the rotation changed no pick by more than 1.5% and took the tuning past 100 s a key)."""
+    if device.type != "cuda" or path(M) != "gemm":
+        return [weight]
+    b = max(1, weight.nbytes())
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    free = torch.cuda.mem_get_info(device)[0]
+    n = max(1, min(MAX_WEIGHT_COPIES, math.ceil(ROTATE_L2 * l2 / b), free // 4 // b))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
+
+
+def time_per_call(call, weights: list[PackedLowBit], device: torch.device) -> float:
+    """Median ms per ``call(w)``, each of ``weights`` in turn (:func:`weight_copies`), timed as :func:`_time`."""
+    return _time(lambda: [call(w) for w in weights], device) / len(weights)
+
+
 def candidates(M: int, weight: PackedLowBit) -> list[dict]:
     """The configs :func:`tune` times for ``M`` tokens on ``weight``: every registered kernel's space,
     less K splits longer than the weight's chunks and row tiles far wider than N."""
@@ -117,14 +141,16 @@ def candidates(M: int, weight: PackedLowBit) -> list[dict]:
 
 
 def tune(x2: torch.Tensor, weight: PackedLowBit, bias: Optional[torch.Tensor], y: torch.Tensor) -> dict:
-    """Times every configuration of every registered kernel for this M on these operands; returns the
+    """Times every configuration of every registered kernel for this M on these operands (for M > 16 the
+    weight from HBM: :func:`weight_copies`); returns the
     fastest (with its time, ``us``, and each kernel's best time, ``by_kernel``: fused or dequantize-then-GEMM)."""
     M, K = x2.shape
     best, best_t = None, float("inf")
     by_kernel: dict[str, float] = {}
+    weights = weight_copies(weight, x2.device, M)
     for cfg in candidates(M, weight):
         try:
-            t = _time(lambda: launch(x2, weight, bias, y, cfg), x2.device)
+            t = time_per_call(lambda w: launch(x2, w, bias, y, cfg), weights, x2.device)
         except Exception:  # noqa: BLE001 - a config the device cannot compile (shared memory, registers)
             continue
         name = cfg["KERNEL"]
