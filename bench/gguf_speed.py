@@ -58,8 +58,12 @@ from harness.step_profile import ownership_line, step_profile, timed_generate, w
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "TQ2_0")
 ROWS = [f"{side}_{t.lower()}" for t in TYPES for side in ("vllm", "llamacpp")]
+#: an in-process engine compiles the model in the worker, which registers vLLM's attention ops with str layer names
+#: only under VLLM_USE_LAYERNAME=0: then the plugin's models run inductor's C++ wrapper, as the engine core of
+#: `vllm serve` or a default LLM() gets it (vllm_lowbit.cpu_compile); VLLM_USE_LAYERNAME=1 keeps the Python one
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_USE_LAYERNAME": os.environ.get("VLLM_USE_LAYERNAME", "0")}  # fmt: skip
 SHORT_PROMPT = 32
 MAX_LEN = 1024
 # the targets: (what, measure key, higher is better, ratio to reach)

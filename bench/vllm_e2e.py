@@ -60,8 +60,10 @@ from harness.step_profile import ownership_line, step_profile, timed_generate, w
 from aipc_kernels.lowbit.output_projection import auto_head_format
 
 ROOT = Path(__file__).resolve().parent.parent
+#: in-process engines; str layer names, so the plugin's models get the C++ wrapper (see bench/gguf_speed.py)
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_USE_LAYERNAME": os.environ.get("VLLM_USE_LAYERNAME", "0")}  # fmt: skip
 GPTQ_GROUP = 128
 LOWBIT_GROUP = 64
 #: the output projection of the rows that leave ``lm_head`` at its default (``auto``: by the kernels' ISA, AIPC_ISA's)
