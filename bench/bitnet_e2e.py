@@ -39,16 +39,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from harness import (RESULT_PREFIX, BenchParser, bench_lock, machine_info, markdown_table, read_bandwidth, run_worker,
-                     write_results)  # bench/ on sys.path
+from harness import (IN_PROCESS_VLLM_ENV, RESULT_PREFIX, BenchParser, bench_lock, machine_info, markdown_table,
+                     read_bandwidth, run_worker, write_results)  # bench/ on sys.path
 from harness import llamacpp
 from tests.helpers.bitnet_checkpoint import write_bitnet_checkpoint  # the repository root: harness puts it on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
-# the engine in the worker process (as bench/vllm_e2e.py); the KV cache is sized by kv_cache_memory_bytes; str layer
-# names for the C++ wrapper (bench/gguf_speed.py)
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_USE_LAYERNAME": os.environ.get("VLLM_USE_LAYERNAME", "0")}
+# the engine in the worker process (as bench/vllm_e2e.py); the KV cache is sized by kv_cache_memory_bytes
+VLLM_ENV = IN_PROCESS_VLLM_ENV
 KV_CACHE_BYTES = 512 * 2**20
 MAX_MODEL_LEN = 1024
 SEED = 0

@@ -51,19 +51,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
+from harness import IN_PROCESS_VLLM_ENV, RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
 from harness.step_profile import ownership_line, step_profile, timed_generate, with_kernel_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "TQ2_0")
 ROWS = [f"{side}_{t.lower()}" for t in TYPES for side in ("vllm", "llamacpp")]
-#: an in-process engine compiles the model in the worker, which registers vLLM's attention ops with str layer names
-#: only under VLLM_USE_LAYERNAME=0: then the plugin's models run inductor's C++ wrapper, as the engine core of
-#: `vllm serve` or a default LLM() gets it (vllm_lowbit.cpu_compile); VLLM_USE_LAYERNAME=1 keeps the Python one
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_USE_LAYERNAME": os.environ.get("VLLM_USE_LAYERNAME", "0")}  # fmt: skip
+VLLM_ENV = dict(IN_PROCESS_VLLM_ENV, VLLM_CPU_KVCACHE_SPACE="2")
 SHORT_PROMPT = 32
 MAX_LEN = 1024
 # the targets: (what, measure key, higher is better, ratio to reach)

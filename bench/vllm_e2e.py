@@ -54,16 +54,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness import RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
+from harness import IN_PROCESS_VLLM_ENV, RESULT_PREFIX, BenchParser, bench_lock, machine_info, read_bandwidth, run_worker, write_results  # bench/ on sys.path
 from harness import llamacpp
 from harness.step_profile import ownership_line, step_profile, timed_generate, with_kernel_profile
 from aipc_kernels.lowbit.output_projection import auto_head_format
 
 ROOT = Path(__file__).resolve().parent.parent
-#: in-process engines; str layer names, so the plugin's models get the C++ wrapper (see bench/gguf_speed.py)
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_USE_LAYERNAME": os.environ.get("VLLM_USE_LAYERNAME", "0")}  # fmt: skip
+VLLM_ENV = dict(IN_PROCESS_VLLM_ENV, VLLM_CPU_KVCACHE_SPACE="2")
 GPTQ_GROUP = 128
 LOWBIT_GROUP = 64
 #: the output projection of the rows that leave ``lm_head`` at its default (``auto``: by the kernels' ISA, AIPC_ISA's)

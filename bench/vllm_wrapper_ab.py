@@ -22,15 +22,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from harness import (RESULT_PREFIX, BenchParser, bench_lock, llamacpp, machine_info, markdown_table, run_worker,
-                     write_results)  # fmt: skip
+from harness import (IN_PROCESS_VLLM_ENV, RESULT_PREFIX, BenchParser, bench_lock, llamacpp, machine_info,
+                     markdown_table, run_worker, write_results)  # fmt: skip
 from harness.step_profile import timed_generate
 from gguf_speed import SHORT_PROMPT, TYPES, bench_ggufs, prompt_ids
 
 ENGINES = ("python", "cpp")
 PROMPT = prompt_ids(SHORT_PROMPT, 0)  # bench/gguf_speed.py's decode prompt (32 tokens)
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_USE_LAYERNAME": "0", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+# str layer names whatever the caller's environment says: both engines' wrappers are chosen by their configs
+VLLM_ENV = dict(IN_PROCESS_VLLM_ENV, VLLM_CPU_KVCACHE_SPACE="1", VLLM_USE_LAYERNAME="0")
 
 
 def run_file(gguf: Path, rounds: int, new_tokens: int) -> dict:

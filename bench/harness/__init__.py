@@ -11,13 +11,13 @@ from harness.cli import REPO_ROOT, BenchParser, select
 from harness.lock import BENCH_LOCK, bench_lock
 from harness.machine import describe, gpu_info, machine_info
 from harness.results import command_line, markdown_table, read_results, write_results
-from harness.worker import RESULT_PREFIX, run_worker
+from harness.worker import IN_PROCESS_VLLM_ENV, RESULT_PREFIX, run_worker
 
 if REPO_ROOT not in _sys.path:
     _sys.path.append(REPO_ROOT)
 
 __all__ = [
-    "BENCH_LOCK", "BenchParser", "bench_lock", "command_line", "describe", "gpu_copy_bandwidth", "gpu_info", "machine_info",
+    "BENCH_LOCK", "BenchParser", "IN_PROCESS_VLLM_ENV", "bench_lock", "command_line", "describe", "gpu_copy_bandwidth", "gpu_info", "machine_info",
     "markdown_table", "native_probes", "read_bandwidth", "read_results", "RESULT_PREFIX", "run_worker", "select",
     "write_results",
 ]

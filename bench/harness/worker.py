@@ -3,11 +3,19 @@ which prints its row as one ``RESULT=<json>`` line on stdout."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from typing import Optional
 
 RESULT_PREFIX = "RESULT="
 _ERROR_MARKS = ("Error:", "error,", "error:", "Exception:")
+#: the environment of a vLLM-CPU engine in the worker process itself. VLLM_USE_LAYERNAME=0 (unless the caller's
+#: environment sets it): the worker then registers vLLM's attention ops with str layer names, so the plugin's models
+#: run inductor's C++ wrapper there, as the engine core of `vllm serve` or a default LLM() gets it
+#: (vllm_lowbit.cpu_compile); VLLM_USE_LAYERNAME=1 keeps the Python one
+IN_PROCESS_VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "TOKENIZERS_PARALLELISM": "false",
+                       "VLLM_USE_LAYERNAME": os.environ.get("VLLM_USE_LAYERNAME", "0")}  # fmt: skip
 
 
 def run_worker(name: str, cmd: list[str], env: dict[str, str]) -> tuple[Optional[dict], str]:
