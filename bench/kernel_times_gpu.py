@@ -15,7 +15,10 @@ two-level form, ``min2`` group 64; bf16 activations, ``bench/gemv_gpu.py``'s wei
 - ``expand``: ``expand``'s weight expansion alone (the int8 levels written), where the selected config is
   ``expand``'s;
 - ``kernel_l2``: the same on one weight copy replayed, L2-warm: what the op's tuner times;
-- ``read``: ``bench/gemv_gpu.py``'s ``read`` row (the fastest read-only kernel over the same bytes).
+- ``read``: ``bench/gemv_gpu.py``'s ``read`` row (the fastest read-only kernel over the same bytes);
+- ``bf16``, ``int8_mm`` (M > 16): ``bench/gemv_gpu.py``'s rows of the same names (``F.linear`` on the bf16
+  weight; ``torch._int_mm`` on int8 activations and an int8 weight, none of the low-bit work), timed the
+  same way in the same run: the references the op's parts add up against.
 ``--sweep``: ``kernel`` and ``kernel_l2`` for every config the tuner times at this M (its kernels'
 spaces), the five fastest by each timing. ``--vary KEY=V1,V2``: ``op``, ``kernel`` and ``kernel_l2`` again for
 the selected config with each value of the field (and every sweep config with each value).
@@ -38,7 +41,8 @@ from aipc_kernels.gpu.triton.lowbit.tuning import candidates, select_config
 from harness import BenchParser, bench_lock, gpu_info, machine_info, select, write_results
 from llama_shapes import SHAPES
 
-PARTS = ("op", "op_nopdl", "act", "expand", "kernel", "kernel_l2", "read")
+PARTS = ("op", "op_nopdl", "act", "expand", "kernel", "kernel_l2", "read", "bf16", "int8_mm")
+DEFAULT_PARTS = PARTS[:7]
 FORMS = {"int2": None, "w2a8_prog": "ours_w2a8_prog"}  # --form: gemv_gpu's progressive row of that form, or int2
 NOT_LAUNCH = ("us", "by_kernel", "timed")  # a shipped config's record of its timing, not a launch field
 
@@ -51,12 +55,19 @@ class _FixedActivations:
         self.rows = quantize_rows(x2, Kp, sums=False)
 
     def __enter__(self):
-        self.saved = (stream.quantize_row_packed, group.quantize_rows, progressive.quantize_rows, expand.quantize_rows)
+        self.saved = (stream.quantize_row_packed, group.quantize_rows, progressive.quantize_rows, expand._prepass)
         stream.quantize_row_packed = lambda *a, **k: self.one
-        group.quantize_rows = progressive.quantize_rows = expand.quantize_rows = lambda *a, **k: self.rows
+        group.quantize_rows = progressive.quantize_rows = lambda *a, **k: self.rows
+        expand._prepass = self._expansion_only  # expand's launch of the activation pass and the first levels
+        return self
+
+    def _expansion_only(self, x2, Kp, act_amax, weight, n1, w8):
+        """``expand._prepass`` without its activation half: the first row chunk's levels, the fixed codes."""
+        expand.expand_levels(weight, 0, n1, w8)
+        return self.rows[0], self.rows[1]
 
     def __exit__(self, *exc):
-        stream.quantize_row_packed, group.quantize_rows, progressive.quantize_rows, expand.quantize_rows = self.saved
+        stream.quantize_row_packed, group.quantize_rows, progressive.quantize_rows, expand._prepass = self.saved
 
 
 def _us(calls: list) -> float:
@@ -124,6 +135,10 @@ def measure(sname: str, M: int, l2: int, parts: list[str], sweep: bool, vary: tu
         read_calls, _, _ = gb.row_read(W, x, l2, state)
         e["read"] = _us(read_calls)
         e["read_config"] = state.get("read_config")
+    if "bf16" in parts:
+        e["bf16"] = _us(gb.row_bf16(W, x, l2)[0])
+    if "int8_mm" in parts and M > 16:
+        e["int8_mm"] = _us(gb.row_int8_mm(W, x, l2)[0])
     return e
 
 
@@ -140,7 +155,7 @@ def _cfg(c: dict) -> str:
 
 
 def main() -> int:
-    ap = BenchParser("kernel_times_gpu", __doc__, PARTS, group="gpu")
+    ap = BenchParser("kernel_times_gpu", __doc__, PARTS, DEFAULT_PARTS, group="gpu")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--shapes", default="8B*", help="comma list of shapes, names or patterns such as '8B*'")
     ap.add_argument("--sweep", action="store_true", help="time every config of the M's kernels, rotating and L2-warm")
@@ -169,8 +184,8 @@ def main() -> int:
                 print(f"[parts] {sname} M={M}: " + " ".join(f"{p} {_f(e, p)}" for p in args.rows) + f" ({time.time() - t0:.0f} s)", flush=True)
         md = ["us per call, each part a CUDA-graph replay over weight copies >= 4x L2 (median of 5 replays); "
               "x_read = part / read. op = the selected config as the bench runs it; kernel = the GEMV/GEMM alone.", "",
-              "| shape | M | config | op | op_nopdl | act | expand | kernel | kernel_l2 | read | op x_read | kernel x_read |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| shape | M | config | " + " | ".join(PARTS) + " | op x_read | kernel x_read |",
+              "|---|---|---|" + "---|" * (len(PARTS) + 2)]
         for e in results:
             md.append(f"| {e['shape']} | {e['M']} | {_cfg(e['config'])} | " + " | ".join(_f(e, p) for p in PARTS)
                       + f" | {_ratio(e, 'op')} | {_ratio(e, 'kernel')} |")
